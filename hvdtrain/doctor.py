@@ -1,0 +1,169 @@
+"""`hvdtrain doctor`: what this machine can run, and how to fix what it cannot.
+
+Each check is a plain function returning a `Check`; `run_checks` collects them and `format_report` renders them.
+Horovod is probed in a subprocess so that a broken build (an extension that fails to load, a torch ABI mismatch)
+is reported as a failed check instead of crashing the doctor.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+SETUP_FIX = "run scripts/setup.sh from the hvdtrain checkout (it rebuilds Horovod when torch or TF changed)"
+TF_FIX = ("install TensorFlow into the venv (.venv/bin/pip install -c scripts/constraints.txt tensorflow-cpu "
+          "tf-keras), then run scripts/setup.sh: it rebuilds Horovod with TensorFlow ops")
+PROBE_TIMEOUT_S = 120
+
+# Runs in a child interpreter: prints one JSON object describing the Horovod build.
+_HOROVOD_PROBE = r"""
+import json, importlib, importlib.util, pathlib, sys
+out = {"errors": {}}
+try:
+    from importlib.metadata import version
+    out["horovod"] = version("horovod")
+    import horovod
+    root = pathlib.Path(horovod.__file__).parent
+    out["torch_ext"] = bool(list((root / "torch").glob("mpi_lib_v2*.so")))
+    out["tf_ext"] = bool(list((root / "tensorflow").glob("mpi_lib*.so")))
+except Exception as e:  # the probe reports every failure as data
+    out["errors"]["horovod"] = f"{type(e).__name__}: {e}"
+for fw in ("torch", "tensorflow"):
+    if not out.get("torch_ext" if fw == "torch" else "tf_ext"):
+        continue
+    try:
+        hvd = importlib.import_module(f"horovod.{fw}")
+        out[fw] = {k: bool(getattr(hvd, k)()) for k in
+                   ("gloo_built", "mpi_built", "nccl_built", "cuda_built", "rocm_built", "ccl_built", "ddl_built")}
+    except Exception as e:
+        out["errors"][fw] = f"{type(e).__name__}: {e}"
+print(json.dumps(out))
+"""
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    ok: bool
+    detail: str
+    fix: str = ""
+    required: bool = True
+
+
+def probe_horovod(python: str = sys.executable) -> dict:
+    """Describe the Horovod build as seen by `python` (a dict with an `errors` map)."""
+    try:
+        proc = subprocess.run([python, "-c", _HOROVOD_PROBE], capture_output=True, text=True,
+                              timeout=PROBE_TIMEOUT_S, check=False)
+    except subprocess.TimeoutExpired:
+        return {"errors": {"horovod": f"importing horovod took over {PROBE_TIMEOUT_S} s"}}
+    lines = proc.stdout.strip().splitlines()
+    try:
+        return json.loads(lines[-1])
+    except (IndexError, json.JSONDecodeError):
+        return {"errors": {"horovod": f"probe failed (exit {proc.returncode}): {proc.stderr.strip()[-500:]}"}}
+
+
+def _first_line(argv: list[str]) -> str | None:
+    if shutil.which(argv[0]) is None:
+        return None
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False)
+    except subprocess.TimeoutExpired:
+        return None
+    text = (proc.stdout or proc.stderr).strip()
+    return text.splitlines()[0] if text else None
+
+
+def framework_checks(build: dict, require: set[str]) -> list[Check]:
+    checks = []
+    for fw, label, ext_key in (("torch", "PyTorch ops", "torch_ext"), ("tensorflow", "TensorFlow ops", "tf_ext")):
+        flags = build.get(fw)
+        err = build["errors"].get(fw)
+        ok = isinstance(flags, dict)
+        if ok:
+            detail = "built and importable"
+        elif err:
+            detail = f"extension present but import failed: {err}"
+        else:
+            detail = "not built" if build.get(ext_key) is False else "unknown"
+        fix = SETUP_FIX if fw == "torch" or err else TF_FIX
+        checks.append(Check(label, ok, detail, fix, required=(fw == "torch" or fw in require)))
+    return checks
+
+
+def controller_checks(build: dict, require: set[str]) -> list[Check]:
+    flags = build.get("torch") or build.get("tensorflow") or {}
+    gloo, mpi, nccl = flags.get("gloo_built", False), flags.get("mpi_built", False), flags.get("nccl_built", False)
+    mpirun = _first_line(["mpirun", "--version"])
+    checks = [
+        Check("Gloo controller", gloo, "built" if gloo else "not built", SETUP_FIX),
+        Check("MPI controller", mpi, "built" if mpi else "not built", SETUP_FIX, required="mpi" in require),
+        Check("MPI runtime", mpirun is not None, mpirun or "mpirun not on PATH",
+              "apt-get install -y openmpi-bin libopenmpi-dev, then scripts/setup.sh", required="mpi" in require),
+        Check("NCCL ops", nccl, "built (HOROVOD_GPU_OPERATIONS=NCCL)" if nccl else "not built (CPU build)",
+              "rebuild with HOROVOD_GPU_OPERATIONS=NCCL on a machine with CUDA (see docker/)",
+              required="nccl" in require),
+    ]
+    return checks
+
+
+def torch_checks() -> list[Check]:
+    try:
+        import torch
+    except ImportError as e:
+        return [Check("torch", False, f"not importable: {e}", SETUP_FIX)]
+    checks = [Check("torch", True, torch.__version__)]
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if n:
+        names = ", ".join(torch.cuda.get_device_name(i) for i in range(n))
+        nccl = ".".join(map(str, torch.cuda.nccl.version())) if hasattr(torch.cuda, "nccl") else "unknown"
+        checks.append(Check("GPUs", True, f"{n}: {names}; NCCL {nccl}", required=False))
+    else:
+        checks.append(Check("GPUs", True, "none visible (CPU training; Gloo/MPI allreduce)", required=False))
+    return checks
+
+
+def run_checks(require: set[str] = frozenset()) -> list[Check]:
+    """All checks for this machine. `require` adds 'mpi', 'nccl' or 'tensorflow' to what must pass."""
+    build = probe_horovod()
+    hvd_err = build["errors"].get("horovod")
+    checks = [
+        Check("Python", sys.version_info[:2] == (3, 11), sys.version.split()[0], "use Python 3.11"),
+        Check("Horovod", hvd_err is None and "horovod" in build,
+              build.get("horovod", "") if hvd_err is None else f"not usable: {hvd_err}", SETUP_FIX),
+        Check("horovodrun", shutil.which("horovodrun") is not None or (Path(sys.executable).parent /
+              "horovodrun").exists(), "on PATH" if shutil.which("horovodrun") else "next to python",
+              "activate the venv: source .venv/bin/activate"),
+    ]
+    if hvd_err is None:
+        checks += framework_checks(build, require)
+        checks += controller_checks(build, require)
+    return checks + torch_checks()
+
+
+def format_report(checks: list[Check]) -> str:
+    width = max(len(c.name) for c in checks)
+    lines = []
+    for c in checks:
+        mark = "ok  " if c.ok else ("FAIL" if c.required else "warn")
+        lines.append(f"[{mark}] {c.name:<{width}}  {c.detail}")
+        if not c.ok and c.fix:
+            lines.append(f"       {'':<{width}}  fix: {c.fix}")
+    failed = [c.name for c in checks if c.required and not c.ok]
+    lines.append("doctor: all required checks passed" if not failed else f"doctor: FAILED: {', '.join(failed)}")
+    return "\n".join(lines)
+
+
+def doctor(require: set[str], as_json: bool = False) -> int:
+    """Print the report; exit status 0 when every required check passed, 1 otherwise."""
+    checks = run_checks(require)
+    if as_json:
+        print(json.dumps([asdict(c) for c in checks], indent=2))
+    else:
+        print(format_report(checks))
+    return 0 if all(c.ok for c in checks if c.required) else 1

@@ -1,0 +1,123 @@
+"""Metrics averaged across ranks, and the run's summary.json.
+
+Averages are weighted by sample count: every rank accumulates local sums (loss × n, correct, n), one
+allreduce with op=Sum adds them up, and the means are computed from the totals — correct even when the ranks
+saw different numbers of samples (the last, partial batch; uneven validation shards). The allreduce is passed
+in as a function (`sum_across_ranks`), so this module never imports Horovod and is testable in one process.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hvdtrain.train.checkpoint import atomic_write
+
+SumFn = Callable[[np.ndarray], np.ndarray]
+SUMMARY_NAME = "summary.json"
+
+
+@dataclass
+class MetricSums:
+    """Local running sums for loss and accuracy over a pass; `reduce` averages them over all ranks."""
+
+    loss_sum: float = 0.0
+    correct: int = 0
+    count: int = 0
+
+    def add(self, mean_loss: float, correct: int, count: int) -> None:
+        """Record one batch: its mean loss, how many predictions were right, and its size."""
+        self.loss_sum += float(mean_loss) * count
+        self.correct += int(correct)
+        self.count += int(count)
+
+    def reduce(self, sum_across_ranks: SumFn) -> dict[str, float]:
+        """{'loss', 'accuracy', 'samples'} over all ranks (one collective: every rank must call it)."""
+        local = np.array([self.loss_sum, self.correct, self.count], dtype=np.float64)
+        total = np.asarray(sum_across_ranks(local), dtype=np.float64)
+        if total.shape != (3,):
+            raise ValueError(f"sum_across_ranks returned shape {total.shape}, expected (3,)")
+        loss_sum, correct, count = (float(v) for v in total)
+        if count == 0:
+            return {"loss": math.nan, "accuracy": math.nan, "samples": 0.0}
+        return {"loss": loss_sum / count, "accuracy": correct / count, "samples": count}
+
+
+@dataclass
+class History:
+    """Per-epoch averaged metrics, kept on every rank (identical, since they come from an allreduce)."""
+
+    epochs: list[dict[str, float]] = field(default_factory=list)
+
+    def record(self, epoch: int, **values: float) -> dict[str, float]:
+        row = {"epoch": epoch, **{k: float(v) for k, v in values.items()}}
+        self.epochs.append(row)
+        return row
+
+
+def build_summary(
+    *,
+    epochs_completed: int,
+    epochs_total: int,
+    history: History,
+    samples_per_sec: float,
+    stall: Mapping[str, Any] | None,
+    extra: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The summary.json content. `stall` is a StallMeter.summary() (mean wait/step seconds), or None."""
+    last = history.epochs[-1] if history.epochs else {}
+    wait, step = _stall_means(stall)
+    return {
+        "epochs_completed": epochs_completed,
+        "epochs_total": epochs_total,
+        "final_train_loss": last.get("train_loss"),
+        "final_train_accuracy": last.get("train_accuracy"),
+        "val_loss": last.get("val_loss"),
+        "val_accuracy": last.get("val_accuracy"),
+        "samples_per_sec": samples_per_sec,
+        "mean_data_wait_s": wait,
+        "mean_step_s": step,
+        "data_wait_share": (wait / step) if wait is not None and step else None,
+        "history": history.epochs,
+        **(extra or {}),
+    }
+
+
+def _stall_means(stall: Mapping[str, Any] | None) -> tuple[float | None, float | None]:
+    """Pick the mean wait and mean step time out of a stall summary, tolerating either naming."""
+    if not stall:
+        return None, None
+    wait = _first(stall, ("mean_wait_s", "wait_mean_s", "mean_data_wait_s", "data_wait_mean_s"))
+    step = _first(stall, ("mean_step_s", "step_mean_s", "mean_step_time_s", "step_time_mean_s"))
+    return wait, step
+
+
+def _first(d: Mapping[str, Any], keys: tuple[str, ...]) -> float | None:
+    for k in keys:
+        if d.get(k) is not None:
+            return float(d[k])
+    return None
+
+
+def write_summary(run_dir: Path | str, summary: Mapping[str, Any]) -> Path:
+    """Atomically write `summary` as <run_dir>/summary.json (call on rank 0 only); NaN is written as null."""
+    text = json.dumps(_json_safe(summary), indent=2, sort_keys=False) + "\n"
+    return atomic_write(Path(run_dir) / SUMMARY_NAME, lambda f: f.write(text.encode()))
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, Mapping):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_safe(v) for v in value]
+    if isinstance(value, np.generic):
+        return _json_safe(value.item())
+    return value

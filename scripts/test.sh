@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# scripts/test.sh — the README's test command: install what is missing (idempotent), lint, run every test.
+# Extra arguments go to pytest, e.g. `bash scripts/test.sh -k hosts -x`.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+bash scripts/setup.sh
+echo "==> [lint] ruff"
+.venv/bin/ruff check hvdtrain recipes tests bench scripts
+echo "==> [tests] pytest"
+exec .venv/bin/python -m pytest "$@"

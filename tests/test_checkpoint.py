@@ -1,0 +1,153 @@
+"""Atomic checkpoint writes, keep-last-K and latest-valid selection (hvdtrain.train.checkpoint)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from hvdtrain.train import checkpoint as ckpt
+from hvdtrain.train.metrics import write_summary
+
+
+def torch_read(f):
+    return torch.load(f, weights_only=True)
+
+
+def state(value: float) -> dict:
+    return {"model": {"w": torch.full((4, 4), value)}, "note": "x"}
+
+
+def save(directory: Path, epoch: int, keep: int = 3, value: float | None = None) -> Path:
+    return ckpt.save(directory, epoch, state(float(epoch) if value is None else value), torch.save, keep=keep)
+
+
+def names(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir())
+
+
+def test_save_writes_a_loadable_checkpoint_with_its_epoch_and_nothing_else(tmp_path):
+    path = save(tmp_path / "ckpt", 3)
+    assert path == tmp_path / "ckpt" / "ckpt-epoch0003.pt"
+    loaded = ckpt.load(path, torch_read)
+    assert loaded["epoch"] == 3
+    assert torch.equal(loaded["model"]["w"], torch.full((4, 4), 3.0))
+    assert names(tmp_path / "ckpt") == ["ckpt-epoch0003.pt"]  # no temp file left behind
+
+
+def test_write_goes_to_a_temp_file_in_the_same_dir_then_fsync_then_replace(tmp_path, monkeypatch):
+    events: list[tuple] = []
+    real_replace, real_fsync = os.replace, os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync",)), real_fsync(fd))[1])
+    monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("replace", Path(a), Path(b))),
+                                                     real_replace(a, b))[1])
+    path = save(tmp_path, 1)
+    replaces = [e for e in events if e[0] == "replace"]
+    assert len(replaces) == 1
+    _, src, dst = replaces[0]
+    assert dst == path and src.parent == path.parent and src != path
+    assert events.index(("fsync",)) < events.index(replaces[0]), "file must be fsync'ed before the rename"
+    assert events[-1] == ("fsync",), "directory must be fsync'ed after the rename"
+
+
+def test_a_failed_write_leaves_the_previous_checkpoint_intact_and_no_temp_file(tmp_path):
+    save(tmp_path, 1, value=7.0)
+    good = (tmp_path / "ckpt-epoch0001.pt").read_bytes()
+
+    def crash_midway(payload, f):
+        f.write(b"PK\x03\x04 half a zip")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        ckpt.atomic_write(tmp_path / "ckpt-epoch0001.pt", lambda f: crash_midway(None, f))
+    with pytest.raises(OSError, match="disk full"):
+        ckpt.save(tmp_path, 2, state(2.0), crash_midway, keep=3)
+    assert names(tmp_path) == ["ckpt-epoch0001.pt"]
+    assert (tmp_path / "ckpt-epoch0001.pt").read_bytes() == good
+
+
+def test_a_crash_before_the_rename_never_exposes_a_partial_checkpoint(tmp_path, monkeypatch):
+    def killed(a, b):
+        raise KeyboardInterrupt  # e.g. SIGINT between fsync and rename
+
+    monkeypatch.setattr(os, "replace", killed)
+    with pytest.raises(KeyboardInterrupt):
+        save(tmp_path, 1)
+    assert names(tmp_path) == []
+
+
+def test_keeps_only_the_last_k_and_removes_stale_temp_files(tmp_path):
+    (tmp_path / ".ckpt-epoch0002.pt.tmp-abc123").write_bytes(b"left by a crashed write")
+    for epoch in range(1, 6):
+        save(tmp_path, epoch, keep=2)
+    assert names(tmp_path) == ["ckpt-epoch0004.pt", "ckpt-epoch0005.pt"]
+
+
+def test_find_latest_picks_the_newest_by_epoch_number_not_by_name(tmp_path):
+    for epoch in (2, 9999, 10000):
+        save(tmp_path, epoch, keep=10)
+    (tmp_path / "notes.txt").write_text("not a checkpoint")
+    (tmp_path / ".ckpt-epoch10001.pt.tmp-zz").write_bytes(b"temp")
+    found = ckpt.find_latest(tmp_path, torch_read)
+    assert found is not None
+    assert (found.epoch, found.path.name) == (10000, "ckpt-epoch10000.pt")
+    assert torch.equal(found.state["model"]["w"], torch.full((4, 4), 10000.0))
+
+
+@pytest.mark.parametrize("damage", ["truncate", "empty", "garbage", "bitflip"])
+def test_a_damaged_newest_checkpoint_is_skipped_with_a_warning_naming_it(tmp_path, damage):
+    save(tmp_path, 1)
+    newest = save(tmp_path, 2)
+    data = newest.read_bytes()
+    damaged = {"truncate": data[: len(data) // 2], "empty": b"", "garbage": b"\x00not a zip" * 50,
+               "bitflip": data[:-10] + bytes([data[-10] ^ 1]) + data[-9:]}[damage]
+    newest.write_bytes(damaged)
+    warnings: list[str] = []
+    found = ckpt.find_latest(tmp_path, torch_read, required_keys=("model",), warn=warnings.append)
+    assert found is not None and found.epoch == 1
+    assert len(warnings) == 1 and "ckpt-epoch0002.pt" in warnings[0] and "skipping" in warnings[0]
+
+
+def test_default_warning_goes_through_the_warnings_module(tmp_path):
+    (tmp_path / "ckpt-epoch0001.pt").write_bytes(b"")
+    with pytest.warns(UserWarning, match="ckpt-epoch0001.pt"):
+        assert ckpt.find_latest(tmp_path, torch_read) is None
+
+
+def test_content_that_is_not_a_matching_checkpoint_is_skipped(tmp_path):
+    save(tmp_path, 1)
+    torch.save([1, 2, 3], tmp_path / "ckpt-epoch0002.pt")  # not a dict
+    torch.save({"epoch": 3}, tmp_path / "ckpt-epoch0003.pt")  # lacks "model"
+    torch.save({"epoch": 9, "model": {}}, tmp_path / "ckpt-epoch0004.pt")  # renamed file: epochs disagree
+    warnings: list[str] = []
+    found = ckpt.find_latest(tmp_path, torch_read, required_keys=("model",), warn=warnings.append)
+    assert found is not None and found.epoch == 1
+    assert [w.split(":")[0].rsplit("/", 1)[-1] for w in warnings] == [
+        "ckpt-epoch0004.pt", "ckpt-epoch0003.pt", "ckpt-epoch0002.pt"]
+    assert "content says 9" in warnings[0] and "missing key(s) model" in warnings[1]
+
+
+def test_no_checkpoint_gives_none(tmp_path):
+    assert ckpt.find_latest(tmp_path / "does-not-exist", torch_read) is None
+    assert ckpt.find_latest(tmp_path, torch_read) is None
+    (tmp_path / "ckpt-epoch0001.pt").write_bytes(b"junk")
+    assert ckpt.find_latest(tmp_path, torch_read, warn=lambda m: None) is None
+
+
+def test_bad_arguments_are_rejected_naming_them(tmp_path):
+    with pytest.raises(ValueError, match="epoch must be an int >= 1"):
+        ckpt.checkpoint_path(tmp_path, 0)
+    with pytest.raises(ValueError, match="keep must be an int >= 1"):
+        save(tmp_path, 1, keep=0)
+
+
+def test_summary_json_is_written_atomically_and_nan_becomes_null(tmp_path, monkeypatch):
+    replaced: list[Path] = []
+    real_replace = os.replace
+    monkeypatch.setattr(os, "replace", lambda a, b: (replaced.append(Path(b)), real_replace(a, b))[1])
+    path = write_summary(tmp_path, {"val_accuracy": 0.97, "loss": float("nan"), "nested": {"x": [1.0]}})
+    assert replaced == [tmp_path / "summary.json"] == [path]
+    assert json.loads(path.read_text()) == {"val_accuracy": 0.97, "loss": None, "nested": {"x": [1.0]}}
