@@ -13,6 +13,7 @@
 #   5. check:   runs `hvdtrain doctor`.
 #
 # Environment knobs: PYTHON (interpreter for the venv, default python3), HVDTRAIN_VENV (default .venv),
+# HVDTRAIN_FRAMEWORKS (torch,tensorflow — the default — or torch),
 # HOROVOD_GPU_OPERATIONS (NCCL in the GPU image), HVDTRAIN_FORCE_REBUILD=1, HVDTRAIN_SKIP_APT=1.
 set -euo pipefail
 
@@ -23,8 +24,16 @@ HOROVOD_VERSION="0.28.1"
 HOROVOD_SHA256="92a43f5a94c43907a56805bad15f19700c62ffc83b7ca483f9e104e229f67ef0"
 PATCH="$ROOT/scripts/patches/horovod-$HOROVOD_VERSION.patch"
 CONSTRAINTS="$ROOT/scripts/constraints.txt"
-BUILD_DIR="$ROOT/.build"
+BUILD_DIR="${HVDTRAIN_BUILD_DIR:-$ROOT/.build}"
 STAMP="$VENV/hvdtrain-horovod.stamp"
+# Frameworks Horovod is built for: torch always; tensorflow unless HVDTRAIN_FRAMEWORKS=torch.
+FRAMEWORKS="${HVDTRAIN_FRAMEWORKS:-torch,tensorflow}"
+case "$FRAMEWORKS" in
+  torch) EXTRAS="torch,mpi,dev"; HVD_MODULES="horovod.torch" ;;
+  torch,tensorflow|tensorflow,torch) EXTRAS="torch,tensorflow,mpi,dev"; HVD_MODULES="horovod.torch, horovod.tensorflow" ;;
+  *) echo "hvdtrain setup: HVDTRAIN_FRAMEWORKS='$FRAMEWORKS' is not allowed; use 'torch' or 'torch,tensorflow'" >&2
+     exit 2 ;;
+esac
 CURRENT_STEP="start"
 
 fail() {
@@ -81,15 +90,17 @@ pip_packages() {
   step pip "hvdtrain + torch 2.13.0 + pinned dependencies (scripts/constraints.txt)"
   local pip=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
   "${pip[@]}" install -c "$CONSTRAINTS" pip setuptools wheel cmake
-  "${pip[@]}" install -c "$CONSTRAINTS" -e "$ROOT[torch,mpi,dev]"
+  "${pip[@]}" install -c "$CONSTRAINTS" -e "$ROOT[$EXTRAS]"
   echo "    torch $("$VENV/bin/python" -c 'import torch; print(torch.__version__)')," \
+       "tensorflow $("$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("tensorflow"))' \
+                     2>/dev/null || echo none)," \
        "cmake $("$VENV/bin/cmake" --version | head -1 | awk '{print $3}')"
 }
 
 # ---- 4. horovod ------------------------------------------------------------------------------------------
 build_key() {
   # Everything the built binary depends on: a change in any of these means a rebuild.
-  "$VENV/bin/python" - "$HOROVOD_VERSION" "$(sha256sum "$PATCH" | cut -c1-16)" "${HOROVOD_GPU_OPERATIONS:-}" <<'PY'
+  "$VENV/bin/python" - "$HOROVOD_VERSION" "$(sha256sum "$PATCH" | cut -c1-16)" "${HOROVOD_GPU_OPERATIONS:-}" "$FRAMEWORKS" <<'PY'
 import importlib.util, sys
 def ver(mod):
     if importlib.util.find_spec(mod) is None:
@@ -102,7 +113,7 @@ def ver(mod):
             pass
     return "unknown"
 print(f"horovod={sys.argv[1]} patch={sys.argv[2]} torch={ver('torch')} tensorflow={ver('tensorflow')} "
-      f"gpu_ops={sys.argv[3] or 'none'} controllers=gloo,mpi")
+      f"gpu_ops={sys.argv[3] or 'none'} frameworks={sys.argv[4]} controllers=gloo,mpi")
 PY
 }
 
@@ -111,7 +122,7 @@ horovod_build() {
   local key
   key="$(build_key)"
   if [[ "${HVDTRAIN_FORCE_REBUILD:-0}" != "1" && -f "$STAMP" && "$(cat "$STAMP")" == "$key" ]] \
-     && "$VENV/bin/python" -c "import horovod.torch" 2>/dev/null; then
+     && "$VENV/bin/python" -c "import $HVD_MODULES" 2>/dev/null; then
     echo "    already built ($key): not rebuilding"
     return
   fi
@@ -131,7 +142,7 @@ horovod_build() {
   echo "    patched with $(basename "$PATCH"); building ($key) — about 2-5 minutes on 2 cores"
   local t0=$SECONDS log="$BUILD_DIR/horovod-build.log"
   local frameworks=(HOROVOD_WITH_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1)
-  if "$VENV/bin/python" -c "import tensorflow" 2>/dev/null; then frameworks+=(HOROVOD_WITH_TENSORFLOW=1)
+  if [[ "$EXTRAS" == *tensorflow* ]]; then frameworks+=(HOROVOD_WITH_TENSORFLOW=1)
   else frameworks+=(HOROVOD_WITHOUT_TENSORFLOW=1); fi
   "$VENV/bin/python" -m pip uninstall -y -q horovod 2>/dev/null || true
   if ! env PATH="$VENV/bin:$PATH" CMAKE_POLICY_VERSION_MINIMUM=3.5 MAKEFLAGS="-j$(nproc)" \
