@@ -27,6 +27,48 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     return doctor(args.require, as_json=args.json)
 
 
+def _load(args: argparse.Namespace):
+    from hvdtrain.spec import load_spec_file
+
+    return load_spec_file(args.job, args.override, check_files=True)
+
+
+def _cmd_validate(args: argparse.Namespace) -> int:
+    spec = _load(args)
+    where = "elastic (discovery script)" if spec.elastic else spec.hosts
+    print(f"{args.job}: OK — np={spec.np}, hosts={where}, controller={spec.controller or 'auto'}, "
+          f"script={spec.script}")
+    return 0
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from hvdtrain.launch import default_controller, find_horovodrun, run_plan
+    from hvdtrain.plan import build_plan
+
+    spec = _load(args)
+    controller = spec.controller or default_controller(spec.python)
+    plan = build_plan(spec, controller=controller, horovodrun=find_horovodrun())
+    if args.dry_run:
+        print(plan.describe())
+        return 0
+    return run_plan(plan, spec.logs, timeout_s=args.timeout)
+
+
+def _cmd_schema(args: argparse.Namespace) -> int:
+    import json
+
+    from hvdtrain.jobspec import JobSpec
+
+    print(json.dumps(JobSpec.model_json_schema(), indent=2))
+    return 0
+
+
+def _add_job_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("job", metavar="JOB.yaml", help="job spec (see `hvdtrain schema` and jobs/)")
+    p.add_argument("-o", "--override", action="append", default=[], metavar="KEY.PATH=VALUE",
+                   help="override a spec key (value read as YAML), e.g. -o np=4 -o horovod.cycle_time_ms=2")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hvdtrain", description=__doc__)
     parser.add_argument("--version", action="version", version=f"hvdtrain {__version__}")
@@ -37,13 +79,42 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"also require these (comma-separated): {', '.join(REQUIRABLE)}")
     p.add_argument("--json", action="store_true", help="print the checks as JSON")
     p.set_defaults(func=_cmd_doctor)
+
+    p = sub.add_parser("run", help="launch a job spec with horovodrun (--dry-run: print the command only)")
+    _add_job_args(p)
+    p.add_argument("--dry-run", action="store_true", help="print the exact argv and added env; start nothing")
+    p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                   help="stop the whole job after this long (exit code 124)")
+    p.set_defaults(func=_cmd_run)
+
+    p = sub.add_parser("validate", help="check a job spec, its hostfile and its files without launching")
+    _add_job_args(p)
+    p.set_defaults(func=_cmd_validate)
+
+    p = sub.add_parser("schema", help="print the JSON Schema of job specs")
+    p.set_defaults(func=_cmd_schema)
+
+    from hvdtrain.render.command import add_parser as add_render_parser
+
+    add_render_parser(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)  # argparse exits with 2 on bad usage
-    return args.func(args)
+    from hvdtrain.hosts import HostError
+    from hvdtrain.launch import LaunchError
+    from hvdtrain.spec import SpecError
+
+    try:
+        return args.func(args)
+    except (SpecError, HostError) as exc:
+        print(exc, file=sys.stderr)
+        return EXIT_INVALID_INPUT
+    except LaunchError as exc:
+        print(f"hvdtrain: error: {exc}", file=sys.stderr)
+        return EXIT_INVALID_INPUT
 
 
 if __name__ == "__main__":

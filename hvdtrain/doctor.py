@@ -128,6 +128,45 @@ def torch_checks() -> list[Check]:
     return checks
 
 
+# Runs in a child interpreter the way the Keras recipe imports TensorFlow (hvdtrain.tfkeras sets
+# TF_USE_LEGACY_KERAS=1 unless the user set it): prints which Keras tf.keras is and hvdtrain's verdict on it.
+_KERAS_PROBE = r"""
+import importlib.util, json, os
+out = {"tensorflow": importlib.util.find_spec("tensorflow") is not None}
+if out["tensorflow"]:
+    from hvdtrain import tfkeras
+    try:
+        tf = tfkeras.import_tensorflow()
+        out["keras"] = tfkeras.keras_info(tf).describe()
+    except tfkeras.KerasVersionError as e:
+        out["error"] = str(e)
+print(json.dumps(out))
+"""
+
+
+def keras_check(probe: dict, require: set[str]) -> Check:
+    """Keras as horovod.tensorflow.keras needs it: Keras 2 (tf_keras); Keras 3 fails with the fix."""
+    if not probe.get("tensorflow"):
+        return Check("Keras", False, "TensorFlow not installed", TF_FIX, required="tensorflow" in require)
+    if "keras" in probe:
+        return Check("Keras", True, f"{probe['keras']}, selected by TF_USE_LEGACY_KERAS=1")
+    error = probe.get("error", "probe failed")
+    detail, _, fix = error.partition(" Fix: ")
+    return Check("Keras", False, detail, fix or TF_FIX)
+
+
+def probe_keras(python: str = sys.executable) -> dict:
+    try:
+        proc = subprocess.run([python, "-c", _KERAS_PROBE], capture_output=True, text=True,
+                              timeout=PROBE_TIMEOUT_S, check=False)
+    except subprocess.TimeoutExpired:
+        return {"tensorflow": True, "error": f"importing tensorflow took over {PROBE_TIMEOUT_S} s"}
+    try:
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        return {"tensorflow": True, "error": f"probe failed (exit {proc.returncode}): {proc.stderr.strip()[-500:]}"}
+
+
 def run_checks(require: set[str] = frozenset()) -> list[Check]:
     """All checks for this machine. `require` adds 'mpi', 'nccl' or 'tensorflow' to what must pass."""
     build = probe_horovod()
@@ -143,6 +182,8 @@ def run_checks(require: set[str] = frozenset()) -> list[Check]:
     if hvd_err is None:
         checks += framework_checks(build, require)
         checks += controller_checks(build, require)
+        if build.get("tf_ext") or "tensorflow" in require:
+            checks.append(keras_check(probe_keras(), require))
     return checks + torch_checks()
 
 

@@ -119,15 +119,28 @@ def test_default_warning_goes_through_the_warnings_module(tmp_path):
 
 def test_content_that_is_not_a_matching_checkpoint_is_skipped(tmp_path):
     save(tmp_path, 1)
-    torch.save([1, 2, 3], tmp_path / "ckpt-epoch0002.pt")  # not a dict
-    torch.save({"epoch": 3}, tmp_path / "ckpt-epoch0003.pt")  # lacks "model"
-    torch.save({"epoch": 9, "model": {}}, tmp_path / "ckpt-epoch0004.pt")  # renamed file: epochs disagree
+    ckpt.write_file(tmp_path / "ckpt-epoch0002.pt", [1, 2, 3], torch.save)  # not a dict
+    ckpt.write_file(tmp_path / "ckpt-epoch0003.pt", {"epoch": 3}, torch.save)  # lacks "model"
+    ckpt.write_file(tmp_path / "ckpt-epoch0004.pt", {"epoch": 9, "model": {}}, torch.save)  # epochs disagree
+    torch.save({"epoch": 5, "model": {}}, tmp_path / "ckpt-epoch0005.pt")  # a plain torch file: no header
     warnings: list[str] = []
     found = ckpt.find_latest(tmp_path, torch_read, required_keys=("model",), warn=warnings.append)
     assert found is not None and found.epoch == 1
     assert [w.split(":")[0].rsplit("/", 1)[-1] for w in warnings] == [
-        "ckpt-epoch0004.pt", "ckpt-epoch0003.pt", "ckpt-epoch0002.pt"]
-    assert "content says 9" in warnings[0] and "missing key(s) model" in warnings[1]
+        "ckpt-epoch0005.pt", "ckpt-epoch0004.pt", "ckpt-epoch0003.pt", "ckpt-epoch0002.pt"]
+    assert "not an hvdtrain checkpoint" in warnings[0]
+    assert "content says 9" in warnings[1] and "missing key(s) model" in warnings[2]
+    assert "expected a dict" in warnings[3]
+
+
+def test_an_intact_file_the_reader_cannot_deserialize_raises_instead_of_restarting(tmp_path):
+    save(tmp_path, 1)
+
+    def incompatible(f):
+        raise RuntimeError("written by an incompatible version")
+
+    with pytest.raises(RuntimeError, match="incompatible"):
+        ckpt.find_latest(tmp_path, incompatible)
 
 
 def test_no_checkpoint_gives_none(tmp_path):

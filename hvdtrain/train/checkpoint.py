@@ -63,6 +63,7 @@ def atomic_write(path: Path | str, write: Callable[[BinaryIO], None]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}{_TMP_MARK}")
     try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; give the file the usual permissions
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
@@ -74,6 +75,12 @@ def atomic_write(path: Path | str, write: Callable[[BinaryIO], None]) -> Path:
         raise
     _fsync_dir(path.parent)
     return path
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -111,11 +118,14 @@ def save(
     """
     if not isinstance(keep, int) or keep < 1:
         raise ValueError(f"keep must be an int >= 1 (checkpoints to keep), got {keep!r}")
-    path = checkpoint_path(directory, epoch)
-    payload = {**state, "epoch": epoch}
-    atomic_write(path, lambda f: _write_enveloped(f, lambda g: write(payload, g)))
+    path = write_file(checkpoint_path(directory, epoch), {**state, "epoch": epoch}, write)
     prune(directory, keep=keep)
     return path
+
+
+def write_file(path: Path | str, obj: Any, write: Callable[[Any, BinaryIO], None]) -> Path:
+    """Atomically write `obj` serialized by `write` to `path`, in the checkpoint file format."""
+    return atomic_write(path, lambda f: _write_enveloped(f, lambda g: write(obj, g)))
 
 
 class _HashingWriter(io.RawIOBase):

@@ -18,10 +18,17 @@ C = TypeVar("C")
 
 
 def parse_config(cls: type[C], argv: Sequence[str] | None = None, *, description: str | None = None) -> C:
-    """Build an argparse parser from dataclass `cls`, parse `argv`, return a `cls` instance."""
+    """Build an argparse parser from dataclass `cls`, parse `argv`, return a `cls` instance.
+
+    Bad input exits with status 2 and a usage message, as argparse does: a value that does not parse, or
+    one the dataclass's `__post_init__` rejects with ValueError.
+    """
     parser = config_parser(cls, description=description)
     ns = parser.parse_args(argv)
-    return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)})
+    try:
+        return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)})
+    except ValueError as e:  # the dataclass's own checks (__post_init__): report like any bad flag
+        parser.error(str(e))
 
 
 def config_parser(cls: type, *, description: str | None = None) -> argparse.ArgumentParser:

@@ -70,9 +70,10 @@ def build_summary(
     stall: Mapping[str, Any] | None,
     extra: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The summary.json content. `stall` is a StallMeter.summary() (mean wait/step seconds), or None."""
+    """The summary.json content. `stall`: StallMeter-style statistics with mean_wait_s, mean_step_s and
+    wait_share (the share of step time spent waiting for data), or None when not measured."""
     last = history.epochs[-1] if history.epochs else {}
-    wait, step = _stall_means(stall)
+    stall = stall or {}
     return {
         "epochs_completed": epochs_completed,
         "epochs_total": epochs_total,
@@ -81,28 +82,21 @@ def build_summary(
         "val_loss": last.get("val_loss"),
         "val_accuracy": last.get("val_accuracy"),
         "samples_per_sec": samples_per_sec,
-        "mean_data_wait_s": wait,
-        "mean_step_s": step,
-        "data_wait_share": (wait / step) if wait is not None and step else None,
+        "mean_data_wait_s": stall.get("mean_wait_s"),
+        "mean_step_s": stall.get("mean_step_s"),
+        "data_wait_share": stall.get("wait_share"),
+        "stall": dict(stall),
         "history": history.epochs,
         **(extra or {}),
     }
 
 
-def _stall_means(stall: Mapping[str, Any] | None) -> tuple[float | None, float | None]:
-    """Pick the mean wait and mean step time out of a stall summary, tolerating either naming."""
-    if not stall:
-        return None, None
-    wait = _first(stall, ("mean_wait_s", "wait_mean_s", "mean_data_wait_s", "data_wait_mean_s"))
-    step = _first(stall, ("mean_step_s", "step_mean_s", "mean_step_time_s", "step_time_mean_s"))
-    return wait, step
-
-
-def _first(d: Mapping[str, Any], keys: tuple[str, ...]) -> float | None:
-    for k in keys:
-        if d.get(k) is not None:
-            return float(d[k])
-    return None
+def combine_stall(per_rank: list[Mapping[str, Any]]) -> dict[str, Any]:
+    """Mean over ranks of StallMeter summaries (mean_wait_s, mean_step_s, wait_share), plus each rank's."""
+    usable = [s for s in per_rank if s.get("mean_wait_s") is not None]
+    mean = {k: float(np.mean([s[k] for s in usable])) if usable else None
+            for k in ("mean_wait_s", "mean_step_s", "wait_share")}
+    return {**mean, "by_rank": list(per_rank)}
 
 
 def write_summary(run_dir: Path | str, summary: Mapping[str, Any]) -> Path:

@@ -1,0 +1,54 @@
+"""Data-parallel input pipeline: sharding, shared-memory producer processes, device prefetch, stall metrics.
+
+Nothing here imports horovod: loaders take `rank` and `size` as arguments. torch and TensorFlow are imported only
+when `TorchLoader`/`DevicePrefetcher`/`to_torch` or `to_tf_dataset` are first used.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hvdtrain.data.loader import (
+    LoaderError,
+    LoaderTimeoutError,
+    ShmLoader,
+    WorkerDiedError,
+    WorkerError,
+)
+from hvdtrain.data.sharding import ShardSampler, expected_batches
+from hvdtrain.data.stall import StallMeter
+from hvdtrain.data.workers import WorkerInfo, default_collate, derive_seed, worker_info
+
+_LAZY = {
+    "TorchLoader": "hvdtrain.data.torch_adapter",
+    "to_torch": "hvdtrain.data.torch_adapter",
+    "DevicePrefetcher": "hvdtrain.data.prefetch",
+    "to_tf_dataset": "hvdtrain.data.tf_adapter",
+}
+
+__all__ = [
+    "DevicePrefetcher",
+    "LoaderError",
+    "LoaderTimeoutError",
+    "ShardSampler",
+    "ShmLoader",
+    "StallMeter",
+    "TorchLoader",
+    "WorkerDiedError",
+    "WorkerError",
+    "WorkerInfo",
+    "default_collate",
+    "derive_seed",
+    "expected_batches",
+    "to_tf_dataset",
+    "to_torch",
+    "worker_info",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'hvdtrain.data' has no attribute {name!r}")

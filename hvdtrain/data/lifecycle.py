@@ -1,0 +1,111 @@
+"""Lifetimes of the producer processes and shared-memory segments; the loader's errors.
+
+NOTE [shutdown]
+Who owns what, and how everything ends — normally, on an exception, on interpreter exit and after a crash:
+- The trainer creates every shared-memory segment (`hvdtrain_<trainer pid>_<token>`, created on a worker's "grow"
+  request, since only the worker knows a batch's size) and sends its name; the worker attaches as soon as it
+  reads that message and unlinks the name at once (shm.attach_segment). From then on the segment has no /dev/shm
+  entry: both mappings stay valid and the memory is freed when the last process unmaps it, so a later SIGKILL of
+  anyone leaks nothing. A name therefore exists only between `create_segment` and the worker reading the pipe —
+  and the worker still reads it after the trainer has died, since the message is already in its socket buffer.
+  On close the trainer unlinks every name it created (FileNotFoundError = the worker already did); if trainer and
+  worker are both killed inside that window, multiprocessing's resource tracker (a separate process, with which
+  the trainer registered the segment) unlinks it when the last of them is gone.
+- Resources live in `Resources`, not in the loader, and `weakref.finalize(loader, resources.shutdown)` calls
+  `shutdown` exactly once: from `close()`, from `__exit__`, when the loader is garbage-collected, or at interpreter
+  exit. `close()` is therefore idempotent. (At exit, multiprocessing's own atexit hook may run first and
+  terminate the daemon workers; shutdown copes with dead workers, and the segments are ours to unlink either way.)
+- shutdown: send ("stop",), unlink and unmap our segments, join each worker for a grace period, then SIGTERM, then
+  SIGKILL. A worker blocked in user code stops at its next pipe check; one stuck for longer is killed.
+- A worker ignores SIGINT (Ctrl-C reaches the whole process group; the trainer handles it). It ends when it
+  reads "stop", when the pipe reports EOF (the trainer is gone: checked at least every
+  `poll_s` while it waits and between batches), or when a segment it must attach was already unlinked.
+- The trainer never blocks without a deadline: it waits on the worker pipes *and* the process sentinels with
+  `multiprocessing.connection.wait(timeout=poll_s)`, so a dead worker is reported at once (WorkerDiedError, and
+  the loader closes itself), an exception in a worker is re-raised with its traceback (WorkerError), and a silent
+  worker raises LoaderTimeoutError after `timeout` s.
+- Numpy views the user still holds keep their mapping alive after close (shm.Segment tolerates that); the memory
+  is returned when the last view is dropped. Views must not be used after the next batch is requested anyway.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import sys
+import time
+import types
+from collections.abc import Iterator
+from multiprocessing.connection import Connection
+from typing import Any
+
+from hvdtrain.data import shm
+
+
+class LoaderError(RuntimeError):
+    """The data loader cannot go on (its message says which worker, rank and epoch)."""
+
+
+class WorkerError(LoaderError):
+    """User code raised in a producer process; the message carries the original traceback."""
+
+
+class WorkerDiedError(LoaderError):
+    """A producer process exited without being asked to (killed, segfault, os._exit)."""
+
+
+class LoaderTimeoutError(LoaderError, TimeoutError):
+    """No batch arrived within `timeout` seconds although every worker is alive."""
+
+
+class Resources:
+    """Everything that must be released: processes, pipes and segments (see NOTE [shutdown])."""
+
+    def __init__(self) -> None:
+        self.procs: list[Any] = []
+        self.conns: list[Connection] = []
+        self.segments: dict[int, shm.Segment] = {}
+
+    def shutdown(self, grace_s: float = 2.0) -> None:
+        for conn in self.conns:
+            with contextlib.suppress(OSError):
+                conn.send(("stop",))
+        for seg in self.segments.values():
+            shm.release_segment(seg, unlink=True)
+        self.segments.clear()
+        deadline = time.monotonic() + grace_s
+        for proc in self.procs:
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        for stop in ("terminate", "kill"):
+            alive = [p for p in self.procs if p.is_alive()]
+            for proc in alive:
+                getattr(proc, stop)()
+            for proc in alive:
+                proc.join(timeout=2.0)
+        for conn in self.conns:
+            conn.close()
+
+
+def describe_exit(code: int | None) -> str:
+    if code is None:
+        return "no exit code"
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"signal {signal.Signals(-code).name}"
+        return f"signal {-code}"
+    return f"exit code {code}"
+
+
+@contextlib.contextmanager
+def main_module_hidden() -> Iterator[None]:
+    """While starting a spawned worker, show multiprocessing a bare `__main__` so the child does not re-import the
+    training script (and with it torch, horovod, ...): everything a worker runs arrives cloudpickled, objects
+    defined in `__main__` included. Measured in bench/loader_bench.py (B3). Only our own Process objects are
+    started inside this block; the swap lasts for `Process.start()`."""
+    main = sys.modules.get("__main__")
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        if main is not None:
+            sys.modules["__main__"] = main

@@ -1,0 +1,157 @@
+"""DevicePrefetcher: copy batch k+1 host -> GPU on a side stream while the model computes on batch k.
+
+NOTE [stream sync]
+Three hazards, one guard each (letters are referred to from the code):
+(a) read-before-written: the compute stream must not read batch k before its copy on the side stream is done.
+    At hand-off the *consumer's current stream* waits on the per-batch event recorded after the copy
+    (`compute.wait_event(ready)`); the host never blocks here.
+(b) device memory reused too early: batch k's device tensors are allocated by the caching allocator while the side
+    stream is current, so the allocator ties them to that stream and would hand the memory to the next copy as soon
+    as Python frees them — possibly while kernels on the compute stream still read them. `t.record_stream(compute)`
+    at hand-off makes the allocator wait for the compute stream's work queued before the free. This is the
+    "other direction" of ordering: because no device buffer is ever reused by us (fresh allocations only), the
+    side stream never has to `wait_stream(compute)`; with a device-side ring it would have to.
+(c) pinned source overwritten during its copy: `non_blocking=True` is asynchronous only from pinned memory, and
+    the pinned buffer must stay alive and unchanged until the DMA is done. Host batches are memcpy'd into a ring
+    of two pinned buffers that live as long as the prefetcher; before the CPU writes into ring slot i again, the
+    host waits on the event of the last copy out of slot i (`copied[i].synchronize()`, normally long complete).
+    The shared-memory slot itself is only read by that synchronous CPU memcpy, so the ShmLoader may hand it back
+    to its worker as soon as the next batch is requested.
+There is no helper thread: the host-side work (fetching from the loader, the memcpy, enqueueing the copy) runs in
+`__next__`, while the GPU still executes the previous step's queued kernels. So no thread has to
+`torch.cuda.set_device` (it would default to GPU 0), and nothing can leak across epochs or hang in `close()`.
+All CUDA calls run under `torch.cuda.device(self.device)`, so the stream and events belong to the right GPU even
+when another device is current. Unverified here (no GPU on the build machine): run the CUDA tests under
+`TORCH_CUDA_SANITIZER=1` on a GPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from hvdtrain.data.torch_adapter import map_leaves, to_torch
+
+_END = object()
+
+
+def _leaves(batch: Any) -> list[Any]:
+    found: list[Any] = []
+    map_leaves(found.append, batch)
+    return found
+
+
+class DevicePrefetcher:
+    """Yield `loader`'s batches as tensors on `device`, the next one already in flight.
+
+    On a CUDA device: one batch of look-ahead (the loader's own workers provide the deeper buffering), a side
+    stream for host->device copies from a two-slot pinned ring, ordering as in NOTE [stream sync]. Any other device
+    (CPU): a pass-through without look-ahead, so the loader's zero-copy views stay valid for the whole step.
+    Yields the last batch, yields nothing for an empty loader, and starts afresh on every `iter()` (per epoch).
+    `state_dict()` reports the batches handed to the caller, not those fetched ahead.
+    """
+
+    def __init__(self, loader: Any, device: torch.device | str) -> None:
+        self.loader = loader
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self._ahead = 0  # batches taken from the loader but not yet handed to the caller
+        self._stream: Any = None
+        self._pinned: list[Any] = [None, None]
+        self._copied: list[Any] = [None, None]
+
+    def __iter__(self) -> Iterator[Any]:
+        self._ahead = 0
+        if self.device.type != "cuda":
+            return self._passthrough()
+        return self._cuda_iter()
+
+    def _passthrough(self) -> Iterator[Any]:
+        for batch in self.loader:
+            yield to_torch(batch)
+
+    def _cuda_iter(self) -> Iterator[Any]:
+        it = iter(self.loader)
+        host = next(it, _END)
+        if host is _END:
+            return
+        pending = self._issue(host, 0)
+        self._ahead = 1
+        for k, host in enumerate(it, start=1):
+            following = self._issue(host, k % 2)
+            self._ahead = 2
+            batch = self._hand_off(*pending)
+            self._ahead = 1
+            yield batch
+            pending = following
+        batch = self._hand_off(*pending)
+        self._ahead = 0
+        yield batch
+
+    def _issue(self, host: Any, slot: int) -> tuple[Any, Any]:
+        """Start copying one host batch to the device on the side stream; returns (device batch, ready event)."""
+        with torch.cuda.device(self.device):
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(self.device)
+            if self._copied[slot] is not None:
+                self._copied[slot].synchronize()  # NOTE [stream sync] (c)
+            pinned = self._pin(slot, to_torch(host))
+            with torch.cuda.stream(self._stream):
+                dev = map_leaves(lambda t: t.to(self.device, non_blocking=True)
+                                 if isinstance(t, torch.Tensor) else t, pinned)
+                ready = torch.cuda.Event()
+                ready.record(self._stream)
+            self._copied[slot] = ready
+        return dev, ready
+
+    def _pin(self, slot: int, host: Any) -> Any:
+        """memcpy the host batch into pinned ring slot `slot` (reallocated only when shapes/dtypes change)."""
+        ring = self._pinned[slot]
+        leaves = _leaves(host)
+        tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+        if ring is None or [(t.shape, t.dtype) for t in ring] != [(t.shape, t.dtype) for t in tensors]:
+            ring = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+            self._pinned[slot] = ring
+        for dst, src in zip(ring, tensors, strict=True):
+            dst.copy_(src)
+        it = iter(ring)
+        return map_leaves(lambda t: next(it) if isinstance(t, torch.Tensor) else t, host)
+
+    def _hand_off(self, dev: Any, ready: Any) -> Any:
+        compute = torch.cuda.current_stream(self.device)
+        compute.wait_event(ready)  # NOTE [stream sync] (a)
+        for t in _leaves(dev):
+            if isinstance(t, torch.Tensor):
+                t.record_stream(compute)  # NOTE [stream sync] (b)
+        return dev
+
+    # ---- pass-through of the loader's API ------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.loader.set_epoch(epoch)
+
+    def state_dict(self) -> dict[str, Any]:
+        state = dict(self.loader.state_dict())
+        if "batches_consumed" in state:
+            state["batches_consumed"] -= self._ahead
+        if "samples_consumed" in state:  # ShardSampler state: keep the derived global count consistent
+            state["samples_consumed"] -= self._ahead * state["batch_size"] * state["size"]
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loader.load_state_dict(state)
+
+    def close(self) -> None:
+        self.loader.close()
+
+    def __enter__(self) -> DevicePrefetcher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,147 @@
+"""Shared-memory segments and the batch layout written into them.
+
+A segment is named `hvdtrain_<creator pid>_<token>` and lives in /dev/shm. The trainer creates every segment; a
+worker attaches by name and then unlinks the name at once (the memory stays mapped in both processes). See
+NOTE [shutdown] in lifecycle.py for why and for who cleans up what.
+
+A batch is a numpy array, a tuple/list of arrays or a dict of str -> array. Its layout (`Layout`: structure,
+and per array an offset, shape and dtype) is small metadata that crosses a pipe; the bytes are copied once, by
+the worker, into the segment, and the trainer builds numpy views on the segment from the layout: no unpickling.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from multiprocessing import shared_memory
+from typing import Any
+
+import numpy as np
+
+PREFIX = "hvdtrain_"
+ALIGN = 64  # byte alignment of every array in a slot (cache line; what SIMD loads and torch like)
+PAGE = 4096
+
+
+class Segment(shared_memory.SharedMemory):
+    """SharedMemory whose finalizer tolerates live numpy views (the memory is freed when the last view dies)."""
+
+    def __del__(self) -> None:
+        with contextlib.suppress(OSError, BufferError):
+            self.close()
+
+
+def segment_name(pid: int | None = None) -> str:
+    return f"{PREFIX}{os.getpid() if pid is None else pid}_{secrets.token_hex(6)}"
+
+
+def create_segment(nbytes: int) -> Segment:
+    """A new segment of at least `nbytes` (rounded up to whole pages), named after this process."""
+    size = max(PAGE, -(-nbytes // PAGE) * PAGE)
+    return Segment(name=segment_name(), create=True, size=size)
+
+
+def attach_segment(name: str) -> Segment:
+    """Map an existing segment and unlink its name right away (eager unlink: nothing is left in /dev/shm)."""
+    seg = Segment(name=name)
+    with contextlib.suppress(FileNotFoundError):
+        seg.unlink()  # also unregisters it from multiprocessing's resource tracker
+    return seg
+
+
+def release_segment(seg: Segment, *, unlink: bool) -> None:
+    """Unmap (if no numpy view is alive; otherwise the mapping goes with the last view) and optionally unlink."""
+    if unlink:
+        with contextlib.suppress(FileNotFoundError):
+            seg.unlink()
+    with contextlib.suppress(BufferError):
+        seg.close()
+
+
+def sweep_stale() -> list[str]:
+    """Unlink hvdtrain segments whose creator process is dead (left by a crash); returns their names."""
+    removed = []
+    for entry in os.scandir("/dev/shm") if os.path.isdir("/dev/shm") else ():
+        parts = entry.name.split("_")
+        if not entry.name.startswith(PREFIX) or len(parts) < 3 or not parts[1].isdigit():
+            continue
+        try:
+            os.kill(int(parts[1]), 0)
+        except ProcessLookupError:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(entry.path)
+                removed.append(entry.name)
+        except PermissionError:
+            continue
+    return removed
+
+
+# ---- batch layout --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ArraySpec:
+    offset: int
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclass(frozen=True)
+class Layout:
+    kind: str  # "array", "tuple", "list" or "dict"
+    keys: tuple[str, ...]  # dict keys, in order; empty otherwise
+    arrays: tuple[ArraySpec, ...]
+    nbytes: int
+
+
+def _as_array(value: Any, where: str) -> np.ndarray:
+    arr = np.asarray(value)
+    if arr.dtype.hasobject:
+        raise TypeError(f"batch {where} has dtype object ({type(value).__name__}); a batch must hold numeric "
+                        "or bool arrays (or tuples/lists/dicts of them)")
+    return arr
+
+
+def flatten(batch: Any) -> tuple[str, tuple[str, ...], list[np.ndarray]]:
+    """(kind, dict keys, arrays) of a batch; TypeError naming what is not supported."""
+    if isinstance(batch, Mapping):
+        keys = tuple(batch)
+        bad = [k for k in keys if not isinstance(k, str)]
+        if bad:
+            raise TypeError(f"dict batches need str keys, got {bad[0]!r}")
+        return "dict", keys, [_as_array(batch[k], f"[{k!r}]") for k in keys]
+    if isinstance(batch, tuple | list):
+        kind = "tuple" if isinstance(batch, tuple) else "list"
+        return kind, (), [_as_array(v, f"[{i}]") for i, v in enumerate(batch)]
+    if isinstance(batch, str | bytes) or batch is None:
+        raise TypeError(f"a batch must be an array, a tuple/list or a dict of arrays, got {type(batch).__name__}")
+    return "array", (), [_as_array(batch, "")]
+
+
+def plan_layout(batch: Any) -> tuple[Layout, list[np.ndarray]]:
+    kind, keys, arrays = flatten(batch)
+    specs, offset = [], 0
+    for arr in arrays:
+        offset = -(-offset // ALIGN) * ALIGN
+        specs.append(ArraySpec(offset, tuple(arr.shape), arr.dtype.str))
+        offset += arr.nbytes
+    return Layout(kind, keys, tuple(specs), offset), arrays
+
+
+def write_batch(buf: memoryview, layout: Layout, arrays: Sequence[np.ndarray]) -> None:
+    """Copy the arrays into `buf` at the layout's offsets (the one copy on the producer side)."""
+    for spec, arr in zip(layout.arrays, arrays, strict=True):
+        dst = np.ndarray(spec.shape, dtype=np.dtype(spec.dtype), buffer=buf, offset=spec.offset)
+        np.copyto(dst, arr, casting="no")
+
+
+def read_batch(buf: memoryview, layout: Layout) -> Any:
+    """Numpy views on `buf` with the batch's structure (no copy)."""
+    views = [np.ndarray(s.shape, dtype=np.dtype(s.dtype), buffer=buf, offset=s.offset) for s in layout.arrays]
+    if layout.kind == "array":
+        return views[0]
+    if layout.kind == "dict":
+        return dict(zip(layout.keys, views, strict=True))
+    return tuple(views) if layout.kind == "tuple" else views

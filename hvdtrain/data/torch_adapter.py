@@ -1,0 +1,67 @@
+"""PyTorch view of an ShmLoader: the same batches as torch tensors that share the slot's memory (no copy)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def map_leaves(fn: Callable[[Any], Any], batch: Any) -> Any:
+    """Apply `fn` to every leaf of a batch (an array/tensor, a tuple/list of them or a dict of them)."""
+    if isinstance(batch, Mapping):
+        return {k: fn(v) for k, v in batch.items()}
+    if isinstance(batch, tuple | list):
+        return type(batch)(fn(v) for v in batch)
+    return fn(batch)
+
+
+def to_torch(batch: Any, *, copy: bool = False) -> Any:
+    """numpy leaves -> `torch.from_numpy` views (or copies with `copy=True`); other leaves are left alone."""
+
+    def convert(leaf: Any) -> Any:
+        if isinstance(leaf, np.ndarray):
+            tensor = torch.from_numpy(leaf)
+            return tensor.clone() if copy else tensor
+        return leaf
+
+    return map_leaves(convert, batch)
+
+
+class TorchLoader:
+    """Iterate an ShmLoader (or anything yielding numpy batches) as torch tensors.
+
+    With `copy=False` (default) each tensor views the shared-memory slot: valid until the next batch is requested.
+    `copy=True` gives tensors the caller owns (one memcpy per batch). `set_epoch`, `state_dict`,
+    `load_state_dict`, `close`, `len()` and `with` pass through to the wrapped loader.
+    """
+
+    def __init__(self, loader: Any, *, copy: bool = False) -> None:
+        self.loader, self.copy = loader, copy
+
+    def __iter__(self) -> Iterator[Any]:
+        for batch in self.loader:
+            yield to_torch(batch, copy=self.copy)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.loader.set_epoch(epoch)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loader.load_state_dict(state)
+
+    def close(self) -> None:
+        self.loader.close()
+
+    def __enter__(self) -> TorchLoader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

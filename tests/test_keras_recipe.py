@@ -1,0 +1,170 @@
+"""recipes/keras_train.py run for real with 2 Horovod ranks: Gloo for a fresh run, MPI for the resume.
+
+Each rank runs under a small wrapper that records, with a Python audit hook, every file it opens for writing or
+renames into the run directory, so "only rank 0 writes" is checked from what the ranks did. Final weights are
+compared through a digest the test recomputes from the checkpoint on disk.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import io
+import json
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hvdtrain.train import checkpoint
+from tests.harness import REPO, JobResult, expect_ok, horovodrun
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None,
+                                 reason="TensorFlow is not installed in this venv")]
+
+RECIPE = REPO / "recipes" / "keras_train.py"
+TIMEOUT = 300  # generous: other engineers run tests on the same 2 cores
+ARGS = ("--epochs", "2", "--warmup-epochs", "1", "--keep-checkpoints", "2", "--verbose", "0")
+ENV = {"TF_CPP_MIN_LOG_LEVEL": "2"}
+
+WRAPPER = r'''
+import json, os, runpy, sys
+log_path, script, watch = sys.argv[1], sys.argv[2], os.path.realpath(sys.argv[3])
+rank = int(os.environ.get("HOROVOD_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "-1")))
+writes, recording = [], [True]
+WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
+
+def under_watch(path):
+    path = path.decode() if isinstance(path, bytes) else path
+    return isinstance(path, str) and os.path.realpath(path).startswith(watch + os.sep)
+
+def hook(event, args):
+    if not recording[0]:
+        return
+    if event == "open" and under_watch(args[0]):
+        mode, flags = args[1], args[2]
+        if (isinstance(mode, str) and set(mode) & set("wax+")) or (isinstance(flags, int) and flags & WRITE_FLAGS):
+            writes.append(["open", os.path.realpath(args[0])])
+    elif event == "os.rename" and under_watch(args[1]):
+        writes.append(["rename", os.path.realpath(args[1])])
+    elif event == "os.mkdir" and under_watch(args[0]):
+        writes.append(["mkdir", os.path.realpath(args[0])])
+
+sys.addaudithook(hook)
+sys.argv = [script, *sys.argv[4:]]
+try:
+    runpy.run_path(script, run_name="__main__")
+finally:
+    recording[0] = False
+    with open(f"{log_path}.rank{rank}.json", "w") as f:
+        json.dump({"pid": os.getpid(), "writes": writes}, f)
+'''
+
+
+@dataclass
+class Run:
+    result: JobResult
+    run_dir: Path
+    audit: dict[int, list[list[str]]]  # rank -> Python-level writes into the run directory
+    pids: dict[int, int]
+
+    @property
+    def output(self) -> str:
+        return self.result.output
+
+    def summary(self) -> dict:
+        return json.loads((self.run_dir / "summary.json").read_text())
+
+    def checkpoints(self) -> list[str]:
+        return [p.name for _, p in checkpoint.list_checkpoints(self.run_dir / "checkpoints")]
+
+
+def run_recipe(tmp: Path, run_dir: Path, *args: str, controller: str) -> Run:
+    wrapper = tmp / "audit_wrapper.py"
+    wrapper.write_text(WRAPPER)
+    log = tmp / f"audit-{len(list(tmp.glob('audit-*')))}"
+    result = expect_ok(horovodrun(wrapper, str(log), str(RECIPE), str(run_dir), "--run-dir", str(run_dir), *args,
+                                  controller=controller, timeout=TIMEOUT, env=ENV))
+    logs = {int(p.name.rsplit(".rank", 1)[1].split(".")[0]): json.loads(p.read_text())
+            for p in tmp.glob(f"{log.name}.rank*.json")}
+    return Run(result, run_dir, {r: v["writes"] for r, v in logs.items()}, {r: v["pid"] for r, v in logs.items()})
+
+
+def checkpoint_digest(run: Run, epoch: int) -> str:
+    """The recipe's weights digest, recomputed independently from rank 0's checkpoint file."""
+    path = run.run_dir / "checkpoints" / f"ckpt-epoch{epoch:04d}.pt"
+    with np.load(io.BytesIO(checkpoint.verified_payload(path)), allow_pickle=False) as z:
+        h = hashlib.sha256()
+        for name in sorted(n for n in z.files if n.startswith("model/")):
+            h.update(str(z[name].shape).encode())
+            h.update(np.ascontiguousarray(z[name]).tobytes())
+    return h.hexdigest()
+
+
+def epoch_lines(output: str) -> list[int]:
+    return [int(m.group(1)) for m in re.finditer(r"epoch (\d+)/\d+  train loss", output)]
+
+
+@pytest.fixture(scope="module")
+def fresh(tmp_path_factory) -> Run:
+    tmp = tmp_path_factory.mktemp("keras-fresh")
+    return run_recipe(tmp, tmp / "run", *ARGS, controller="gloo")
+
+
+@pytest.fixture(scope="module")
+def resumed(fresh, tmp_path_factory) -> Run:
+    tmp = tmp_path_factory.mktemp("keras-resumed")
+    shutil.copytree(fresh.run_dir, tmp / "run")
+    return run_recipe(tmp, tmp / "run", *ARGS[:1], "3", *ARGS[2:], controller="mpi")
+
+
+def test_gloo_two_ranks_learn_and_end_with_identical_weights(fresh):
+    summary = fresh.summary()
+    digests = summary["weights_sha256_by_rank"]
+    assert len(digests) == 2 and digests[0] == digests[1], f"ranks ended with different weights: {digests}"
+    assert digests[0] == checkpoint_digest(fresh, 2), "the last checkpoint does not hold the ranks' final weights"
+    assert summary["epochs_completed"] == 2 and summary["world_size"] == 2 and summary["resumed_from_epoch"] == 0
+    assert summary["val_accuracy"] > 0.5 and summary["samples_per_sec"] > 0, summary
+    assert summary["keras"].startswith("tf_keras 2."), summary["keras"]
+    assert epoch_lines(fresh.output) == [1, 2]
+    assert "weights identical on all 2 ranks" in fresh.output
+
+
+def test_only_rank_0_writes_checkpoints_tensorboard_and_summary(fresh):
+    assert sorted(fresh.audit) == [0, 1], f"expected an audit log from each rank: {fresh.audit}"
+    assert fresh.audit[1] == [], f"rank 1 wrote into the run directory: {fresh.audit[1]}"
+    renamed = [Path(p).name for kind, p in fresh.audit[0] if kind == "rename"]
+    assert renamed == ["ckpt-epoch0001.pt", "ckpt-epoch0002.pt", "summary.json"], renamed
+    # TensorBoard writes through TensorFlow's C++ file system, which the audit hook does not see; its event file
+    # names end in .<host>.<pid>.<n>.v2, so check whose they are.
+    events = list((fresh.run_dir / "tensorboard").rglob("events.out.tfevents.*"))
+    assert events, "rank 0 wrote no TensorBoard logs"
+    assert {int(p.name.split(".")[-3]) for p in events} == {fresh.pids[0]}, [p.name for p in events]
+    assert fresh.checkpoints() == ["ckpt-epoch0001.pt", "ckpt-epoch0002.pt"]
+    assert not list((fresh.run_dir / "checkpoints").glob(".*tmp-*")), "temp files left behind"
+
+
+def test_mpi_resume_continues_from_the_next_epoch(resumed):
+    assert re.search(r"resuming from \S+ckpt-epoch0002\.pt \(epoch 2 done\)", resumed.output), resumed.output
+    assert epoch_lines(resumed.output) == [3], "the resumed run must train epoch 3 only"
+    summary = resumed.summary()
+    assert summary["resumed_from_epoch"] == 2 and summary["epochs_completed"] == 3
+    assert [row["epoch"] for row in summary["history"]] == [1, 2, 3], "history lost across the resume"
+    digests = summary["weights_sha256_by_rank"]
+    assert digests[0] == digests[1] == checkpoint_digest(resumed, 3)
+    assert resumed.audit[1] == [], f"rank 1 wrote into the run directory: {resumed.audit[1]}"
+    assert resumed.checkpoints() == ["ckpt-epoch0002.pt", "ckpt-epoch0003.pt"]  # keep 2
+
+
+def test_recipe_stops_with_the_fix_on_keras_3_and_trains_nothing(tmp_path):
+    result = horovodrun(RECIPE, "--run-dir", str(tmp_path / "run"), *ARGS, controller="gloo", timeout=TIMEOUT,
+                        env={**ENV, "TF_USE_LEGACY_KERAS": "0"})
+    assert result.returncode != 0, result.describe()
+    assert "keras_train.py: error: tf.keras is keras 3." in result.output, result.describe()
+    assert "silently does not average gradients" in result.output
+    assert 'pip install "tf-keras==' in result.output and "TF_USE_LEGACY_KERAS=1" in result.output
+    assert epoch_lines(result.output) == [] and not (tmp_path / "run").exists()

@@ -1,0 +1,347 @@
+"""recipes/pytorch_train.py run for real with 2 Horovod ranks (tiny epochs), plus its input checks in-process.
+
+Each rank runs under a small wrapper (written to tmp_path) that records, with a Python audit hook, every file
+it opens for writing or renames into the run directory: "only rank 0 writes" is checked from what the ranks
+did, not from what the recipe says. Final weights are compared through a digest the test recomputes from the
+checkpoint on disk.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from hvdtrain.train import checkpoint
+from hvdtrain.train.config import parse_config
+from hvdtrain.train.datasets import ArrayDataset, DatasetError, load
+from hvdtrain.train.metrics import History, MetricSums, build_summary, combine_stall
+from hvdtrain.train.progress import LogLines
+from tests.harness import REPO, JobResult, expect_ok, horovodrun, run_bounded
+
+RECIPE = REPO / "recipes" / "pytorch_train.py"
+TIMEOUT = 300  # generous: other engineers run tests on the same 2 cores
+# Small and fast, with weight decay so that a wrong broadcast order on resume would show (see broadcast_state).
+DIGITS_ARGS = ("--epochs", "3", "--warmup-epochs", "1", "--weight-decay", "1e-3", "--keep-checkpoints", "2",
+               "--no-tensorboard")
+
+WRAPPER = r'''
+import json, os, runpy, sys
+writes, recording = [], [True]
+WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
+
+def under_watch(path):
+    if isinstance(path, bytes):
+        path = path.decode()
+    return isinstance(path, str) and os.path.realpath(path).startswith(watch + os.sep)
+
+def hook(event, args):
+    if not recording[0]:
+        return
+    if event == "open" and under_watch(args[0]):
+        mode, flags = args[1], args[2]
+        if (isinstance(mode, str) and set(mode) & set("wax+")) or (isinstance(flags, int) and flags & WRITE_FLAGS):
+            writes.append(["open", os.path.realpath(args[0])])
+    elif event == "os.rename" and under_watch(args[1]):
+        writes.append(["rename", os.path.realpath(args[1])])
+
+if __name__ == "__main__":  # not in the recipe's data producer processes, which re-import the main module
+    log_path, script, watch = sys.argv[1], sys.argv[2], os.path.realpath(sys.argv[3])
+    rank = int(os.environ.get("HOROVOD_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "-1")))
+    sys.addaudithook(hook)
+    sys.argv = [script, *sys.argv[4:]]
+    sys.path.insert(0, os.path.dirname(script))
+    try:
+        runpy.run_path(script, run_name="__main__")
+    finally:
+        recording[0] = False
+        with open(f"{log_path}.rank{rank}.json", "w") as f:
+            json.dump(writes, f)
+'''
+
+
+@dataclass
+class Run:
+    result: JobResult
+    run_dir: Path
+    audit: dict[int, list[list[str]]]
+
+    @property
+    def output(self) -> str:
+        return self.result.output
+
+    def summary(self) -> dict:
+        return json.loads((self.run_dir / "summary.json").read_text())
+
+    def checkpoints(self) -> list[str]:
+        return [p.name for _, p in checkpoint.list_checkpoints(self.run_dir / "checkpoints")]
+
+
+def run_recipe(tmp: Path, run_dir: Path, *args: str, controller: str = "gloo") -> Run:
+    wrapper = tmp / "audit_wrapper.py"
+    wrapper.write_text(WRAPPER)
+    log = tmp / f"audit-{len(list(tmp.glob('audit-*')))}"
+    result = horovodrun(wrapper, str(log), str(RECIPE), str(run_dir), "--run-dir", str(run_dir), *args,
+                        controller=controller, timeout=TIMEOUT)
+    expect_ok(result)
+    audit = {int(p.name.rsplit(".rank", 1)[1].split(".")[0]): json.loads(p.read_text())
+             for p in tmp.glob(f"{log.name}.rank*.json")}
+    return Run(result, run_dir, audit)
+
+
+def file_digest(state: dict[str, torch.Tensor]) -> str:
+    """The recipe's weights digest, recomputed independently from a state dict."""
+    h = hashlib.sha256()
+    for name, t in state.items():
+        h.update(name.encode())
+        h.update(t.contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def checkpoint_state(run: Run, epoch: int) -> dict:
+    path = run.run_dir / "checkpoints" / f"ckpt-epoch{epoch:04d}.pt"
+    return checkpoint.load(path, lambda f: torch.load(f, weights_only=True))
+
+
+def history_without_timing(summary: dict) -> list[dict]:
+    return [{k: v for k, v in row.items() if k not in ("samples_per_sec", "data_wait_share")}
+            for row in summary["history"]]
+
+
+def epoch_lines(output: str) -> list[int]:
+    return [int(m.group(1)) for m in re.finditer(r"epoch (\d+)/\d+  train loss", output)]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> Run:
+    tmp = tmp_path_factory.mktemp("uninterrupted")
+    return run_recipe(tmp, tmp / "run", *DIGITS_ARGS)
+
+
+# ---- real 2-rank runs -----------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_training_learns_and_ranks_end_with_identical_weights(uninterrupted):
+    summary = uninterrupted.summary()
+    digests = summary["weights_sha256_by_rank"]
+    assert len(digests) == 2 and digests[0] == digests[1], "ranks ended with different weights"
+    assert digests[0] == file_digest(checkpoint_state(uninterrupted, 3)["model"]), \
+        "the final checkpoint does not hold the weights the ranks ended with"
+    assert summary["epochs_completed"] == 3 and summary["world_size"] == 2
+    assert summary["val_accuracy"] > 0.85, summary
+    assert summary["final_train_loss"] < 1.0 and summary["samples_per_sec"] > 0
+    assert summary["resumed_from_epoch"] == 0
+    assert epoch_lines(uninterrupted.output) == [1, 2, 3]
+    assert f"summary:    {uninterrupted.run_dir / 'summary.json'}" in uninterrupted.output
+
+
+@pytest.mark.slow
+def test_only_rank_0_writes_checkpoints_and_summary_keeping_the_last_k(uninterrupted):
+    audit = uninterrupted.audit
+    assert sorted(audit) == [0, 1], f"expected an audit log from each rank: {audit}"
+    assert audit[1] == [], f"rank 1 wrote into the run directory: {audit[1]}"
+    renamed = [Path(p).name for kind, p in audit[0] if kind == "rename"]
+    assert renamed == ["ckpt-epoch0001.pt", "ckpt-epoch0002.pt", "ckpt-epoch0003.pt", "summary.json"]
+    opened = {Path(p).name.split(".tmp-")[0] for kind, p in audit[0] if kind == "open"}
+    assert opened == {".ckpt-epoch0001.pt", ".ckpt-epoch0002.pt", ".ckpt-epoch0003.pt", ".summary.json"}, \
+        "rank 0 wrote something other than through a temp file"
+    assert uninterrupted.checkpoints() == ["ckpt-epoch0002.pt", "ckpt-epoch0003.pt"]  # --keep-checkpoints 2
+
+
+@pytest.mark.slow
+def test_stopped_runs_resume_from_the_last_intact_checkpoint_and_match_an_uninterrupted_run(uninterrupted, tmp_path):
+    run_dir, ckpts = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    first = run_recipe(tmp_path, run_dir, *DIGITS_ARGS, "--stop-after-epoch", "1")
+    assert "stopping after epoch 1" in first.output
+    assert first.checkpoints() == ["ckpt-epoch0001.pt"] and epoch_lines(first.output) == [1]
+
+    # Resume (from epoch 1, not from zero) and stop again after epoch 2.
+    second = run_recipe(tmp_path, run_dir, *DIGITS_ARGS, "--stop-after-epoch", "2")
+    assert f"resuming from {ckpts / 'ckpt-epoch0001.pt'} (epoch 1 done)" in second.output
+    assert epoch_lines(second.output) == [2], "the resumed run did not continue from epoch 2"
+    assert second.checkpoints() == ["ckpt-epoch0001.pt", "ckpt-epoch0002.pt"]
+
+    # The newest checkpoint is cut in half (a partial copy): skipped with a warning, epoch 1's is used.
+    newest = ckpts / "ckpt-epoch0002.pt"
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
+    third = run_recipe(tmp_path, run_dir, *DIGITS_ARGS)
+    assert re.search(rf"WARNING: skipping checkpoint {re.escape(str(newest))}: .*truncated", third.output)
+    assert f"resuming from {ckpts / 'ckpt-epoch0001.pt'} (epoch 1 done)" in third.output
+    assert epoch_lines(third.output) == [2, 3]
+
+    summary, reference = third.summary(), uninterrupted.summary()
+    assert summary["resumed_from_epoch"] == 1 and summary["epochs_completed"] == 3
+    assert history_without_timing(summary) == history_without_timing(reference)
+    assert summary["weights_sha256_by_rank"] == reference["weights_sha256_by_rank"], \
+        "resumed training ended with different weights than the uninterrupted run"
+
+
+@pytest.mark.slow
+def test_mpi_resnet_on_npz_shards_with_fp16_allreduce_and_accumulation(tmp_path):
+    rng = np.random.default_rng(0)
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    for i in range(2):
+        np.savez(shards / f"part{i}.npz", x=rng.standard_normal((96, 3, 8, 8)).astype(np.float32),
+                 y=rng.integers(0, 4, 96))
+    run = run_recipe(tmp_path, tmp_path / "run", "--dataset", str(shards), "--model", "resnet",
+                     "--model-width", "8", "--epochs", "2", "--batch-size", "8", "--backward-passes-per-step",
+                     "2", "--fp16-allreduce", "--no-tensorboard", controller="mpi")
+    summary = run.summary()
+    assert summary["epochs_completed"] == 2
+    digests = summary["weights_sha256_by_rank"]
+    assert digests[0] == digests[1] == file_digest(checkpoint_state(run, 2)["model"])
+    assert run.audit[1] == [] and run.audit[0], run.audit
+    assert "ResNet" in run.output and "peak lr 0.2" in run.output  # 0.05 × 2 ranks × 2 backward passes
+
+
+def test_a_bad_shard_fails_with_a_message_naming_the_file(tmp_path):
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    np.savez(shards / "part0.npz", x=np.zeros((8, 3, 8, 8), np.float32), y=np.zeros(8, np.int64))
+    np.savez(shards / "part1.npz", images=np.zeros((8, 3, 8, 8), np.float32), y=np.zeros(8, np.int64))
+    # One process without horovodrun (hvd.init() gives size 1): the check runs before any training.
+    result = run_bounded([sys.executable, str(RECIPE), "--dataset", str(shards), "--run-dir", str(tmp_path / "r")],
+                         timeout=TIMEOUT)
+    assert result.returncode == 2, result.describe()
+    assert f"pytorch_train.py: error: {shards / 'part1.npz'}: missing array(s) x" in result.output
+    assert "Traceback" not in result.output
+
+
+# ---- in-process: datasets, config, metrics ----------------------------------------------------------------
+
+def test_digits_split_is_fixed_and_disjoint():
+    a, b = load("digits"), load("digits")
+    assert (len(a.train), len(a.val)) == (1438, 359) and a.sample_shape == (1, 8, 8)
+    assert np.array_equal(a.val.y, b.val.y) and np.array_equal(a.train.x, b.train.x)
+    assert a.train.x.dtype == np.float32 and a.train.x.min() >= 0.0 and a.train.x.max() <= 1.0
+    train_rows = {r.tobytes() for r in a.train.x}
+    assert sum(r.tobytes() in train_rows for r in a.val.x) < 20  # digits has a few exact duplicates
+
+
+def test_synthetic_has_the_requested_shape():
+    s = load("synthetic", synthetic_shape=(3, 4, 5), synthetic_samples=40, num_classes=3)
+    assert s.train.x.shape == (40, 3, 4, 5) and s.train.y.max() < 3 and len(s.val) == 5
+
+
+def save_pair(directory: Path, name: str, x: np.ndarray, y: np.ndarray) -> None:
+    np.save(directory / f"{name}_x.npy", x)
+    np.save(directory / f"{name}_y.npy", y)
+
+
+def test_npy_pairs_and_train_val_subdirectories(tmp_path):
+    for sub, n in (("train", 10), ("val", 4)):
+        (tmp_path / sub).mkdir()
+        save_pair(tmp_path / sub, "a", np.ones((n, 5), np.float64), np.arange(n) % 3)
+    s = load(str(tmp_path))
+    assert (len(s.train), len(s.val), s.num_classes, s.sample_shape) == (10, 4, 3, (5,))
+    assert s.train.x.dtype == np.float32
+
+
+@pytest.mark.parametrize("make,message", [
+    (lambda d: save_pair(d, "a", np.ones((4, 2)), np.ones(4)), r"a_y.npy: labels must be a 1-D integer"),
+    (lambda d: save_pair(d, "a", np.ones((4, 2)), np.ones(5, int)), r"a_x.npy has 4 samples but .*a_y.npy has 5"),
+    (lambda d: (save_pair(d, "a", np.ones((4, 2)), np.ones(4, int)),
+                save_pair(d, "b", np.ones((4, 3)), np.ones(4, int))), r"b_x.npy: samples have shape \(3,\)"),
+    (lambda d: np.save(d / "data.npy", np.ones(3)), r"data.npy: .npy shards must be named NAME_x.npy"),
+    (lambda d: np.save(d / "a_x.npy", np.ones((3, 2))), r"a_x.npy: missing its labels file a_y.npy"),
+    (lambda d: np.savez(d / "p.npz", x=np.ones(4), y=np.ones(4, int)), r"p.npz\['x'\]: samples must be"),
+    (lambda d: (d / "p.npz").write_bytes(b"not a zip"), r"p.npz: cannot read"),
+    (lambda d: None, r"no .npz or NAME_x.npy/NAME_y.npy shards found"),
+])
+def test_bad_shards_are_reported_naming_the_file(tmp_path, make, message):
+    make(tmp_path)
+    with pytest.raises(DatasetError, match=message):
+        load(str(tmp_path))
+
+
+def test_an_unknown_dataset_name_says_what_is_allowed(tmp_path):
+    with pytest.raises(DatasetError, match=r"'digits', 'synthetic' or a directory.*'mnist'"):
+        load("mnist")
+
+
+@pytest.fixture(scope="module")
+def recipe_module():
+    sys.path.insert(0, str(RECIPE.parent))
+    try:
+        import pytorch_train
+        yield pytorch_train
+    finally:
+        sys.path.remove(str(RECIPE.parent))
+
+
+def test_recipe_config_parses_typed_flags(recipe_module):
+    cfg = parse_config(recipe_module.Config, ["--epochs", "4", "--lr-milestones", "2,3", "--no-resume",
+                                              "--stop-after-epoch", "2", "--synthetic-shape", "1,28,28"])
+    assert (cfg.epochs, cfg.lr_milestones, cfg.resume, cfg.stop_after_epoch) == (4, (2, 3), False, 2)
+    assert cfg.synthetic_shape == (1, 28, 28) and cfg.threads is None
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--epochs", "0"], "--epochs must be >= 1, got 0"),
+    (["--threads", "0"], "--threads must be >= 1"),
+    (["--lr-milestones", "5,3"], "--lr-milestones, --lr-gamma): milestones must be strictly increasing"),
+    (["--base-lr", "-1"], "base_lr must be a finite number > 0, got -1.0"),
+    (["--val-fraction", "1"], "--val-fraction must be in (0, 1), got 1.0"),
+])
+def test_recipe_config_rejects_bad_values_naming_the_flag(recipe_module, argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse_config(recipe_module.Config, argv)
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_recipe_config_rejects_unparsable_values(recipe_module, capsys):
+    with pytest.raises(SystemExit):
+        parse_config(recipe_module.Config, ["--lr-milestones", "2,x"])
+    assert "--lr-milestones: expected comma-separated ints, got '2,x'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("n,size", [(359, 2), (10, 3), (2, 4), (256, 2)])
+def test_validation_shards_cover_every_sample_exactly_once(recipe_module, n, size):
+    ds = ArrayDataset(np.arange(n, dtype=np.float32)[:, None], np.arange(n))
+    seen = [int(y) for rank in range(size)
+            for _, ys in recipe_module.val_batches(ds, rank, size, 4, torch.device("cpu")) for y in ys]
+    assert sorted(seen) == list(range(n))
+
+
+def test_progress_lines_for_logs_turn_redraws_into_lines():
+    out = io.StringIO()
+    stream = LogLines(out)
+    for text in ("\repoch 1/3:  50%|#####     | 5/10", "\r", "\repoch 1/3: 100%|##########| 10/10\n"):
+        stream.write(text)
+    assert out.getvalue() == "epoch 1/3:  50%|#####     | 5/10\nepoch 1/3: 100%|##########| 10/10\n"
+
+
+def test_metrics_are_weighted_by_samples_across_ranks():
+    ranks = [MetricSums(), MetricSums()]
+    ranks[0].add(mean_loss=1.0, correct=3, count=4)
+    ranks[1].add(mean_loss=4.0, correct=0, count=1)  # a short last batch must not count as much
+    locals_ = [np.array([m.loss_sum, m.correct, m.count], dtype=np.float64) for m in ranks]
+    result = ranks[0].reduce(lambda v: locals_[0] + locals_[1])
+    assert result == {"loss": pytest.approx(8.0 / 5), "accuracy": pytest.approx(3 / 5), "samples": 5}
+
+
+def test_summary_reports_the_data_wait_share():
+    h = History()
+    h.record(1, train_loss=0.5, val_accuracy=0.9)
+    s = build_summary(epochs_completed=1, epochs_total=2, history=h, samples_per_sec=100.0,
+                      stall={"mean_wait_s": 0.01, "mean_step_s": 0.04, "wait_share": 0.25})
+    assert s["final_train_loss"] == 0.5 and s["val_accuracy"] == 0.9
+    assert (s["mean_data_wait_s"], s["mean_step_s"], s["data_wait_share"]) == (0.01, 0.04, 0.25)
+
+
+def test_stall_statistics_are_averaged_over_ranks():
+    per_rank = [{"mean_wait_s": 0.01, "mean_step_s": 0.1, "wait_share": 0.1},
+                {"mean_wait_s": 0.03, "mean_step_s": 0.1, "wait_share": 0.3}]
+    combined = combine_stall(per_rank)
+    assert combined["mean_wait_s"] == pytest.approx(0.02) and combined["wait_share"] == pytest.approx(0.2)
+    assert combined["by_rank"] == per_rank
+    assert combine_stall([{"mean_wait_s": None}])["wait_share"] is None

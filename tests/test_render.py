@@ -1,0 +1,274 @@
+"""hvdtrain render: MPIJob manifests validated against the MPI Operator's CRD schema, sbatch scripts checked with
+`bash -n` and run against stub `scontrol`/`horovodrun`/`srun` to prove every spec value arrives intact."""
+
+from __future__ import annotations
+
+import copy
+import os
+import stat
+import subprocess
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+
+from hvdtrain.cli import main
+from hvdtrain.plan import build_plan
+from hvdtrain.render import ClusterOptions, K8sOptions, RenderError, SlurmOptions, render_file
+from hvdtrain.render.common import load_for_cluster
+from hvdtrain.render.k8s import mpijob
+
+ROOT = Path(__file__).resolve().parents[1]
+CRD_SCHEMA = ROOT / "tests" / "data" / "mpijob-v2beta1-openapi.yaml"
+INT_RANGES = {"int32": (-(2**31), 2**31 - 1), "int64": (-(2**63), 2**63 - 1)}
+# Shell metacharacters, quotes, spaces, a newline and a would-be command substitution.
+NASTY = "a b 'c' \"d\" $(touch PWNED) `touch PWNED2` ; & | > \\ *\nnext line"
+
+
+def strict_json_schema(node: object) -> object:
+    """OpenAPI (structural, k8s) -> JSON Schema as the API server checks it with strict field validation:
+    unknown fields are errors, intNN formats are ranges, x-kubernetes-* and defaults are dropped."""
+    if isinstance(node, list):
+        return [strict_json_schema(n) for n in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: strict_json_schema(v) for k, v in node.items() if not k.startswith("x-kubernetes-") and k != "default"}
+    if "properties" in out and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    if out.get("type") == "integer" and out.get("format") in INT_RANGES:
+        out["minimum"], out["maximum"] = INT_RANGES[out.pop("format")]
+    return out
+
+
+@pytest.fixture(scope="module")
+def validator() -> jsonschema.Draft7Validator:
+    schema = strict_json_schema(yaml.safe_load(CRD_SCHEMA.read_text()))
+    jsonschema.Draft7Validator.check_schema(schema)
+    return jsonschema.Draft7Validator(schema)
+
+
+def write_spec(tmp_path: Path, text: str, name: str = "job.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+SPEC = """\
+script: ../recipes/train.py
+args: [--epochs, 3, "--note=two words"]
+np: 8
+hosts: a:4,b:4
+controller: mpi
+env:
+  NCCL_DEBUG: WARN
+  NOTE: "{nasty}"
+horovod:
+  fusion_threshold_mb: 64
+""".format(nasty=NASTY.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n"))
+
+
+def cluster(**kw) -> ClusterOptions:
+    return ClusterOptions(**{"name": "job", **kw})
+
+
+def test_spec_fixture_round_trips_the_nasty_value(tmp_path):
+    spec = load_for_cluster(write_spec(tmp_path, SPEC), "/opt/hvdtrain/jobs")
+    assert spec.env["NOTE"] == NASTY
+    assert spec.script == "/opt/hvdtrain/recipes/train.py"
+
+
+def test_mpijob_validates_against_the_crd_schema(tmp_path, validator):
+    text = render_file("k8s", write_spec(tmp_path, SPEC), cluster(), K8sOptions(namespace="ml"))
+    obj = yaml.safe_load(text)
+    errors = sorted(validator.iter_errors(obj), key=str)
+    assert not errors, "\n".join(e.message for e in errors)
+    assert obj["apiVersion"] == "kubeflow.org/v2beta1" and obj["kind"] == "MPIJob"
+    assert obj["metadata"] == {"name": "job", "namespace": "ml", "labels": {"app.kubernetes.io/name": "hvdtrain"}}
+    assert set(obj["spec"]["mpiReplicaSpecs"]) == {"Launcher", "Worker"}  # the operator accepts only these two
+
+
+def test_mpijob_layout_gpus_env_and_command(tmp_path):
+    spec = load_for_cluster(write_spec(tmp_path, SPEC), "/opt/hvdtrain/jobs")
+    obj = mpijob(spec, cluster(), K8sOptions(image="reg.example/hvd:1"))
+    replicas = obj["spec"]["mpiReplicaSpecs"]
+    launcher = replicas["Launcher"]["template"]["spec"]["containers"][0]
+    worker = replicas["Worker"]["template"]["spec"]["containers"][0]
+    assert obj["spec"]["slotsPerWorker"] == 4 and replicas["Worker"]["replicas"] == 2
+    assert replicas["Launcher"]["replicas"] == 1
+    assert worker["resources"] == {"limits": {"nvidia.com/gpu": 4}}
+    assert "resources" not in launcher
+    assert launcher["image"] == worker["image"] == "reg.example/hvd:1"
+    assert worker["command"] == ["/usr/local/bin/hvdtrain-entrypoint", "sshd"]
+    assert launcher["env"] == [{"name": "NCCL_DEBUG", "value": "WARN"}, {"name": "NOTE", "value": NASTY}]
+    # The same argv `hvdtrain run` builds, with the operator's hostfile in place of -H and the image's paths.
+    expected = build_plan(spec.model_copy(update={"python": "/opt/hvdtrain/.venv/bin/python",
+                                                  "ssh": spec.ssh.model_copy(update={"port": 2222})}),
+                          controller="mpi", horovodrun="/opt/hvdtrain/.venv/bin/horovodrun").argv
+    at = expected.index("-H")
+    expected[at:at + 2] = ["--hostfile", "/etc/mpi/hostfile"]
+    assert launcher["command"] == expected
+    assert launcher["command"][-5:] == ["/opt/hvdtrain/.venv/bin/python", "/opt/hvdtrain/recipes/train.py",
+                                        "--epochs", "3", "--note=two words"]
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in worker["volumeMounts"]
+
+
+def test_schema_check_can_fail(tmp_path, validator):
+    """The strict schema rejects what the API server would: a misspelt key, a bad quantity, a missing name."""
+    good = yaml.safe_load(render_file("k8s", write_spec(tmp_path, SPEC), cluster(), K8sOptions()))
+    typo = copy.deepcopy(good)
+    typo["spec"]["slotPerWorker"] = typo["spec"].pop("slotsPerWorker")
+    quantity = copy.deepcopy(good)
+    worker = quantity["spec"]["mpiReplicaSpecs"]["Worker"]["template"]["spec"]
+    worker["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] = "four"
+    nameless = copy.deepcopy(good)
+    del nameless["spec"]["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]["containers"][0]["name"]
+    for bad in (typo, quantity, nameless):
+        assert list(validator.iter_errors(bad)), bad
+
+
+def test_cpu_job_has_no_gpu_limit_and_default_layout_is_one_node(tmp_path, validator):
+    path = write_spec(tmp_path, "script: t.py\nnp: 3\n")
+    obj = yaml.safe_load(render_file("k8s", path, cluster(gpus_per_node=0), K8sOptions()))
+    assert not list(validator.iter_errors(obj))
+    worker = obj["spec"]["mpiReplicaSpecs"]["Worker"]
+    assert worker["replicas"] == 1 and obj["spec"]["slotsPerWorker"] == 3
+    assert "resources" not in worker["template"]["spec"]["containers"][0]
+
+
+@pytest.mark.parametrize("job", sorted(p.name for p in (ROOT / "jobs").glob("*.yaml")))
+def test_every_shipped_job_renders_valid(job, validator, tmp_path):
+    spec_path = ROOT / "jobs" / job
+    if "elastic:" in spec_path.read_text():
+        with pytest.raises(RenderError, match="elastic"):
+            render_file("k8s", spec_path, cluster(), K8sOptions())
+        return
+    obj = yaml.safe_load(render_file("k8s", spec_path, cluster(), K8sOptions()))
+    assert not list(validator.iter_errors(obj))
+    script = tmp_path / "job.sbatch"
+    script.write_text(render_file("slurm", spec_path, cluster(), SlurmOptions()))
+    subprocess.run(["bash", "-n", str(script)], check=True)
+
+
+@pytest.mark.parametrize(("spec_text", "opts", "match"), [
+    ("script: t.py\nnp: 6\nhosts: a:4,b:4\n", {}, r"np = 6 does not fill nodes of 4 slots"),
+    ("script: t.py\nnp: 8\n", {"nodes": 3}, r"np = 8 does not fill nodes of 3 slots"),
+    ("script: t.py\nnp: 8\n", {"nodes": 4, "slots_per_node": 4}, r"--nodes 4 with 4 slots per node gives 16"),
+    ("script: t.py\nnp: 2\n", {"name": "Bad_Name"}, r"job name 'Bad_Name'"),
+    ("script: t.py\nnp: 2\n", {"slots_per_node": 0}, r"--slots-per-node 0"),
+    ("script: t.py\nnp: 2\n", {"ssh_port": 70000}, r"--ssh-port 70000"),
+    ("script: t.py\nnp: 2\nelastic: {discovery_script: d.sh}\n", {}, r"elastic jobs cannot be rendered"),
+])
+def test_layout_and_option_errors_name_the_value(tmp_path, spec_text, opts, match):
+    path = write_spec(tmp_path, spec_text)
+    for target, target_opts in (("k8s", K8sOptions()), ("slurm", SlurmOptions())):
+        with pytest.raises(RenderError, match=match):
+            render_file(target, path, cluster(**opts), target_opts)
+
+
+@pytest.mark.parametrize(("opts", "match"), [
+    ({"image": "has space:1"}, r"--image 'has space:1'"),
+    ({"namespace": "Team_A"}, r"--namespace 'Team_A'"),
+    ({"shm_size": "lots"}, r"--shm-size 'lots'"),
+])
+def test_k8s_option_errors(tmp_path, opts, match):
+    with pytest.raises(RenderError, match=match):
+        render_file("k8s", write_spec(tmp_path, SPEC), cluster(), K8sOptions(**opts))
+
+
+def stub_bin(tmp_path: Path, nodes: list[str]) -> Path:
+    """A bin/ with scontrol (prints `nodes`), and horovodrun/srun/python that print their argv NUL-separated."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    echo = "#!/usr/bin/env bash\nprintf '%s\\0' \"$(basename \"$0\")\" \"$@\" > \"$STUB_OUT\"\n" \
+           "printf '%s' \"$NOTE\" > \"$STUB_OUT.note\"\n"
+    scripts = {"horovodrun": echo, "srun": echo, "python": echo,
+               "scontrol": "#!/usr/bin/env bash\nprintf '%s\\n' " + " ".join(nodes) + "\n"}
+    for name, body in scripts.items():
+        path = bin_dir / name
+        path.write_text(body)
+        path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    return bin_dir
+
+
+def run_sbatch(tmp_path: Path, text: str, bin_dir: Path) -> tuple[subprocess.CompletedProcess, list[str], str]:
+    script = tmp_path / "job.sbatch"
+    script.write_text(text)
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    out = tmp_path / "argv"
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "STUB_OUT": str(out),
+           "SLURM_JOB_NODELIST": "node[01-02]"}
+    env.pop("NOTE", None)
+    proc = subprocess.run(["bash", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=30)
+    argv = out.read_bytes().decode().split("\0")[:-1] if out.exists() else []
+    note = Path(f"{out}.note").read_text() if Path(f"{out}.note").exists() else ""
+    return proc, argv, note
+
+
+def test_sbatch_horovodrun_gets_every_value_intact(tmp_path):
+    bin_dir = stub_bin(tmp_path, ["node01", "node02"])
+    path = write_spec(tmp_path, SPEC)
+    opts = SlurmOptions(time="02:00:00", partition="gpu", account="proj42", cpus_per_task=8)
+    text = render_file("slurm", path, cluster(python=str(bin_dir / "python")), opts)
+    for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=4", "#SBATCH --gpus-per-node=4",
+                 "#SBATCH --time=02:00:00", "#SBATCH --partition=gpu", "#SBATCH --account=proj42",
+                 "#SBATCH --cpus-per-task=8", "#SBATCH --job-name=job"):
+        assert line in text.splitlines()
+    proc, argv, note = run_sbatch(tmp_path, text, bin_dir)
+    assert proc.returncode == 0, proc.stderr
+    assert note == NASTY  # exported env value: no expansion, no word splitting
+    assert not (tmp_path / "PWNED").exists() and not (tmp_path / "PWNED2").exists()
+    assert argv[:5] == ["horovodrun", "-np", "8", "-H", "node01:4,node02:4"]
+    assert argv[-5:] == [str(bin_dir / "python"), "/opt/hvdtrain/recipes/train.py", "--epochs", "3",
+                         "--note=two words"]
+    assert argv[argv.index("--fusion-threshold-mb"):][:2] == ["--fusion-threshold-mb", "64"]
+
+
+def test_sbatch_stops_when_slurm_gives_other_nodes(tmp_path):
+    bin_dir = stub_bin(tmp_path, ["node01"])
+    text = render_file("slurm", write_spec(tmp_path, SPEC), cluster(python=str(bin_dir / "python")), SlurmOptions())
+    proc, argv, _ = run_sbatch(tmp_path, text, bin_dir)
+    assert proc.returncode == 2 and argv == []
+    assert "expected 2 node(s), Slurm gave 1: node01" in proc.stderr
+
+
+def test_sbatch_srun_launcher(tmp_path):
+    bin_dir = stub_bin(tmp_path, ["node01", "node02"])
+    spec = "script: ../recipes/train.py\nargs: ['x y', \"$(id)\"]\nnp: 4\nhosts: a:2,b:2\nenv: {NOTE: '$HOME'}\n"
+    text = render_file("slurm", write_spec(tmp_path, spec), cluster(gpus_per_node=0), SlurmOptions(launcher="srun"))
+    assert "#SBATCH --gpus-per-node" not in text
+    proc, argv, note = run_sbatch(tmp_path, text, bin_dir)
+    assert proc.returncode == 0, proc.stderr
+    assert argv == ["srun", "--ntasks=4", "--ntasks-per-node=2", "--mpi=pmix", "--kill-on-bad-exit=1",
+                    "/opt/hvdtrain/.venv/bin/python", "/opt/hvdtrain/recipes/train.py", "x y", "$(id)"]
+    assert note == "$HOME"
+
+
+def test_srun_refuses_horovodrun_only_settings(tmp_path):
+    with pytest.raises(RenderError, match=r"horovod\.fusion_threshold_mb.*use --launcher horovodrun"):
+        render_file("slurm", write_spec(tmp_path, SPEC), cluster(), SlurmOptions(launcher="srun"))
+
+
+@pytest.mark.parametrize(("opts", "match"), [
+    ({"partition": "gpu a100"}, r"--partition 'gpu a100' cannot go on an #SBATCH line"),
+    ({"output": "out\n#SBATCH --x"}, r"--output 'out\\n#SBATCH --x'"),
+    ({"time": "two hours"}, r"--time 'two hours' is not a Slurm time"),
+    ({"cpus_per_task": 0}, r"--cpus-per-task 0"),
+    ({"launcher": "mpirun"}, r"--launcher 'mpirun'"),
+])
+def test_sbatch_option_errors(tmp_path, opts, match):
+    with pytest.raises(RenderError, match=match):
+        render_file("slurm", write_spec(tmp_path, SPEC), cluster(), SlurmOptions(**opts))
+
+
+def test_cli_prints_writes_and_exits_2_on_errors(tmp_path, capsys):
+    path = write_spec(tmp_path, SPEC)
+    out = tmp_path / "job.k8s.yaml"
+    assert main(["render", "k8s", str(path), "--output", str(out), "--image", "reg/hvd:1"]) == 0
+    assert yaml.safe_load(out.read_text())["metadata"]["name"] == "job"
+    assert main(["render", "slurm", str(path), "-o", "np=4", "--slots-per-node", "2"]) == 0
+    assert "#SBATCH --nodes=2" in capsys.readouterr().out
+    assert main(["render", "k8s", str(path), "-o", "np=7"]) == 2
+    assert "np = 7 does not fill nodes of 4 slots" in capsys.readouterr().err
+    assert main(["render", "k8s", str(tmp_path / "missing.yaml")]) == 2
+    assert "cannot read the spec" in capsys.readouterr().err

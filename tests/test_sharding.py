@@ -1,0 +1,165 @@
+"""ShardSampler: every rank's shard checked together in one process."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from hvdtrain.data import ShardSampler, expected_batches
+
+
+def shards(n: int, size: int, **kw) -> list[ShardSampler]:
+    return [ShardSampler(n, r, size, **kw) for r in range(size)]
+
+
+@pytest.mark.parametrize("n", [0, 1, 5, 10, 103])
+@pytest.mark.parametrize("size", [1, 2, 3, 4, 7])
+def test_padded_shards_are_even_and_cover_every_sample(n: int, size: int) -> None:
+    samplers = shards(n, size, seed=3)
+    per_rank = [list(s) for s in samplers]
+    assert {len(p) for p in per_rank} == {-(-n // size)}  # same length on every rank: ceil(n / size)
+    counts = Counter(i for p in per_rank for i in p)
+    assert set(counts) == set(range(n))  # every sample at least once
+    padding = sum(counts.values()) - n
+    assert padding == (-n) % size
+    # the repeats are the first samples of the epoch's order (wrap-around), nothing else
+    order = samplers[0].global_order().tolist()
+    repeated = Counter({i: c - 1 for i, c in counts.items() if c > 1})
+    assert sum(repeated.values()) == padding
+    if n > 0 and padding < n:
+        assert set(repeated) == set(order[:padding])
+
+
+@pytest.mark.parametrize("n,size", [(10, 3), (103, 4), (2, 3), (8, 4)])
+def test_drop_last_drops_the_tail_and_repeats_nothing(n: int, size: int) -> None:
+    samplers = shards(n, size, seed=1, drop_last=True)
+    per_rank = [list(s) for s in samplers]
+    assert {len(p) for p in per_rank} == {n // size}
+    seen = [i for p in per_rank for i in p]
+    assert len(seen) == len(set(seen))
+    order = samplers[0].global_order().tolist()
+    assert set(seen) == set(order[: n // size * size])
+
+
+def test_shards_are_disjoint_strided_slices_of_one_order() -> None:
+    samplers = shards(12, 3, seed=5)
+    order = samplers[0].global_order()
+    for r, s in enumerate(samplers):
+        assert np.array_equal(s.indices(), order[r::3])
+        assert np.array_equal(s.global_order(), order)  # every rank computes the same order
+
+
+def test_order_is_deterministic_per_seed_and_epoch() -> None:
+    a, b = ShardSampler(50, 1, 2, seed=7), ShardSampler(50, 1, 2, seed=7)
+    assert list(a) == list(b)
+    epoch0 = list(a)
+    a.set_epoch(1)
+    b.set_epoch(1)
+    assert list(a) == list(b) != epoch0
+    assert list(ShardSampler(50, 1, 2, seed=8)) != epoch0
+    a.set_epoch(0)
+    assert list(a) == epoch0  # going back to an epoch gives its order again
+
+
+def test_no_shuffle_is_strided_arange() -> None:
+    s = ShardSampler(10, 1, 3, shuffle=False)
+    assert list(s) == [1, 4, 7, 0]  # padded with the first sample of the order: 0
+    s.set_epoch(4)
+    assert list(s) == [1, 4, 7, 0]
+
+
+def test_batches_and_lengths() -> None:
+    s = ShardSampler(103, 0, 4, batch_size=5)
+    assert len(s) == 26 and s.num_batches == 6 == expected_batches(103, 4, 5)
+    batches = s.batches()
+    assert [len(b) for b in batches] == [5, 5, 5, 5, 5, 1]
+    assert np.array_equal(np.concatenate(batches), s.indices())
+    assert expected_batches(103, 4, 5, drop_last=True) == 5 and expected_batches(100, 4, 5, drop_last=True) == 5
+
+
+def test_resume_mid_epoch_with_the_same_world() -> None:
+    s = ShardSampler(103, 2, 4, seed=9, batch_size=4)
+    s.set_epoch(3)
+    full = s.indices()
+    s.advance(2)
+    state = s.state_dict()
+    assert state["epoch"] == 3 and state["batches_consumed"] == 2 and state["samples_consumed"] == 2 * 4 * 4
+    resumed = ShardSampler(103, 2, 4, seed=9, batch_size=4)
+    resumed.load_state_dict(state)
+    assert resumed.epoch == 3
+    assert np.array_equal(resumed.indices(), full[8:])
+    assert len(resumed) == len(full) - 8 and resumed.num_batches == s.num_batches
+    resumed.set_epoch(3)  # the same epoch again keeps the position (recipes call set_epoch after loading)
+    assert np.array_equal(resumed.indices(), full[8:])
+    resumed.set_epoch(4)  # a new epoch starts at its beginning
+    assert resumed.batches_consumed == 0 and len(resumed) == len(full)
+
+
+def test_resume_state_is_exact_at_the_end_and_capped() -> None:
+    s = ShardSampler(10, 0, 2, batch_size=2)
+    s.advance(100)
+    assert s.batches_consumed == 3 and len(s) == 0 and list(s) == [] and s.samples_consumed == 10
+
+
+@pytest.mark.parametrize("old,new", [(4, 3), (2, 5), (3, 1), (1, 4)])
+def test_elastic_reshard_sees_every_sample_once(old: int, new: int) -> None:
+    n, bs, consumed_batches = 120, 5, 2
+    before = shards(n, old, seed=11, batch_size=bs)
+    consumed = []
+    for s in before:
+        s.set_epoch(2)
+        consumed += s.indices()[: consumed_batches * bs].tolist()
+        s.advance(consumed_batches)
+    state = before[0].state_dict()
+    after = shards(n, new, seed=11, batch_size=bs)
+    rest = []
+    for s in after:
+        s.load_state_dict(state)
+        assert s.epoch == 2 and s.offset == consumed_batches * bs * old
+        rest += s.indices().tolist()
+    assert {len(s) for s in after} == {-(-(n - len(consumed)) // new)}
+    counts = Counter(consumed + rest)
+    assert set(counts) == set(range(n))
+    assert sum(counts.values()) - n == (-(n - len(consumed))) % new  # only the new world's padding repeats
+    # and a state saved after re-sharding resumes in that world
+    after[-1].advance(1)
+    again = ShardSampler(n, new - 1, new, seed=11, batch_size=bs)
+    again.load_state_dict(after[-1].state_dict())
+    assert np.array_equal(again.indices(), after[-1].indices())
+
+
+@pytest.mark.parametrize("args,kwargs,words", [
+    ((10, 2, 2), {}, ["rank", "2"]),
+    ((10, -1, 2), {}, ["rank", "-1"]),
+    ((10, 0, 0), {}, ["size", "0"]),
+    ((-1, 0, 1), {}, ["num_samples", "-1"]),
+    ((10, 0, 1), {"batch_size": 0}, ["batch_size", "0"]),
+    ((10, 0, 1), {"seed": -3}, ["seed", "-3"]),
+])
+def test_bad_arguments_are_named(args: tuple, kwargs: dict, words: list[str]) -> None:
+    with pytest.raises(ValueError) as err:
+        ShardSampler(*args, **kwargs)
+    assert all(w in str(err.value) for w in words), str(err.value)
+
+
+def test_foreign_state_is_refused() -> None:
+    s = ShardSampler(10, 0, 2)
+    with pytest.raises(ValueError, match="num_samples"):
+        s.load_state_dict({**ShardSampler(11, 0, 2).state_dict()})
+    with pytest.raises(ValueError, match="missing"):
+        s.load_state_dict({"epoch": 1})
+    with pytest.raises(ValueError, match="epoch"):
+        s.set_epoch(-1)
+
+
+@pytest.mark.parametrize("n,size", [(10, 3), (2, 3), (9, 3), (0, 2)])
+def test_uneven_shards_for_evaluation_are_exact(n: int, size: int) -> None:
+    samplers = shards(n, size, shuffle=False, even=False, batch_size=2)
+    per_rank = [list(s) for s in samplers]
+    assert per_rank == [list(range(r, n, size)) for r in range(size)]  # every sample exactly once, no padding
+    assert sorted(i for p in per_rank for i in p) == list(range(n))
+    s = samplers[0]
+    s.advance(100)
+    assert s.samples_consumed <= n and len(s) == 0

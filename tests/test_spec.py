@@ -1,0 +1,302 @@
+"""Job specs fed as strings: what loads, what each mistake reports (pinned), overrides, and the JSON Schema."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+from hvdtrain.jobspec import JobSpec
+from hvdtrain.spec import SpecError, load_spec
+
+MINIMAL = "script: train.py\nnp: 2\n"
+
+
+def spec_error(text: str, overrides: tuple[str, ...] = (), **kwargs) -> str:
+    with pytest.raises(SpecError) as err:
+        load_spec(text, "job.yaml", base_dir="/jobs", overrides=overrides, **kwargs)
+    return str(err.value)
+
+
+def test_minimal_spec_gets_its_defaults_and_resolves_paths_against_the_spec_folder():
+    spec = load_spec(MINIMAL, "jobs/job.yaml", base_dir="/work/jobs")
+    assert spec.script == "/work/jobs/train.py"
+    assert spec.python == sys.executable
+    assert spec.hosts == "localhost:2"
+    assert spec.controller is None and spec.elastic is None
+    assert spec.args == [] and spec.env == {} and spec.extra_args == []
+
+
+def test_full_spec_loads():
+    text = """
+script: ../recipes/train.py
+args: [--epochs, 3, --lr, 0.05, "$(id)"]
+python: ../.venv/bin/python
+np: 4
+hosts: [a:2, b.example.com:2]
+controller: mpi
+env: {OMP_NUM_THREADS: 2, TAG: "x y"}
+ssh: {port: 2222, identity_file: ~/.ssh/id_ed25519}
+network_interfaces: [eth0, ib0]
+horovod: {fusion_threshold_mb: 32, cycle_time_ms: 2.5, autotune: true, autotune_log_file: at.csv}
+logs: {dir: logs, timestamp: true, console_ranks: [0]}
+extra_args: [--disable-cache]
+"""
+    spec = load_spec(text, "/work/jobs/job.yaml")
+    assert spec.args == ["--epochs", "3", "--lr", "0.05", "$(id)"]  # numbers as written, $(id) stays literal
+    assert spec.python == "/work/.venv/bin/python"
+    assert spec.hosts == "a:2,b.example.com:2"
+    assert spec.env == {"OMP_NUM_THREADS": "2", "TAG": "x y"}
+    assert spec.ssh.identity_file == os.path.expanduser("~/.ssh/id_ed25519")
+    assert spec.horovod.autotune_log_file == "/work/jobs/at.csv"
+    assert spec.logs.dir == "/work/jobs/logs"
+
+
+def test_hostfile_is_read_parsed_and_becomes_the_hosts():
+    files = {"/jobs/hf.txt": "# two hosts\nserver1 slots=2\n\nserver2:2  # b\n"}
+    spec = load_spec(MINIMAL + "hostfile: hf.txt\n", "job.yaml", base_dir="/jobs", read_text=files.__getitem__)
+    assert spec.hosts == "server1:2,server2:2"
+    assert spec.hostfile == "/jobs/hf.txt"
+
+
+@pytest.mark.parametrize(("hostfile", "expected"), [
+    ("server1 slots=2\nbad;host slots=2\n", [
+        "job.yaml:3: hostfile: /jobs/hf.txt:2: bad;host slots=2",
+        "'bad;host' is not a valid host name (letters, digits and '-' in dot-separated labels of 1-63 characters)"
+        " nor an IPv4 address",
+        "fix: edit /jobs/hf.txt as the message says",
+    ]),
+    ("server1 slots=1\n", [
+        "job.yaml:3: hostfile: /jobs/hf.txt: np = 2 but the hosts offer only 1 slot(s) (server1:1); lower np to "
+        "at most 1 or add hosts/slots",
+        "fix: edit /jobs/hf.txt as the message says",
+    ]),
+    (None, [
+        "job.yaml:3: hostfile: cannot read the hostfile: No such file or directory",
+        "got: '/jobs/hf.txt'",
+        "fix: fix the path (relative to the spec file)",
+    ]),
+])
+def test_hostfile_errors_point_at_the_spec_and_quote_the_hostfile_line(hostfile, expected):
+    def read(path: str) -> str:
+        if hostfile is None:
+            raise FileNotFoundError(2, "No such file or directory", path)
+        return hostfile
+    message = spec_error(MINIMAL + "hostfile: hf.txt\n", read_text=read)
+    assert [line.strip() for line in message.splitlines()[1:]] == expected
+
+
+@pytest.mark.parametrize(("text", "overrides", "expected"), [
+    pytest.param('script: t.py\nnp: 2\nhostz: a:2\n', (), [
+        'job.yaml:3: hostz: unknown key',
+        "got: 'a:2'",
+        'allowed: keys here: args, controller, elastic, env, extra_args, horovod, hostfile, hosts, logs,'
+         ' network_interfaces, np, python, script, ssh',
+        "fix: remove 'hostz' or rename it to 'hosts'",
+    ], id='unknown_top'),
+    pytest.param('script: t.py\nnp: 2\nhorovod:\n  fusion_treshold_mb: 3\n', (), [
+        'job.yaml:4: horovod.fusion_treshold_mb: unknown key',
+        'got: 3',
+        'allowed: keys here: autotune, autotune_log_file, cache_capacity, cycle_time_ms,'
+         ' fusion_threshold_mb, gloo_timeout_s, hierarchical_allgather, hierarchical_allreduce, log_level,'
+         ' num_nccl_streams, stall_check, stall_check_shutdown_s, stall_check_warning_s, start_timeout_s,'
+         ' tcp_only, timeline_file, timeline_mark_cycles, verbose',
+        "fix: remove 'fusion_treshold_mb' or rename it to 'fusion_threshold_mb'",
+    ], id='unknown_nested'),
+    pytest.param('script: t.py\nnp: 0\n', (), [
+        'job.yaml:2: np: Input should be greater than or equal to 1',
+        'got: 0',
+        'allowed: Number of ranks (processes) to start, an integer >= 1.',
+        'fix: change np to an allowed value',
+    ], id='np_zero'),
+    pytest.param("script: t.py\nnp: '2'\n", (), [
+        'job.yaml:2: np: Input should be a valid integer',
+        "got: '2'",
+        'allowed: Number of ranks (processes) to start, an integer >= 1.',
+        'fix: remove the quotes: write np: 2',
+    ], id='np_string'),
+    pytest.param('script: t.py\nnp: 2\ncontroller: tcp\n', (), [
+        "job.yaml:3: controller: Input should be 'gloo' or 'mpi'",
+        "got: 'tcp'",
+        "allowed: 'gloo' or 'mpi' (default: what Horovod was built with, Gloo preferred).",
+        'fix: change controller to an allowed value',
+    ], id='controller'),
+    pytest.param('args: []\n', (), [
+        'job.yaml: script: required key is missing',
+        'allowed: Training script to run on every rank (a path, relative to the spec file).',
+        "fix: add 'script:' to the spec",
+        'job.yaml: np: required key is missing',
+        'allowed: Number of ranks (processes) to start, an integer >= 1.',
+        "fix: add 'np:' to the spec",
+    ], id='missing'),
+    pytest.param('script: t.py\nnp: 2\nhosts: a:2\nhostfile: hf.txt\n', (), [
+        'job.yaml:4: hostfile: hosts and hostfile are both set',
+        "got: '/jobs/hf.txt'",
+        'fix: keep one of them: hosts for a short list, hostfile for a file (with -o hosts=..., also pass'
+         ' -o hostfile=null)',
+    ], id='both_hosts'),
+    pytest.param('script: t.py\nnp: 2\ncontroller: mpi\nelastic:\n  discovery_script: d.sh\n', (), [
+        'job.yaml:3: controller: elastic training runs only with the Gloo controller',
+        "got: 'mpi'",
+        'allowed: gloo (or leave controller unset)',
+        "fix: remove 'controller: mpi' or the elastic section",
+    ], id='elastic_mpi'),
+    pytest.param('script: t.py\nnp: 2\nhosts: a:2\nelastic:\n  discovery_script: d.sh\n'
+                 '  min_np: 3\n  max_np: 1\n', (), [
+        'job.yaml:3: hosts: elastic jobs get their hosts from elastic.discovery_script',
+        "got: 'a:2'",
+        'fix: remove hosts (or remove the elastic section)',
+        'job.yaml:6: elastic.min_np: min_np is above np (2)',
+        'got: 3',
+        'allowed: 1..2',
+        'fix: lower elastic.min_np to at most 2, or raise np',
+        'job.yaml:7: elastic.max_np: max_np is below np (2)',
+        'got: 1',
+        'allowed: >= 2',
+        'fix: raise elastic.max_np to at least 2, or lower np',
+    ], id='elastic_hosts'),
+    pytest.param('script: t.py\nnp: 5\nhosts: [a:2, b:2]\n', (), [
+        'job.yaml:2: np: hosts: np = 5 but the hosts offer only 4 slot(s) (a:2,b:2); lower np to at most 4'
+         ' or add hosts/slots',
+        'got: 5',
+        'fix: lower np or add slots to hosts',
+    ], id='np_slots'),
+    pytest.param("script: t.py\nnp: 2\nhosts: 'a;touch /tmp/x:2'\n", (), [
+        "job.yaml:3: hosts: hosts entry 1: 'a;touch /tmp/x:2'",
+        "expected 'host:N' (no spaces, no empty entries), e.g. 'server1:4'",
+        "got: 'a;touch /tmp/x:2'",
+        "allowed: Hosts and slots: 'a:4,b:4' or a list of 'host:slots' (default: localhost:<np>); not"
+         ' together with hostfile.',
+        'fix: change hosts to an allowed value',
+    ], id='bad_host'),
+    pytest.param('script: t.py\nnp: 2\n  args: [\n', (), [
+        'job.yaml:3: (top level): YAML syntax error: mapping values are not allowed here',
+        "got: 'args: ['",
+        "fix: fix the YAML syntax on that line (indentation, ':' after keys, quotes)",
+    ], id='syntax'),
+    pytest.param('script: t.py\nnp: 2\nnp: 3\n', (), [
+        'job.yaml:3: np: key repeated (first on line 2); YAML would silently keep only the last one',
+        'fix: remove one of the two np keys',
+    ], id='dup'),
+    pytest.param('- script: t.py\n', (), [
+        'job.yaml: (top level): the spec must be a mapping of keys (script, np, ...)',
+        "got: [{'script': 't.py'}]",
+        'fix: start from jobs/quickstart.yaml; `hvdtrain schema` lists every key',
+    ], id='list'),
+    pytest.param('script: t.py\nnp: 2\nargs: [--flag, yes]\n', (), [
+        'job.yaml:3: args[1]: YAML read this as a boolean (yes/no/true/false/on/off); quote it, e.g. "true"',
+        'got: True',
+        'allowed: Arguments for the script, a list of strings (numbers are taken as written); each reaches'
+         ' the script as one literal argv element.',
+        'fix: change args[1] to an allowed value',
+    ], id='args_bool'),
+    pytest.param('script: t.py\nnp: 2\nenv:\n  OK: 1\n  BAD-NAME: x\n', (), [
+        'job.yaml:5: env.BAD-NAME: invalid variable name: use letters, digits and _, not starting with a'
+         ' digit',
+        "got: 'BAD-NAME'",
+        'allowed: Environment variables (NAME: value) set for every rank.',
+        'fix: change env.BAD-NAME to an allowed value',
+    ], id='env_name'),
+    pytest.param("script: t.py\nnp: 2\nextra_args: [--verbose, '--hosts=a:2']\n", (), [
+        'job.yaml:3: extra_args[1]: --hosts is what the spec key hosts sets',
+        "got: '--hosts=a:2'",
+        'fix: remove it from extra_args and set hosts instead',
+    ], id='extra'),
+    pytest.param('script: t.py\nnp: 2\nhorovod: {autotune_log_file: at.csv}\n', (), [
+        'job.yaml:3: horovod.autotune_log_file: Horovod writes the autotune log only when autotuning',
+        "got: '/jobs/at.csv'",
+        'fix: also set horovod.autotune: true',
+    ], id='autotune_log'),
+    pytest.param("script: t.py\nnp: 2\nssh: {identity_file: 'my key'}\n", (), [
+        'job.yaml:3: ssh.identity_file: horovodrun passes this path to a shell unquoted; it may only'
+         ' contain letters, digits and _ . / + @ % = : , ~ - (no spaces or shell characters)',
+        "got: 'my key'",
+        'allowed: Private key file for ssh (relative to the spec file); letters, digits and _ . / + @ % = :'
+         ' , ~ - (no spaces or shell characters).',
+        'fix: change ssh.identity_file to an allowed value',
+    ], id='unsafe_path'),
+    pytest.param('script: t.py\nnp: 2\nlogs: {console_ranks: [0, 2]}\n', (), [
+        'job.yaml:3: logs.console_ranks[1]: there is no rank 2 with np = 2',
+        'got: 2',
+        'allowed: 0..1',
+        'fix: remove it or raise np',
+    ], id='console'),
+    pytest.param('script: t.py\nnp: 2\n', ('np=-1', 'horovod.cycle_time_ms=fast'), [
+        'override -o horovod.cycle_time_ms=fast: horovod.cycle_time_ms: Input should be a valid number',
+        "got: 'fast'",
+        'allowed: --cycle-time-ms: delay between fusion cycles in ms, a number > 0.',
+        'fix: change horovod.cycle_time_ms to an allowed value',
+        'override -o np=-1: np: Input should be greater than or equal to 1',
+        'got: -1',
+        'allowed: Number of ranks (processes) to start, an integer >= 1.',
+        'fix: change np to an allowed value',
+    ], id='override_bad'),
+    pytest.param('script: t.py\nnp: 2\n', ('horovod.cycle=1',), [
+        'override -o horovod.cycle=1: horovod.cycle: unknown key',
+        'got: 1',
+        'allowed: keys here: autotune, autotune_log_file, cache_capacity, cycle_time_ms,'
+         ' fusion_threshold_mb, gloo_timeout_s, hierarchical_allgather, hierarchical_allreduce, log_level,'
+         ' num_nccl_streams, stall_check, stall_check_shutdown_s, stall_check_warning_s, start_timeout_s,'
+         ' tcp_only, timeline_file, timeline_mark_cycles, verbose',
+        "fix: remove 'cycle' or rename it to 'cycle_time_ms'",
+    ], id='override_unknown'),
+    pytest.param('script: t.py\nnp: 2\n', ('np',), [
+        '-o np: (top level): expected key.path=value',
+        "got: 'np'",
+        'fix: write e.g. -o np=4 or -o horovod.cycle_time_ms=2.5',
+    ], id='override_syntax'),
+    pytest.param("script: t.py\nnp: 2\nnetwork_interfaces: ['eth0;id']\n", (), [
+        "job.yaml:3: network_interfaces: invalid interface name(s) 'eth0;id': letters, digits, _ . : @ -",
+        "got: ['eth0;id']",
+        'allowed: --network-interfaces: NIC names to use, e.g. [eth0, ib0].',
+        'fix: change network_interfaces to an allowed value',
+    ], id='nic'),
+])
+def test_each_error_names_place_key_value_allowed_and_fix(text, overrides, expected):
+    message = spec_error(text, overrides)
+    header, *lines = message.splitlines()
+    problems = sum(not line.startswith(" ") for line in lines)
+    assert header.endswith(f": invalid job spec ({problems} problem{'s' if problems > 1 else ''})")
+    assert [line.strip() for line in lines] == expected
+
+
+def test_overrides_set_nested_keys_and_are_validated_like_the_file():
+    spec = load_spec(MINIMAL, "job.yaml", base_dir="/jobs",
+                     overrides=["np=4", "horovod.cycle_time_ms=2.5", "env.A=1", "args=[--x, 1]", "controller=mpi"])
+    assert (spec.np, spec.horovod.cycle_time_ms, spec.env, spec.args, spec.controller) == (
+        4, 2.5, {"A": "1"}, ["--x", "1"], "mpi")
+    spec = load_spec(MINIMAL + "hosts: a:2\n", "job.yaml", overrides=["hosts=null", "np=1"])
+    assert spec.hosts == "localhost:1"
+
+
+def test_files_are_checked_on_request(tmp_path):
+    (tmp_path / "train.py").write_text("print('hi')\n")
+    (tmp_path / "discover.sh").write_text("#!/bin/sh\necho localhost:2\n")
+    text = "script: train.py\nnp: 2\nelastic: {discovery_script: discover.sh}\n"
+    assert [line.strip() for line in spec_error(MINIMAL, check_files=True).splitlines()[1:]] == [
+        "job.yaml:1: script: the training script does not exist",
+        "got: '/jobs/train.py'",
+        "fix: fix the path (relative paths are relative to the spec file)",
+    ]
+    with pytest.raises(SpecError) as err:
+        load_spec(text, str(tmp_path / "job.yaml"), check_files=True)
+    assert [line.strip() for line in str(err.value).replace(str(tmp_path), "T").splitlines()[1:]] == [
+        "T/job.yaml:3: elastic.discovery_script: the discovery script is not executable",
+        "got: 'T/discover.sh'",
+        "fix: chmod +x T/discover.sh",
+    ]
+    (tmp_path / "discover.sh").chmod(0o755)
+    assert load_spec(text, str(tmp_path / "job.yaml"), check_files=True).elastic is not None
+
+
+def test_schema_forbids_unknown_keys_and_describes_every_field():
+    schema = JobSpec.model_json_schema()
+    models = [schema, *schema["$defs"].values()]
+    for model in models:
+        assert model["additionalProperties"] is False
+        for name, prop in model["properties"].items():
+            assert prop.get("description"), f"{model.get('title')}.{name} has no description"
+    assert {"script", "np"} <= set(schema["required"])
+    json.dumps(schema)
