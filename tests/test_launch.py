@@ -25,11 +25,13 @@ RECIPE = str(REPO / "recipes" / "pytorch_train.py")
 CONTROLLERS = ["gloo", "mpi"]
 
 ECHO_ARGV = """
-import json, os, sys
+import json, os, sys, time
 import horovod.torch as hvd
 hvd.init()
+time.sleep(0.2 * hvd.rank())  # mpirun's output forwarding can splice lines written at the same instant
 print("ARGV " + json.dumps({"rank": hvd.rank(), "argv": sys.argv[1:], "env": os.environ.get("HVDTRAIN_TEST")}),
       flush=True)
+time.sleep(0.5)
 print(f"rank {hvd.rank()} says hi on stderr", file=sys.stderr, flush=True)
 """
 
