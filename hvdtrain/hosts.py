@@ -45,6 +45,13 @@ def total_slots(hosts: Iterable[Host]) -> int:
     return sum(h.slots for h in hosts)
 
 
+def rank_hosts(hosts: Iterable[Host], np: int) -> list[str]:
+    """The host of each of `np` ranks as horovodrun places them (Gloo, and MPI's `-map-by slot`): every slot of
+    the first host, then the next host's."""
+    placed = [h.name for h in hosts for _ in range(h.slots)]
+    return placed[:np]
+
+
 def hostname_problem(name: str) -> str | None:
     """Why `name` is not a usable host name, or None when it is a DNS name or an IPv4 address."""
     if not name:

@@ -22,6 +22,7 @@ from typing import IO
 
 import psutil
 
+from hvdtrain.failures import FailureTracker
 from hvdtrain.jobspec import Logs
 from hvdtrain.plan import LaunchPlan
 
@@ -31,8 +32,6 @@ POLL_S = 0.5
 SNAPSHOT_S = 2.0  # a process-tree walk costs ~10 ms of CPU: not every poll, the ranks need the cores
 # Gloo: `[0]<stdout>:text`; MPI (--tag-output): `[1,0]<stdout>:text`. Both become `[0]<stdout>:text`.
 RANK_LINE = re.compile(r"^\[(?:\d+,)?(\d+)\]<(stdout|stderr)>:(.*)$", re.DOTALL)
-# horovodrun (Gloo) and mpirun both report the first failing rank's exit code on a line like this.
-EXIT_CODE_LINE = re.compile(r"^\s*Exit code:\s*(\d+)\s*$")
 _PROBE = r"""
 import json, importlib, pathlib
 for fw in ("torch", "tensorflow"):
@@ -115,10 +114,11 @@ def find_horovodrun() -> str:
 class OutputRouter:
     """Splits horovodrun's merged output into rank lines and launcher lines; echoes and writes per-rank logs."""
 
-    def __init__(self, logs: Logs, stdout: IO[str] | None = None, stderr: IO[str] | None = None) -> None:
+    def __init__(self, logs: Logs, stdout: IO[str] | None = None, stderr: IO[str] | None = None,
+                 rank_hosts: tuple[str, ...] = ()) -> None:
         self.logs, self.stdout, self.stderr = logs, stdout or sys.stdout, stderr or sys.stderr
         self.files: dict[str, IO[str]] = {}
-        self.failed_rank_code: int | None = None
+        self.failures = FailureTracker(rank_hosts)  # the first failing rank, from the launcher's lines
         self.console_ok = True  # False once the console is gone (e.g. `| head`): keep draining, stop echoing
         if logs.dir:
             try:
@@ -137,12 +137,12 @@ class OutputRouter:
         stamp = time.strftime("%Y-%m-%d %H:%M:%S ") if self.logs.timestamp else ""
         m = RANK_LINE.match(text)
         if m is None:
-            if (code := EXIT_CODE_LINE.match(text)) and self.failed_rank_code is None:
-                self.failed_rank_code = int(code.group(1))
+            self.failures.feed(text)
             self._emit(self.stdout, self._file("launcher.log"), stamp + text, stamp + text)
             return
         rank, stream, body = int(m.group(1)), m.group(2), m.group(3)
         body = body.removesuffix(f"[1,{rank}]<{stream}>:")  # mpirun's tag on an empty trailing line
+        self.failures.rank_line(rank, body)
         echo = self.logs.console_ranks is None or rank in self.logs.console_ranks
         console = (self.stderr if stream == "stderr" else self.stdout) if echo else None
         self._emit(console, self._file(f"rank.{rank}.log"), f"{stamp}[{rank}]<{stream}>:{body}", stamp + body)
@@ -235,7 +235,7 @@ def _alive(p: psutil.Process) -> bool:
 
 def run_plan(plan: LaunchPlan, logs: Logs, *, timeout_s: float | None = None) -> int:
     """Run the plan to completion (see NOTE [shutdown]); returns the exit code hvdtrain should exit with."""
-    router = OutputRouter(logs)
+    router = OutputRouter(logs, rank_hosts=plan.rank_hosts)
     router.line(f"hvdtrain: starting {shlex.join(plan.argv)}")
     try:
         proc = subprocess.Popen(plan.argv, env={**os.environ, **plan.env}, stdin=subprocess.DEVNULL,
@@ -265,10 +265,11 @@ def run_plan(plan: LaunchPlan, logs: Logs, *, timeout_s: float | None = None) ->
         job.sweep()
         reader.join(timeout=10)
         router.close()
-    return _exit_code(proc.returncode, router.failed_rank_code, job.signum, timed_out)
+    return _exit_code(proc.returncode, router, job.signum, timed_out)
 
 
-def _exit_code(returncode: int, rank_code: int | None, signum: int | None, timed_out: bool) -> int:
+def _exit_code(returncode: int, router: OutputRouter, signum: int | None, timed_out: bool) -> int:
+    """The job's exit code: the first failing rank's (128 + N when signal N killed it)."""
     if timed_out:
         print("hvdtrain: job timed out and was stopped", file=sys.stderr)
         return 124
@@ -276,7 +277,12 @@ def _exit_code(returncode: int, rank_code: int | None, signum: int | None, timed
         return 128 + signum
     if returncode < 0:
         return 128 - returncode
-    if returncode != 0 and rank_code:
-        print(f"hvdtrain: a rank failed with exit code {rank_code}", file=sys.stderr)
-        return rank_code
+    failure = router.failures.first
+    if returncode != 0 and failure is not None:
+        for line in router.failures.report(router.logs.dir):
+            print(line, file=sys.stderr)
+        if failure.code:
+            return failure.code
+        if failure.signum:
+            return 128 + failure.signum
     return returncode

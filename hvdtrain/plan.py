@@ -10,6 +10,7 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass, field
 
+from hvdtrain.hosts import parse_hosts, rank_hosts
 from hvdtrain.jobspec import HorovodKnobs, JobSpec
 
 # (spec key in `horovod`, horovodrun flag) for knobs that take a value.
@@ -43,6 +44,7 @@ class LaunchPlan:
 
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)
+    rank_hosts: tuple[str, ...] = ()  # host of each rank (Horovod fills hosts' slots in order); () when elastic
 
     def describe(self) -> str:
         """Dry-run text: the command (shell-quoted for display only) and the environment it adds."""
@@ -90,8 +92,11 @@ def build_plan(spec: JobSpec, *, controller: str, horovodrun: str = "horovodrun"
     if controller not in CONTROLLERS:
         raise ValueError(f"controller must be one of {CONTROLLERS}, got {controller!r}")
     argv = [horovodrun, "-np", str(spec.np)]
+    ranks: tuple[str, ...] = ()
     if spec.elastic is None:
-        argv += ["-H", spec.hosts or f"localhost:{spec.np}"]
+        hosts = spec.hosts or f"localhost:{spec.np}"
+        argv += ["-H", hosts]
+        ranks = tuple(rank_hosts(parse_hosts(hosts), spec.np))
     argv.append(f"--{controller}")
     if spec.network_interfaces:
         argv += ["--network-interfaces", ",".join(spec.network_interfaces)]
@@ -101,4 +106,4 @@ def build_plan(spec: JobSpec, *, controller: str, horovodrun: str = "horovodrun"
         argv += ["--ssh-identity-file", spec.ssh.identity_file]
     argv += knob_args(spec.horovod) + elastic_args(spec) + list(spec.extra_args)
     argv += [spec.python, spec.script, *spec.args]
-    return LaunchPlan(argv=argv, env=dict(spec.env))
+    return LaunchPlan(argv=argv, env=dict(spec.env), rank_hosts=ranks)

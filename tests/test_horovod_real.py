@@ -1,13 +1,13 @@
 """Real 2-rank Horovod jobs (horovodrun -np 2 -H localhost:2) with the Gloo and the MPI controller.
 
-The ranks only print what the collectives returned; the arithmetic is checked here, so a wrong average,
-a missing broadcast or an un-averaged gradient fails these tests.
+The ranks only write what the collectives returned (one JSON file per rank); the arithmetic is checked here, so a
+wrong average, a missing broadcast or an un-averaged gradient fails these tests.
 """
 
 from __future__ import annotations
 
 import json
-import re
+from pathlib import Path
 
 import pytest
 
@@ -15,25 +15,22 @@ from tests.harness import REPO, expect_ok, horovodrun
 
 SCRIPTS = REPO / "tests" / "scripts"
 CONTROLLERS = ["gloo", "mpi"]
-RESULT = re.compile(r"RESULT (\{.*\})")
 
 pytestmark = pytest.mark.slow
 
 
-def results_by_rank(output: str, size: int = 2) -> dict[int, dict]:
-    found = {}
-    for line in output.splitlines():
-        m = RESULT.search(line)
-        if m:
-            r = json.loads(m.group(1))
-            found[r["rank"]] = r
-    assert sorted(found) == list(range(size)), f"expected a RESULT line from each rank, got:\n{output}"
+def run_and_collect(script: str, controller: str, out_dir: Path, size: int = 2) -> dict[int, dict]:
+    """Run SCRIPTS/script OUT_DIR on `size` ranks; return each rank's result.<rank>.json (the job must succeed)."""
+    job = expect_ok(horovodrun(SCRIPTS / script, str(out_dir), np=size, controller=controller))
+    found = {int(p.name.split(".")[1]): json.loads(p.read_text()) for p in out_dir.glob("result.*.json")}
+    assert sorted(found) == list(range(size)), f"expected a result file from each rank\n{job.describe()}"
+    assert all(found[r]["rank"] == r for r in found)
     return found
 
 
 @pytest.mark.parametrize("controller", CONTROLLERS)
-def test_collectives_compute_the_mean_sum_and_broadcast(controller):
-    res = results_by_rank(expect_ok(horovodrun(SCRIPTS / "allreduce_mean.py", controller=controller)).output)
+def test_collectives_compute_the_mean_sum_and_broadcast(controller, tmp_path):
+    res = run_and_collect("allreduce_mean.py", controller, tmp_path)
     contributions = [[float(r), 10.0 * r + 1.0] for r in range(2)]
     mean = [sum(c[i] for c in contributions) / 2 for i in range(2)]
     total = [sum(c[i] for c in contributions) for i in range(2)]
@@ -47,8 +44,8 @@ def test_collectives_compute_the_mean_sum_and_broadcast(controller):
 
 
 @pytest.mark.parametrize("controller", CONTROLLERS)
-def test_distributed_optimizer_step_equals_step_on_averaged_gradient(controller):
-    res = results_by_rank(expect_ok(horovodrun(SCRIPTS / "optimizer_step.py", controller=controller)).output)
+def test_distributed_optimizer_step_equals_step_on_averaged_gradient(controller, tmp_path):
+    res = run_and_collect("optimizer_step.py", controller, tmp_path)
     r0, r1 = res[0], res[1]
     assert r0["w0"] == r1["w0"], "broadcast_parameters did not make the initial weights identical"
     assert r0["local_grad"] != r1["local_grad"], "ranks saw the same data: the test would prove nothing"

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from hvdtrain.failures import RankFailure
 from hvdtrain.jobspec import Logs
 from hvdtrain.launch import OutputRouter
 from tests.harness import BIN, REPO, expect_ok, run_bounded
@@ -101,7 +102,7 @@ def test_router_normalises_prefixes_filters_console_and_writes_rank_logs(tmp_pat
     assert (tmp_path / "logs" / "rank.0.log").read_text() == "gloo zero\n"
     assert (tmp_path / "logs" / "rank.1.log").read_text() == "mpi one\noops\n"
     assert "launcher says hi" in (tmp_path / "logs" / "launcher.log").read_text()
-    assert router.failed_rank_code == 3  # the first report wins
+    assert router.failures.first == RankFailure(1, code=3)  # the first report wins
 
 
 def test_router_echoes_every_rank_by_default_stderr_to_stderr_with_optional_timestamps():
@@ -201,7 +202,7 @@ def test_exit_code_is_the_failing_ranks(controller, tmp_path):
     res = run_bounded([HVDTRAIN, "run", str(job)], timeout=180)
     assert res.returncode == 3, res.describe()
     assert "rank 1 is failing on purpose" in res.output
-    assert "hvdtrain: a rank failed with exit code 3" in res.output
+    assert "hvdtrain: rank 1 on host localhost exited with code 3 (the first rank to fail)" in res.output
 
 
 @pytest.mark.slow

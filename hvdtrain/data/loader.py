@@ -117,6 +117,7 @@ class ShmLoader:
                             None if dataset is None else {"num_samples": len(dataset), "shuffle": shuffle,
                                                           "drop_last": drop_last, "batch_size": batch_size,
                                                           "even": even})
+        shm.sweep_stale()  # segments a crashed (SIGKILLed) trainer could not unlink: their creator pid is dead
         try:
             self._start(base, mp.get_context(start_method), import_main)
         except BaseException:

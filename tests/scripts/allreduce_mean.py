@@ -1,6 +1,12 @@
-"""Each rank contributes its rank; prints what the collectives returned, for the test to check."""
+"""Each rank contributes its rank; writes what the collectives returned to OUT_DIR/result.<rank>.json.
+
+Usage: allreduce_mean.py OUT_DIR. Results go to files, not stdout: mpirun's output forwarding can splice lines that
+two ranks write at the same instant, which once made a correct run unparseable.
+"""
 
 import json
+import os
+import sys
 
 import horovod.torch as hvd
 import torch
@@ -17,4 +23,7 @@ result = {
     "broadcast": hvd.broadcast(mine, root_rank=size - 1, name="bcast").tolist(),
     "allgather": hvd.allgather(mine.reshape(1, 2), name="gather").tolist(),
 }
-print("RESULT " + json.dumps(result), flush=True)
+tmp = os.path.join(sys.argv[1], f".result.{rank}.tmp")
+with open(tmp, "w") as f:
+    json.dump(result, f)
+os.replace(tmp, os.path.join(sys.argv[1], f"result.{rank}.json"))

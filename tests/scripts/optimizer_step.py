@@ -1,10 +1,13 @@
 """broadcast_parameters + one DistributedOptimizer SGD step on different data per rank.
 
-Prints, per rank: the weights after broadcast, this rank's own (local) gradient and the weights after the step.
-The test checks the arithmetic: every rank ends with w0 - lr * mean(local gradients).
+Writes, per rank, to OUT_DIR/result.<rank>.json (usage: optimizer_step.py OUT_DIR): the weights after broadcast,
+this rank's own (local) gradient and the weights after the step. The test checks the arithmetic: every rank ends
+with w0 - lr * mean(local gradients).
 """
 
 import json
+import os
+import sys
 
 import horovod.torch as hvd
 import torch
@@ -30,10 +33,14 @@ opt.zero_grad()
 loss.backward()
 opt.step()
 
-print("RESULT " + json.dumps({
+result = {
     "rank": rank,
     "lr": LR,
     "w0": [t.flatten().tolist() for t in w0],
     "local_grad": [g.flatten().tolist() for g in local_grads],
     "w1": [p.detach().flatten().tolist() for p in model.parameters()],
-}), flush=True)
+}
+tmp = os.path.join(sys.argv[1], f".result.{rank}.tmp")
+with open(tmp, "w") as f:
+    json.dump(result, f)
+os.replace(tmp, os.path.join(sys.argv[1], f"result.{rank}.json"))

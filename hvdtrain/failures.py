@@ -1,0 +1,118 @@
+"""Which rank failed first, on which host, and how — read from horovodrun's and mpirun's own report lines.
+
+horovodrun (Gloo) prints `Process 1 exit with status code 3.` for each rank that exits non-zero (the first one
+first: it then terminates the others) and, at the end, `Exit code: 3`. mpirun prints `Process name: [[j,1],1]`
+followed by `Exit code: 3`, or `mpirun noticed that process rank 1 with PID 42 on node h1 exited on signal 9`.
+`FailureTracker.feed` takes every launcher line (not the ranks' own output) and keeps the first failure.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+from collections import deque
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+GLOO_EXIT = re.compile(r"^Process (\d+) exit with status code (-?\d+)\.?\s*$")
+MPI_SIGNAL = re.compile(r"process rank (\d+) with PID \d+ on node (\S+) exited on signal (\d+)")
+MPI_NAME = re.compile(r"^\s*Process name:\s*\[\[\d+,\d+\],(\d+)\]\s*$")
+EXIT_CODE = re.compile(r"^\s*Exit code:\s*(-?\d+)\s*$")
+# The last line of a Python traceback: `RuntimeError: message` (unindented). Ranks that only saw the job being
+# shut down under them raise HorovodInternalError: they are victims, not the cause.
+EXCEPTION = re.compile(r"^[A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit)(?::.*)?$")
+VICTIM = ("HorovodInternalError", "HostsUpdatedInterrupt", "Horovod has been shut down")
+TAIL_LINES = 15
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """The first rank that failed: its exit code, or the signal that killed it, and its host when known."""
+
+    rank: int | None
+    code: int | None = None
+    signum: int | None = None
+    host: str | None = None
+
+    def how(self) -> str:
+        if self.signum is not None:
+            try:
+                name = signal.Signals(self.signum).name
+            except ValueError:
+                name = f"signal {self.signum}"
+            return f"was killed by {name}"
+        return f"exited with code {self.code}"
+
+
+def _from_code(rank: int | None, code: int) -> RankFailure:
+    """Shells report a rank killed by signal N as 128+N, Python's subprocess as -N."""
+    if code < 0:
+        return RankFailure(rank, signum=-code)
+    if 128 < code < 128 + 65:
+        return RankFailure(rank, code=code, signum=code - 128)
+    return RankFailure(rank, code=code)
+
+
+class FailureTracker:
+    """Feeds on launcher lines; `first` is the first rank failure reported, with its host from `rank_hosts`."""
+
+    def __init__(self, rank_hosts: tuple[str, ...] = ()) -> None:
+        self.rank_hosts = rank_hosts
+        self.first: RankFailure | None = None
+        self._mpi_rank: int | None = None  # from `Process name:`, waiting for its `Exit code:` line
+        self.tails: dict[int, deque[str]] = {}
+        self.cause: tuple[int, str] | None = None  # the first rank to raise something other than a victim's error
+
+    def rank_line(self, rank: int, text: str) -> None:
+        """Remember the last lines each rank printed, and the first real exception any rank raised."""
+        self.tails.setdefault(rank, deque(maxlen=TAIL_LINES)).append(text)
+        if self.cause is None and EXCEPTION.match(text) and not any(v in text for v in VICTIM):
+            self.cause = (rank, text.strip())
+
+    def feed(self, line: str) -> None:
+        if self.first is not None:
+            return
+        if m := GLOO_EXIT.match(line):
+            self._set(_from_code(int(m.group(1)), int(m.group(2))))
+        elif m := MPI_SIGNAL.search(line):
+            self._set(RankFailure(int(m.group(1)), signum=int(m.group(3)), host=m.group(2)))
+        elif m := MPI_NAME.match(line):
+            self._mpi_rank = int(m.group(1))
+        elif m := EXIT_CODE.match(line):
+            self._set(_from_code(self._mpi_rank, int(m.group(1))))
+
+    def _set(self, failure: RankFailure) -> None:
+        r = failure.rank
+        if failure.host is None and r is not None and 0 <= r < len(self.rank_hosts):
+            failure = replace(failure, host=self.rank_hosts[r])
+        self.first = failure
+
+    def _host(self, rank: int) -> str:
+        host = self.first.host if self.first and self.first.rank == rank else None
+        host = host or (self.rank_hosts[rank] if 0 <= rank < len(self.rank_hosts) else None)
+        return f" on host {host}" if host else ""
+
+    def report(self, log_dir: str | None) -> list[str]:
+        """What hvdtrain prints about the failure: who, where, how, and where to read its output.
+
+        The launcher names the first rank to *exit*; when another rank raised the exception that brought the job
+        down (the others then fail inside Horovod), that rank is named as the cause.
+        """
+        f = self.first
+        if f is None:
+            return []
+        if f.rank is None:
+            return [f"hvdtrain: a rank {f.how()}"]
+        lines = [f"hvdtrain: rank {f.rank}{self._host(f.rank)} {f.how()} (the first rank to fail)"]
+        rank = f.rank
+        if self.cause is not None and self.cause[0] != f.rank and f.signum is None:  # a killed rank is the cause
+            rank = self.cause[0]
+            lines = [f"hvdtrain: rank {rank}{self._host(rank)} raised {self.cause[1]} (the cause); "
+                     f"rank {f.rank} {f.how()} first, after Horovod shut down"]
+        if log_dir:
+            lines.append(f"hvdtrain: its output: {Path(log_dir) / f'rank.{rank}.log'}")
+        elif tail := self.tails.get(rank):
+            lines.append(f"hvdtrain: its last {len(tail)} line(s) (set logs.dir in the spec to keep every rank's "
+                         "output):")
+            lines += [f"  | {t}" for t in tail]
+        return lines

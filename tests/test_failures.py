@@ -1,0 +1,82 @@
+"""FailureTracker from launcher and rank lines as strings: who failed first, where, how, and what hvdtrain says."""
+
+from __future__ import annotations
+
+import pytest
+
+from hvdtrain.failures import FailureTracker, RankFailure
+from hvdtrain.hosts import parse_hosts, rank_hosts
+
+GLOO_RAISE = ["Process 1 exit with status code 1.", "Terminating remaining workers after failure of Process 1.",
+              "Process 0 exit with status code 143.", "Process name: 1", "Exit code: 1"]
+MPI_EXIT = ["Primary job  terminated normally, but 1 process returned", "  Process name: [[19107,1],0]",
+            "  Exit code:    1"]
+MPI_KILLED = ["mpirun noticed that process rank 1 with PID 0 on node vm exited on signal 9 (Killed)."]
+
+
+def track(lines: list[str], hosts: tuple[str, ...] = ("a", "b")) -> FailureTracker:
+    t = FailureTracker(hosts)
+    for line in lines:
+        t.feed(line)
+    return t
+
+
+@pytest.mark.parametrize(("lines", "first"), [
+    (GLOO_RAISE, RankFailure(1, code=1, host="b")),
+    (["Process 1 exit with status code 137."], RankFailure(1, code=137, signum=9, host="b")),
+    (["Process 0 exit with status code -15."], RankFailure(0, signum=15, host="a")),
+    (MPI_EXIT, RankFailure(0, code=1, host="a")),
+    (MPI_KILLED, RankFailure(1, signum=9, host="vm")),  # mpirun names the node itself
+    (["Exit code: 4"], RankFailure(None, code=4)),
+    (["all good", "[0]<stdout>:Exit code: 3"], None),
+])
+def test_the_first_failure_reported_by_horovodrun_or_mpirun(lines, first):
+    assert track(lines).first == first
+
+
+def test_report_names_rank_host_how_and_the_log():
+    assert track(GLOO_RAISE).report("/logs") == [
+        "hvdtrain: rank 1 on host b exited with code 1 (the first rank to fail)",
+        "hvdtrain: its output: /logs/rank.1.log"]
+    assert track(MPI_KILLED).report(None) == [
+        "hvdtrain: rank 1 on host vm was killed by SIGKILL (the first rank to fail)"]
+
+
+def test_without_a_log_dir_the_failing_ranks_last_lines_are_shown():
+    t = FailureTracker(("a", "b"))
+    for i in range(20):
+        t.rank_line(1, f"line {i}")
+    t.rank_line(0, "other rank")
+    t.feed("Process 1 exit with status code 2.")
+    report = t.report(None)
+    assert report[1] == ("hvdtrain: its last 15 line(s) (set logs.dir in the spec to keep every rank's output):")
+    assert report[2:] == [f"  | line {i}" for i in range(5, 20)]
+
+
+def test_the_rank_that_raised_is_named_as_the_cause_when_a_victim_exits_first():
+    t = FailureTracker(("a", "b"))
+    t.rank_line(0, "horovod.common.exceptions.HorovodInternalError: Horovod has been shut down. ...")
+    t.rank_line(1, "Traceback (most recent call last):")
+    t.rank_line(1, "RuntimeError: disk full")
+    for line in MPI_EXIT:  # mpirun saw rank 0 exit first
+        t.feed(line)
+    assert t.report("/logs") == [
+        "hvdtrain: rank 1 on host b raised RuntimeError: disk full (the cause); rank 0 exited with code 1 first, "
+        "after Horovod shut down",
+        "hvdtrain: its output: /logs/rank.1.log"]
+
+
+def test_a_killed_rank_stays_the_cause_even_if_another_rank_printed_an_error():
+    t = FailureTracker(("a", "b"))
+    t.rank_line(0, "RuntimeError: Gloo connection reset")
+    t.feed("Process 1 exit with status code 137.")
+    assert t.report(None)[0] == "hvdtrain: rank 1 on host b was killed by SIGKILL (the first rank to fail)"
+
+
+@pytest.mark.parametrize(("hosts", "np", "placed"), [
+    ("a:2,b:2", 4, ["a", "a", "b", "b"]),
+    ("a:2,b:2", 3, ["a", "a", "b"]),
+    ("localhost:4", 2, ["localhost", "localhost"]),
+])
+def test_ranks_fill_each_hosts_slots_in_order(hosts, np, placed):
+    assert rank_hosts(parse_hosts(hosts), np) == placed
