@@ -89,6 +89,8 @@ class Config:
         "help": "stop cleanly after this epoch (re-run to resume)"})
     progress: bool = field(default=True, metadata={"help": "tqdm progress bar on rank 0"})
     tensorboard: bool = field(default=True, metadata={"help": "TensorBoard scalars on rank 0"})
+    stall_plot: bool = field(default=False, metadata={
+        "help": "rank 0 plots its wait-for-data and step time per step to <run-dir>/stall.png"})
 
     def __post_init__(self) -> None:
         positive = ("epochs", "batch_size", "backward_passes_per_step", "num_workers", "keep_checkpoints",
@@ -366,6 +368,9 @@ def finish(t: Trainer, run_dir: Path, first: int, done: int, samples: float, sec
         samples_per_sec=samples / seconds if seconds else math.nan, stall=stall,
         extra={"world_size": t.size, "resumed_from_epoch": first, "weights_sha256_by_rank": digests})
     path = write_summary(run_dir, summary)
+    if t.cfg.stall_plot:
+        print(f"stall plot: {t.meter.plot(run_dir / 'stall.png', title=f'rank 0 of {t.size}: input stall')}",
+              flush=True)
     newest = checkpoint.list_checkpoints(t.ckpt_dir)
     last = summary["val_accuracy"]
     print(f"done: {done}/{t.epochs} epochs, validation accuracy "

@@ -194,9 +194,11 @@ def test_mpi_resnet_on_npz_shards_with_fp16_allreduce_and_accumulation(tmp_path)
                  y=rng.integers(0, 4, 96))
     run = run_recipe(tmp_path, tmp_path / "run", "--dataset", str(shards), "--model", "resnet",
                      "--model-width", "8", "--epochs", "2", "--batch-size", "8", "--backward-passes-per-step",
-                     "2", "--fp16-allreduce", "--no-tensorboard", controller="mpi")
+                     "2", "--fp16-allreduce", "--no-tensorboard", "--stall-plot", controller="mpi")
     summary = run.summary()
     assert summary["epochs_completed"] == 2
+    plot = run.run_dir / "stall.png"
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"stall plot: {plot}" in run.output
     digests = summary["weights_sha256_by_rank"]
     assert digests[0] == digests[1] == file_digest(checkpoint_state(run, 2)["model"])
     assert run.audit[1] == [] and run.audit[0], run.audit
