@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from collections.abc import Sequence
 
@@ -21,10 +22,22 @@ def _require_list(text: str) -> set[str]:
     return items
 
 
+def _port(text: str) -> int:
+    if not text.isdigit() or not 1 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number (1..65535)")
+    return int(text)
+
+
 def _cmd_doctor(args: argparse.Namespace) -> int:
     from hvdtrain.doctor import doctor
 
-    return doctor(args.require, as_json=args.json)
+    more = None
+    if args.hosts is not None or args.hostfile is not None:
+        from hvdtrain.doctor_hosts import host_checks, load_hosts
+
+        hosts = load_hosts(args.hosts, args.hostfile)  # HostError: exit 2 with the parser's message
+        more = functools.partial(host_checks, hosts, port=args.ssh_port, identity_file=args.ssh_identity_file)
+    return doctor(args.require, as_json=args.json, more=more)
 
 
 def _load(args: argparse.Namespace):
@@ -51,7 +64,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(plan.describe())
         return 0
-    return run_plan(plan, spec.logs, timeout_s=args.timeout)
+    return run_plan(plan, spec.logs, timeout_s=args.timeout, ssh=spec.ssh)
 
 
 def _cmd_schema(args: argparse.Namespace) -> int:
@@ -78,6 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--require", type=_require_list, default=set(), metavar="LIST",
                    help=f"also require these (comma-separated): {', '.join(REQUIRABLE)}")
     p.add_argument("--json", action="store_true", help="print the checks as JSON")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--hosts", metavar="H:N,...", help="also check these hosts over ssh (e.g. a:4,b:4)")
+    where.add_argument("--hostfile", metavar="FILE", help="also check the hosts of this hostfile over ssh")
+    p.add_argument("--ssh-port", type=_port, default=None, metavar="PORT", help="ssh port on every host")
+    p.add_argument("--ssh-identity-file", default=None, metavar="KEY", help="private key for ssh")
     p.set_defaults(func=_cmd_doctor)
 
     p = sub.add_parser("run", help="launch a job spec with horovodrun (--dry-run: print the command only)")

@@ -11,6 +11,7 @@ import json
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -200,9 +201,10 @@ def format_report(checks: list[Check]) -> str:
     return "\n".join(lines)
 
 
-def doctor(require: set[str], as_json: bool = False) -> int:
-    """Print the report; exit status 0 when every required check passed, 1 otherwise."""
-    checks = run_checks(require)
+def doctor(require: set[str], as_json: bool = False, more: Callable[[], list[Check]] | None = None) -> int:
+    """Print the report; exit status 0 when every required check passed, 1 otherwise. `more` adds checks
+    (`--hosts`: hvdtrain.doctor_hosts)."""
+    checks = run_checks(require) + (more() if more else [])
     if as_json:
         print(json.dumps([asdict(c) for c in checks], indent=2))
     else:

@@ -22,6 +22,10 @@ EXIT_CODE = re.compile(r"^\s*Exit code:\s*(-?\d+)\s*$")
 # shut down under them raise HorovodInternalError: they are victims, not the cause.
 EXCEPTION = re.compile(r"^[A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit)(?::.*)?$")
 VICTIM = ("HorovodInternalError", "HostsUpdatedInterrupt", "Horovod has been shut down")
+# mpirun, when a host's orted stops answering: `Remote daemon: [[21958,0],2] on node 10.213.86.12`.
+MPI_LOST_DAEMON = re.compile(r"^\s*Remote daemon:\s*\S+ on node (\S+)\s*$")
+# Gloo, when a peer stops answering (a lost host or link); it does not say which peer.
+GLOO_TIMEOUT = "Timed out waiting"
 TAIL_LINES = 15
 
 
@@ -62,14 +66,20 @@ class FailureTracker:
         self._mpi_rank: int | None = None  # from `Process name:`, waiting for its `Exit code:` line
         self.tails: dict[int, deque[str]] = {}
         self.cause: tuple[int, str] | None = None  # the first rank to raise something other than a victim's error
+        self.lost_host: str | None = None  # a host mpirun lost contact with
+        self.peer_timed_out = False  # a rank's Gloo operation timed out waiting for a peer
+        self.unreachable: dict[str, str] = {}  # filled by the launcher after a timeout: host -> why
 
     def rank_line(self, rank: int, text: str) -> None:
         """Remember the last lines each rank printed, and the first real exception any rank raised."""
         self.tails.setdefault(rank, deque(maxlen=TAIL_LINES)).append(text)
+        self.peer_timed_out = self.peer_timed_out or GLOO_TIMEOUT in text
         if self.cause is None and EXCEPTION.match(text) and not any(v in text for v in VICTIM):
             self.cause = (rank, text.strip())
 
     def feed(self, line: str) -> None:
+        if self.lost_host is None and (m := MPI_LOST_DAEMON.match(line)):
+            self.lost_host = m.group(1)
         if self.first is not None:
             return
         if m := GLOO_EXIT.match(line):
@@ -98,11 +108,12 @@ class FailureTracker:
         The launcher names the first rank to *exit*; when another rank raised the exception that brought the job
         down (the others then fail inside Horovod), that rank is named as the cause.
         """
+        lost = self._lost_hosts()
         f = self.first
         if f is None:
-            return []
+            return lost
         if f.rank is None:
-            return [f"hvdtrain: a rank {f.how()}"]
+            return [*lost, f"hvdtrain: a rank {f.how()}"]
         lines = [f"hvdtrain: rank {f.rank}{self._host(f.rank)} {f.how()} (the first rank to fail)"]
         rank = f.rank
         if self.cause is not None and self.cause[0] != f.rank and f.signum is None:  # a killed rank is the cause
@@ -115,4 +126,12 @@ class FailureTracker:
             lines.append(f"hvdtrain: its last {len(tail)} line(s) (set logs.dir in the spec to keep every rank's "
                          "output):")
             lines += [f"  | {t}" for t in tail]
-        return lines
+        return [*lost, *lines]
+
+    def _lost_hosts(self) -> list[str]:
+        """A lost host is the cause whatever rank exited first: say so first."""
+        if self.lost_host:
+            return [f"hvdtrain: lost contact with host {self.lost_host} (mpirun: its daemon stopped answering); "
+                    "check that host and the network to it (hvdtrain doctor --hosts ...)"]
+        return [f"hvdtrain: host {host} is unreachable now ({why}); it is the likely cause (a rank timed out "
+                "waiting for a peer)" for host, why in sorted(self.unreachable.items())]

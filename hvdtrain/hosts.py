@@ -52,6 +52,16 @@ def rank_hosts(hosts: Iterable[Host], np: int) -> list[str]:
     return placed[:np]
 
 
+def is_loopback(name: str) -> bool:
+    """`localhost` or a loopback address: ranks there run on this machine (no ssh), whatever its other names."""
+    if name.lower() in ("localhost", "localhost."):
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
 def hostname_problem(name: str) -> str | None:
     """Why `name` is not a usable host name, or None when it is a DNS name or an IPv4 address."""
     if not name:

@@ -139,8 +139,19 @@ class Elastic(_Model):
     reset_limit: NonNegInt | None = Field(None, description="--reset-limit: most rescales before failing, >= 0.")
     timeout_s: PosInt | None = Field(
         None, description="--elastic-timeout: seconds to wait for hosts after a rescale, >= 1 (Horovod: 600).")
+    blacklist_cooldown_s: list[Annotated[int, Field(ge=1, le=3600)]] | None = Field(
+        None, description="--blacklist-cooldown-range: [MIN, MAX] seconds, 1 <= MIN <= MAX <= 3600: a host "
+                          "blacklisted for a failed rank may rejoin after ~MIN × 2^failures s (at most MAX) if "
+                          "discovery lists it; unset: it never rejoins.")
 
     _resolve = field_validator("discovery_script")(lambda v, info: _shell_safe(resolve_path(v, info)))
+
+    @field_validator("blacklist_cooldown_s")
+    @classmethod
+    def _cooldown(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and (len(value) != 2 or value[0] > value[1]):
+            raise ValueError("expected [MIN, MAX] seconds with MIN <= MAX, e.g. [10, 300]")
+        return value
 
 
 class Logs(_Model):

@@ -23,7 +23,7 @@ from typing import IO
 import psutil
 
 from hvdtrain.failures import FailureTracker
-from hvdtrain.jobspec import Logs
+from hvdtrain.jobspec import Logs, Ssh
 from hvdtrain.plan import LaunchPlan
 
 PROBE_TIMEOUT_S = 120
@@ -233,8 +233,11 @@ def _alive(p: psutil.Process) -> bool:
         return False
 
 
-def run_plan(plan: LaunchPlan, logs: Logs, *, timeout_s: float | None = None) -> int:
-    """Run the plan to completion (see NOTE [shutdown]); returns the exit code hvdtrain should exit with."""
+def run_plan(plan: LaunchPlan, logs: Logs, *, timeout_s: float | None = None, ssh: Ssh | None = None) -> int:
+    """Run the plan to completion (see NOTE [shutdown]); returns the exit code hvdtrain should exit with.
+
+    `ssh`: how to reach the hosts, to find which one was lost when a rank timed out waiting for a peer.
+    """
     router = OutputRouter(logs, rank_hosts=plan.rank_hosts)
     router.line(f"hvdtrain: starting {shlex.join(plan.argv)}")
     try:
@@ -265,7 +268,19 @@ def run_plan(plan: LaunchPlan, logs: Logs, *, timeout_s: float | None = None) ->
         job.sweep()
         reader.join(timeout=10)
         router.close()
+    if proc.returncode != 0 and router.failures.peer_timed_out and job.signum is None:
+        _find_lost_hosts(router.failures, plan, ssh or Ssh())
     return _exit_code(proc.returncode, router, job.signum, timed_out)
+
+
+def _find_lost_hosts(failures: FailureTracker, plan: LaunchPlan, ssh: Ssh) -> None:
+    """Gloo does not say which peer it timed out on: ask ssh which of the job's remote hosts is gone (bounded)."""
+    from hvdtrain.doctor_hosts import is_local, local_addresses, unreachable_hosts
+
+    here = local_addresses()
+    remote = sorted({h for h in plan.rank_hosts if not is_local(h, here)})
+    if remote:
+        failures.unreachable = unreachable_hosts(remote, ssh.port, ssh.identity_file)
 
 
 def _exit_code(returncode: int, router: OutputRouter, signum: int | None, timed_out: bool) -> int:
@@ -278,9 +293,10 @@ def _exit_code(returncode: int, router: OutputRouter, signum: int | None, timed_
     if returncode < 0:
         return 128 - returncode
     failure = router.failures.first
-    if returncode != 0 and failure is not None:
+    if returncode != 0:
         for line in router.failures.report(router.logs.dir):
             print(line, file=sys.stderr)
+    if returncode != 0 and failure is not None:
         if failure.code:
             return failure.code
         if failure.signum:

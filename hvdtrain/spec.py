@@ -30,6 +30,7 @@ MODELED_FLAGS = {
     "--network-interfaces": "network_interfaces", "--min-np": "elastic.min_np", "--max-np": "elastic.max_np",
     "--host-discovery-script": "elastic.discovery_script", "--slots-per-host": "elastic.slots_per_host",
     "--reset-limit": "elastic.reset_limit", "--elastic-timeout": "elastic.timeout_s",
+    "--blacklist-cooldown-range": "elastic.blacklist_cooldown_s",
     "--fusion-threshold-mb": "horovod.fusion_threshold_mb", "--cycle-time-ms": "horovod.cycle_time_ms",
     "--timeline-filename": "horovod.timeline_file", "--log-level": "horovod.log_level",
     "--autotune": "horovod.autotune", "--config-file": "the spec itself", "--output-filename": "logs.dir",

@@ -55,7 +55,7 @@ def run_bounded(
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        kill_group(proc)
+        kill_tree(proc)
         out, _ = proc.communicate(timeout=30)
         pytest.fail(f"timed out after {timeout:.0f} s: {' '.join(argv)}\n--- output ---\n{out}")
     finally:
@@ -67,6 +67,21 @@ def run_bounded(
 def kill_group(proc: subprocess.Popen) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL the job's group and every descendant: horovodrun's middlemen setsid() the ranks into sessions of
+    their own, so the group alone misses them (the tree is walked before anything dies and is re-parented)."""
+    import psutil
+
+    try:
+        descendants = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.Error:
+        descendants = []
+    kill_group(proc)
+    for p in descendants:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
 
 
 def horovodrun(

@@ -1,18 +1,20 @@
 """Test-only "hosts" on this machine: Linux network namespaces joined by a bridge, each running its own sshd.
 
     root namespace: bridge hb<tok> 10.213.<n>.1/24
-      ├─ veth hv<tok>1 ── netns hvdt<tok>h1: eth0 10.213.<n>.11, sshd on :22 (generated host key)
-      └─ veth hv<tok>2 ── netns hvdt<tok>h2: eth0 10.213.<n>.12, sshd on :22
+      ├─ veth hv<tok>1 ── netns hvdt<tok>h1: eth0 10.213.<n>.11, sshd on :22 (generated host key), hostname hvdt<tok>h1
+      └─ veth hv<tok>2 ── netns hvdt<tok>h2: eth0 10.213.<n>.12, sshd on :22, hostname hvdt<tok>h2
 
 The hosts share this machine's filesystem, so a job started over ssh runs the same venv and scripts. Keys are
-generated per fixture in a temporary directory; everything (sshd processes, namespaces, bridge, known_hosts
-entries) is removed on exit. Only addresses inside the namespaces this module creates are ever contacted.
+generated per fixture in a temporary directory; everything (sshd and every other process still inside the
+namespaces, the namespaces, bridge, known_hosts entries) is removed on exit. Only addresses inside the namespaces
+this module creates are ever contacted.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -31,6 +33,11 @@ class SshHost:
     address: str
     host_veth: str  # the bridge-side end: `ip link set <it> down` cuts the host off
 
+    @property
+    def hostname(self) -> str:
+        """What `hostname` says on this host (processes started over ssh see it)."""
+        return self.namespace
+
 
 @dataclass(frozen=True)
 class SshCluster:
@@ -43,13 +50,17 @@ def unavailable_reason() -> str | None:
     """Why namespaces + sshd cannot be used here (None when they can)."""
     if os.geteuid() != 0:
         return "network namespaces need root"
-    for tool in ("ip", "ssh", "ssh-keygen", SSHD):
+    for tool in ("ip", "ssh", "ssh-keygen", "unshare", SSHD):
         if shutil.which(tool) is None and not Path(tool).exists():
             return f"{tool} is not installed (scripts/setup.sh installs openssh-server and iproute2)"
     probe = f"hvdtprobe{os.getpid()}"
     if _run(["ip", "netns", "add", probe], check=False).returncode != 0:
         return "this machine does not allow creating network namespaces"
     _run(["ip", "netns", "del", probe], check=False)
+    bridge = f"hvdtpb{os.getpid() % 100000}"
+    if _run(["ip", "link", "add", bridge, "type", "bridge"], check=False).returncode != 0:
+        return "this machine does not allow creating a network bridge"
+    _run(["ip", "link", "del", bridge], check=False)
     return None
 
 
@@ -105,6 +116,28 @@ def _add_host(tok: str, i: int, subnet: str, bridge: str) -> SshHost:
     return host
 
 
+def namespace_processes(namespace: str) -> dict[int, str]:
+    """pid -> command line of every process inside a namespace (`ip netns pids`)."""
+    found = {}
+    for pid in _run(["ip", "netns", "pids", namespace], check=False).stdout.split():
+        try:
+            found[int(pid)] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+        except OSError:  # exited in between
+            continue
+    return found
+
+
+def _kill_namespace_processes(namespace: str, deadline_s: float = 10) -> None:
+    """SIGKILL whatever still runs in the namespace (an sshd session whose client vanished with a cut link, a
+    stray rank): `ip netns del` only unmounts the name, and those processes would keep it alive unseen."""
+    deadline = time.monotonic() + deadline_s
+    while (pids := namespace_processes(namespace)) and time.monotonic() < deadline:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.1)
+
+
 def _teardown(tok: str, n: int, bridge: str, sshds: list[subprocess.Popen], hosts: list[SshHost]) -> None:
     for proc in sshds:
         with contextlib.suppress(ProcessLookupError):
@@ -112,6 +145,7 @@ def _teardown(tok: str, n: int, bridge: str, sshds: list[subprocess.Popen], host
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=10)
     for i in range(1, n + 1):
+        _kill_namespace_processes(f"hvdt{tok}h{i}")
         _run(["ip", "netns", "del", f"hvdt{tok}h{i}"], check=False)
         _run(["ip", "link", "del", f"hv{tok}{i}"], check=False)
     _run(["ip", "link", "del", bridge], check=False)
@@ -119,11 +153,22 @@ def _teardown(tok: str, n: int, bridge: str, sshds: list[subprocess.Popen], host
         _run(["ssh-keygen", "-R", host.address], check=False)
 
 
+def _free_subnet() -> str:
+    """A 10.213.N/24 no interface here uses yet (two test sessions at once must not share a subnet)."""
+    used = _run(["ip", "-4", "-o", "addr", "show"], check=False).stdout
+    start = os.getpid() % 200
+    for k in range(200):
+        subnet = f"10.213.{(start + k) % 200 + 20}"
+        if f" {subnet}." not in used:
+            return subnet
+    raise RuntimeError("no free 10.213.N.0/24 subnet for the test hosts")
+
+
 @contextlib.contextmanager
 def ssh_cluster(tmp: Path, n: int = 2) -> Iterator[SshCluster]:
     """Start n namespace hosts with sshd; yield their addresses and the client key; tear everything down."""
     tok = str(os.getpid() % 100000)
-    subnet = f"10.213.{os.getpid() % 200 + 20}"
+    subnet = _free_subnet()
     bridge = f"hb{tok}"
     sshds: list[subprocess.Popen] = []
     hosts: list[SshHost] = []
@@ -137,10 +182,13 @@ def ssh_cluster(tmp: Path, n: int = 2) -> Iterator[SshCluster]:
         shutil.copy(tmp / "id_ed25519.pub", tmp / "authorized_keys")
         Path("/run/sshd").mkdir(exist_ok=True)  # sshd's privilege-separation directory
         for i in range(1, n + 1):
+            _run(["ssh-keygen", "-R", f"{subnet}.{10 + i}"], check=False)  # a crashed earlier run's host key
             host = _add_host(tok, i, subnet, bridge)
             hosts.append(host)
+            # Its own UTS namespace too, so that the host's hostname (what ranks see) is its namespace's name.
+            sshd = f"hostname {host.hostname} && exec {SSHD} -D -e -f {shlex.quote(str(_sshd_config(tmp, host)))}"
             sshds.append(subprocess.Popen(
-                ["ip", "netns", "exec", host.namespace, SSHD, "-D", "-e", "-f", str(_sshd_config(tmp, host))],
+                ["ip", "netns", "exec", host.namespace, "unshare", "--uts", "sh", "-c", sshd],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True))
         for host in hosts:
             _wait_for_ssh(host, identity)

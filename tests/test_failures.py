@@ -80,3 +80,22 @@ def test_a_killed_rank_stays_the_cause_even_if_another_rank_printed_an_error():
 ])
 def test_ranks_fill_each_hosts_slots_in_order(hosts, np, placed):
     assert rank_hosts(parse_hosts(hosts), np) == placed
+
+
+def test_a_host_mpirun_lost_is_named_first():
+    t = track(["ORTE has lost communication with a remote daemon.", "  HNP daemon   : [[21958,0],0] on node vm",
+               "  Remote daemon: [[21958,0],2] on node 10.213.86.12"], hosts=("10.213.86.11", "10.213.86.12"))
+    assert t.first is None and t.lost_host == "10.213.86.12"
+    assert t.report(None) == ["hvdtrain: lost contact with host 10.213.86.12 (mpirun: its daemon stopped answering); "
+                              "check that host and the network to it (hvdtrain doctor --hosts ...)"]
+
+
+def test_after_a_gloo_peer_timeout_the_unreachable_host_is_named_before_the_first_rank():
+    t = FailureTracker(("h1", "h2"))
+    t.rank_line(0, "[E operations.cc:697] Timed out waiting 15000ms for recv operation to complete")
+    t.feed("Process 0 exit with status code 1.")
+    assert t.peer_timed_out
+    t.unreachable = {"h2": "No route to host"}
+    assert t.report(None)[:2] == [
+        "hvdtrain: host h2 is unreachable now (No route to host); it is the likely cause (a rank timed out waiting "
+        "for a peer)", "hvdtrain: rank 0 on host h1 exited with code 1 (the first rank to fail)"]

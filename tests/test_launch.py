@@ -17,12 +17,14 @@ import yaml
 from hvdtrain.failures import RankFailure
 from hvdtrain.jobspec import Logs
 from hvdtrain.launch import OutputRouter
+from hvdtrain.plan import MPI_REMOTE_ENV
 from tests.harness import BIN, REPO, expect_ok, run_bounded
 
 HVDTRAIN = str(BIN / "hvdtrain")
 HOROVODRUN = str(BIN / "horovodrun")
 PY = sys.executable
 RECIPE = str(REPO / "recipes" / "pytorch_train.py")
+ELASTIC_RECIPE = str(REPO / "recipes" / "pytorch_elastic.py")
 CONTROLLERS = ["gloo", "mpi"]
 
 ECHO_ARGV = """
@@ -131,9 +133,11 @@ PINNED_DRY_RUNS = {
         "--stall-check-warning-time-seconds", "120", "--log-level", "WARNING", PY, RECIPE,
         "--dataset", "synthetic", "--model", "resnet", "--epochs", "3"],
     "elastic.yaml": lambda: [
-        HOROVODRUN, "-np", "2", "--gloo", "--host-discovery-script", str(REPO / "jobs" / "discover_hosts.sh"),
-        "--min-np", "2", "--max-np", "4", "--slots-per-host", "2", "--reset-limit", "3", "--elastic-timeout", "600",
-        PY, RECIPE],
+        HOROVODRUN, "-np", "2", "--gloo", "--network-interfaces", "lo", "--host-discovery-script",
+        str(REPO / "jobs" / "discover_hosts.sh"), "--min-np", "1", "--max-np", "4", "--reset-limit", "10",
+        "--elastic-timeout", "120", "--blacklist-cooldown-range", "10", "60", PY, ELASTIC_RECIPE,
+        "--dataset", "digits", "--epochs", "8", "--warmup-epochs", "1", "--lr-milestones", "5", "--threads", "1",
+        "--run-dir", "runs/elastic"],
 }
 
 
@@ -146,7 +150,9 @@ def test_shipped_jobs_validate_and_dry_run_to_the_pinned_argv(job, cache_env):
     assert lines[0] == "# command"
     assert shlex.split(lines[1]) == PINNED_DRY_RUNS[job]()
     assert lines[2] == "# environment added (forwarded to every rank)"
-    assert lines[3:] == (["NCCL_DEBUG=WARN", "OMP_NUM_THREADS=4"] if job == "two_hosts.yaml" else ["(none)"])
+    keepalive = sorted(f"{k}={v}" for k, v in MPI_REMOTE_ENV.items())  # two_hosts.yaml: MPI across hosts
+    assert lines[3:] == (["NCCL_DEBUG=WARN", *keepalive, "OMP_NUM_THREADS=4"] if job == "two_hosts.yaml"
+                         else ["(none)"])
 
 
 def test_invalid_spec_exits_2_with_the_message_and_no_traceback(tmp_path):

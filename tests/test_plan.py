@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hvdtrain.plan import LaunchPlan, build_plan
+from hvdtrain.plan import MPI_REMOTE_ENV, LaunchPlan, build_plan
 from hvdtrain.spec import load_spec
 
 PY = "/venv/bin/python"
@@ -63,7 +63,19 @@ extra_args: [--disable-cache]
         "--no-stall-check", "--tcp", "--verbose", "--disable-cache",
         PY, "/jobs/train.py", "--lr", "0.1", "$(touch /tmp/x)", "a b",
     ]
-    assert plan.env == {"OMP_NUM_THREADS": "1", "X": "$(id)"}
+    assert plan.env == {"OMP_NUM_THREADS": "1", "X": "$(id)", **MPI_REMOTE_ENV}  # MPI with remote hosts
+    assert plan.rank_hosts == ("a", "a", "b", "b")
+
+
+@pytest.mark.parametrize(("hosts", "controller", "keepalive"), [
+    ("a:1,b:1", "mpi", True), ("localhost:2", "mpi", False), ("127.0.0.1:2", "mpi", False),
+    ("a:1,b:1", "gloo", False)])
+def test_mpi_jobs_with_remote_hosts_get_oob_keepalive_unless_the_spec_sets_it(hosts, controller, keepalive):
+    plan = plan_for(f"script: t.py\nnp: 2\nhosts: '{hosts}'\n", controller=controller)
+    assert plan.env == (MPI_REMOTE_ENV if keepalive else {})
+    mine = plan_for(f"script: t.py\nnp: 2\nhosts: '{hosts}'\nenv: {{OMPI_MCA_oob_tcp_keepalive_time: '3'}}\n",
+                    controller=controller)
+    assert mine.env["OMPI_MCA_oob_tcp_keepalive_time"] == "3"
 
 
 def test_elastic_plan_uses_discovery_not_hosts_and_defaults_min_max_to_np():
@@ -71,9 +83,10 @@ def test_elastic_plan_uses_discovery_not_hosts_and_defaults_min_max_to_np():
     assert plan.argv == ["horovodrun", "-np", "2", "--gloo", "--host-discovery-script", "/jobs/d.sh",
                          "--min-np", "2", "--max-np", "2", PY, "/jobs/t.py"]
     plan = plan_for("script: t.py\nnp: 2\nelastic: {discovery_script: d.sh, min_np: 1, max_np: 8, "
-                    "slots_per_host: 4, reset_limit: 0, timeout_s: 60}\n")
+                    "slots_per_host: 4, reset_limit: 0, timeout_s: 60, blacklist_cooldown_s: [10, 300]}\n")
     assert plan.argv[4:-2] == ["--host-discovery-script", "/jobs/d.sh", "--min-np", "1", "--max-np", "8",
-                               "--slots-per-host", "4", "--reset-limit", "0", "--elastic-timeout", "60"]
+                               "--slots-per-host", "4", "--reset-limit", "0", "--elastic-timeout", "60",
+                               "--blacklist-cooldown-range", "10", "300"]
 
 
 def test_describe_quotes_for_display_only():

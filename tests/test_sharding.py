@@ -1,13 +1,16 @@
-"""ShardSampler: every rank's shard checked together in one process."""
+"""ShardSampler: every rank's shard checked together in one process (and ShmLoaders re-sharded, the same way)."""
 
 from __future__ import annotations
 
+import os
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from hvdtrain.data import ShardSampler, expected_batches
+from hvdtrain.data import ShardSampler, ShmLoader, expected_batches
+from tests import loader_fixtures as fx
 
 
 def shards(n: int, size: int, **kw) -> list[ShardSampler]:
@@ -163,3 +166,89 @@ def test_uneven_shards_for_evaluation_are_exact(n: int, size: int) -> None:
     s = samplers[0]
     s.advance(100)
     assert s.samples_consumed <= n and len(s) == 0
+
+
+def consume(samplers: list[ShardSampler], batches: int) -> list[int]:
+    """Every rank trains on its next `batches` batches (as a step of the job: all ranks together)."""
+    seen = []
+    for s in samplers:
+        seen += s.indices()[: batches * s.batch_size].tolist()
+        s.advance(batches)
+    return seen
+
+
+@pytest.mark.parametrize("sizes", [(3, 2, 3), (4, 1, 2), (2, 3, 5, 1)])
+def test_elastic_chain_of_world_changes_within_an_epoch(sizes: tuple[int, ...]) -> None:
+    """The elastic recipe's path: each world commits rank 0's state; the next world (any rank) loads it."""
+    n, bs, seed = 203, 4, 13
+    state, seen = None, []
+    for k, size in enumerate(sizes):
+        world = shards(n, size, seed=seed, batch_size=bs)
+        for s in world:
+            s.set_epoch(6)
+            if state is not None:
+                s.load_state_dict(state)
+        assert {s.samples_consumed for s in world} == {len(seen)}  # every rank agrees how far the epoch is
+        last = k == len(sizes) - 1
+        seen += consume(world, world[0].num_batches if last else 3)
+        state = world[0].state_dict()
+    counts = Counter(seen)
+    assert set(counts) == set(range(n))  # nothing skipped...
+    repeats = sum(counts.values()) - n
+    assert repeats == (-(n - 3 * bs * sum(sizes[:-1]))) % sizes[-1]  # ...and only the last world's padding repeats
+    assert state["samples_consumed"] == n
+
+
+def test_a_restored_commit_resumes_under_another_world_exactly_where_it_was_taken() -> None:
+    """A failure after a commit: the state saved at the commit, not the one reached since, is what a new world
+    loads; the samples trained after the commit are trained again (by the new world), none is lost."""
+    n, bs = 120, 5
+    old = shards(n, 3, seed=2, batch_size=bs)
+    committed_seen = consume(old, 2)
+    committed = old[0].state_dict()
+    consume(old, 1)  # trained, then lost with the failure (not committed)
+    new = shards(n, 2, seed=2, batch_size=bs)
+    for s in new:
+        s.load_state_dict(committed)
+    rest = consume(new, new[0].num_batches)
+    assert sorted(committed_seen + rest) == sorted(set(committed_seen + rest)) == list(range(n))
+
+
+def loaders_for(n: int, size: int, state: dict | None) -> list[ShmLoader]:
+    world = [ShmLoader(fx.IndexDataset(n), rank=r, size=size, batch_size=4, num_workers=1, seed=3)
+             for r in range(size)]
+    for ld in world:
+        ld.set_epoch(1)
+        if state is not None:
+            ld.load_state_dict(state)
+    return world
+
+
+@pytest.mark.timeout(120)
+def test_shm_loaders_closed_and_rebuilt_for_a_new_world_resume_from_the_committed_state() -> None:
+    """What pytorch_elastic.py does on a world change: close every loader (producers stopped, shared memory
+    freed), build loaders for the new (rank, size) and load the state rank 0 committed in the old world."""
+    n, seen = 50, []
+    old = loaders_for(n, 3, None)
+    try:
+        iterators = [iter(ld) for ld in old]
+        for _ in range(2):
+            seen += [i for it in iterators for i in next(it)[1].tolist()]
+        state = old[0].state_dict()
+    finally:
+        for ld in old:
+            ld.close()
+    assert state["samples_consumed"] == 2 * 4 * 3 == len(seen)
+    assert not any(p.is_alive() for ld in old for p in ld._res.procs)
+    assert list(Path("/dev/shm").glob(f"hvdtrain_{os.getpid()}_*")) == []
+    new = loaders_for(n, 2, state)
+    try:
+        assert [len(ld) for ld in new] == [4, 4]  # the 26 samples left, 13 per rank, in batches of 4
+        rest = [[i for _, y in ld for i in y.tolist()] for ld in new]
+    finally:
+        for ld in new:
+            ld.close()
+    assert sorted(seen + rest[0] + rest[1]) == list(range(n))  # every sample of the epoch exactly once
+    order = ShardSampler(n, 0, 1, seed=3)
+    order.set_epoch(1)
+    assert rest[0] + rest[1] != [] and set(rest[0] + rest[1]) == set(order.global_order()[24:].tolist())

@@ -157,6 +157,14 @@ def test_hostfile_errors_point_at_the_spec_and_quote_the_hostfile_line(hostfile,
         'allowed: >= 2',
         'fix: raise elastic.max_np to at least 2, or lower np',
     ], id='elastic_hosts'),
+    pytest.param('script: t.py\nnp: 2\nelastic:\n  discovery_script: d.sh\n  blacklist_cooldown_s: [300, 10]\n', (), [
+        'job.yaml:5: elastic.blacklist_cooldown_s: expected [MIN, MAX] seconds with MIN <= MAX, e.g. [10, 300]',
+        'got: [300, 10]',
+        'allowed: --blacklist-cooldown-range: [MIN, MAX] seconds, 1 <= MIN <= MAX <= 3600: a host blacklisted for'
+         ' a failed rank may rejoin after ~MIN × 2^failures s (at most MAX) if discovery lists it; unset: it never'
+         ' rejoins.',
+        'fix: change elastic.blacklist_cooldown_s to an allowed value',
+    ], id='elastic_cooldown'),
     pytest.param('script: t.py\nnp: 5\nhosts: [a:2, b:2]\n', (), [
         'job.yaml:2: np: hosts: np = 5 but the hosts offer only 4 slot(s) (a:2,b:2); lower np to at most 4'
          ' or add hosts/slots',

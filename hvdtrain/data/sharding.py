@@ -146,8 +146,9 @@ class ShardSampler:
 
     @property
     def samples_consumed(self) -> int:
-        """Samples of this epoch's global order consumed by all ranks together (a prefix of the order)."""
-        cap = self.num_samples if not self.even else self.offset + self.shard_size * self.size
+        """Samples of this epoch's global order consumed by all ranks together (a prefix of the order: the
+        padding repeats are not counted, so a finished padded epoch reports `num_samples`)."""
+        cap = self.num_samples if not self.even else min(self.offset + self.shard_size * self.size, self.num_samples)
         return min(self.offset + self.batches_consumed * self.batch_size * self.size, cap)
 
     def state_dict(self) -> dict[str, Any]:
