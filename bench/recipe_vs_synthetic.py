@@ -18,7 +18,8 @@ broadcasts, ShmLoader + DevicePrefetcher + StallMeter on `--dataset synthetic`) 
 Both run in the same horovodrun job, iteration by iteration, alternating which goes first: on a shared machine
 the load changes by the minute, and two separate jobs measured minutes apart differ by 2x from that alone.
 Ratio = recipe / synthetic; >= 1.0 means the recipe's data pipeline and bookkeeping cost nothing measurable.
-Results: printed, and written to bench/out/recipe_vs_synthetic.json.
+Results: printed, and written to bench/out/recipe_vs_synthetic.json. bench/recipe_shards_vs_synthetic.py (B3)
+reuses this file's parser, recipe side, interleaving and job runner.
 """
 
 from __future__ import annotations
@@ -33,7 +34,11 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+from _common import check_clean, kill_tree, shm_segments
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPES = REPO / "recipes"
@@ -41,9 +46,9 @@ OUT = REPO / "bench" / "out"
 RESULT = re.compile(r"BENCH_RESULT (\{.*\})")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+def build_parser(description: str) -> argparse.ArgumentParser:
+    """The options both recipe benches share (recipe_shards_vs_synthetic.py adds its own)."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--np", type=int, default=2, help="ranks (all on localhost)")
     p.add_argument("--controller", choices=("gloo", "mpi"), default="gloo")
     p.add_argument("--batch-size", type=int, default=32, help="per rank")
@@ -56,7 +61,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-workers", type=int, default=1, help="recipe: data producer processes per rank")
     p.add_argument("--timeout", type=float, default=600, help="seconds for the horovodrun job")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # inside horovodrun
-    args = p.parse_args(argv)
+    return p
+
+
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
     args.shape = tuple(int(v) for v in args.shape.split(","))
     if args.num_warmup_batches != args.num_batches_per_iter:
         p.error("the recipe's warmup is one epoch of --num-batches-per-iter steps: set --num-warmup-batches "
@@ -64,7 +72,56 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-# ---- inside horovodrun: both methods, interleaved --------------------------------------------------------------
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = build_parser(__doc__.split("\n\n")[0])
+    return check_args(p, p.parse_args(argv))
+
+
+# ---- inside horovodrun: the recipe side, and alternating two sides ----------------------------------------------
+
+def recipe_side(args: argparse.Namespace, dataset: str, run_dir: Path) -> tuple[Any, Callable[[int], float]]:
+    """The recipe's own `setup()` on `dataset` (call after hvd.init()), and a function that trains epoch e with
+    the recipe's `train_epoch()`, timed as `run_epochs` times an epoch, and returns img/s per worker. An epoch is
+    `--num-batches-per-iter` steps per rank."""
+    import horovod.torch as hvd
+    import torch
+
+    if str(RECIPES) not in sys.path:
+        sys.path.insert(0, str(RECIPES))
+    import pytorch_train as recipe
+
+    size = hvd.size()
+    cfg = recipe.Config(
+        dataset=dataset, model="resnet", model_width=args.width, synthetic_shape=args.shape,
+        synthetic_samples=args.batch_size * args.num_batches_per_iter * size, num_classes=args.num_classes,
+        batch_size=args.batch_size, epochs=1 + args.num_iters, warmup_epochs=0.0, num_workers=args.num_workers,
+        resume=False, progress=False, tensorboard=False, run_dir=str(run_dir))
+    t, _ = recipe.setup(cfg)  # also sets torch threads per rank
+
+    def iteration(epoch: int) -> float:
+        torch.manual_seed(recipe.epoch_seed(cfg.seed, epoch, t.rank))
+        t.train_loader.set_epoch(epoch)
+        start = time.perf_counter()
+        train = recipe.train_epoch(t, epoch)
+        return train["samples"] / (time.perf_counter() - start) / size
+
+    return t, iteration
+
+
+def interleave(a: Callable[[int], float], b: Callable[[int], float], num_iters: int) -> tuple[list[float], ...]:
+    """Timed iterations 0..num_iters-1 of `a` and `b` (each given epoch 1 + i), alternating which goes first:
+    on a shared machine the load changes by the minute, and so both sides see it alike."""
+    ra: list[float] = []
+    rb: list[float] = []
+    for i in range(num_iters):
+        if i % 2 == 0:
+            ra.append(a(1 + i))
+            rb.append(b(1 + i))
+        else:
+            rb.append(b(1 + i))
+            ra.append(a(1 + i))
+    return ra, rb
+
 
 def worker(args: argparse.Namespace) -> None:
     import timeit
@@ -76,17 +133,11 @@ def worker(args: argparse.Namespace) -> None:
     from hvdtrain.train.metrics import combine_stall
 
     sys.path.insert(0, str(RECIPES))
-    import pytorch_train as recipe
     from pytorch_models import make_model
 
     hvd.init()
     size = hvd.size()
-    cfg = recipe.Config(
-        dataset="synthetic", model="resnet", model_width=args.width, synthetic_shape=args.shape,
-        synthetic_samples=args.batch_size * args.num_batches_per_iter * size, num_classes=args.num_classes,
-        batch_size=args.batch_size, epochs=1 + args.num_iters, warmup_epochs=0.0, num_workers=args.num_workers,
-        resume=False, progress=False, tensorboard=False, run_dir=str(OUT / "recipe-run"))
-    t, _ = recipe.setup(cfg)  # also sets torch threads per rank: the synthetic method runs with the same
+    t, recipe_iteration = recipe_side(args, "synthetic", OUT / "recipe-run")  # sets threads: both sides use them
 
     # Horovod's synthetic benchmark method (see the module docstring).
     torch.manual_seed(0)
@@ -105,28 +156,14 @@ def worker(args: argparse.Namespace) -> None:
         loss.backward()
         optimizer.step()
 
-    def synthetic_iteration() -> float:
+    def synthetic_iteration(_epoch: int) -> float:
         return args.batch_size * args.num_batches_per_iter / timeit.timeit(benchmark_step,
                                                                           number=args.num_batches_per_iter)
-
-    def recipe_iteration(epoch: int) -> float:  # as recipe.run_epochs times an epoch
-        torch.manual_seed(recipe.epoch_seed(cfg.seed, epoch, t.rank))
-        t.train_loader.set_epoch(epoch)
-        start = time.perf_counter()
-        train = recipe.train_epoch(t, epoch)
-        return train["samples"] / (time.perf_counter() - start) / size
 
     try:
         timeit.timeit(benchmark_step, number=args.num_warmup_batches)
         recipe_iteration(0)
-        synthetic, recipe_img = [], []
-        for i in range(args.num_iters):
-            if i % 2 == 0:
-                synthetic.append(synthetic_iteration())
-                recipe_img.append(recipe_iteration(1 + i))
-            else:
-                recipe_img.append(recipe_iteration(1 + i))
-                synthetic.append(synthetic_iteration())
+        synthetic, recipe_img = interleave(synthetic_iteration, recipe_iteration, args.num_iters)
     finally:
         t.train_loader.close()
     stall = combine_stall(hvd.allgather_object(t.meter.summary(), name="bench.stall"))
@@ -144,15 +181,25 @@ def run_job(argv: list[str], timeout: float) -> str:
     try:
         out, _ = proc.communicate(timeout=timeout)
     except BaseException:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
+        kill_tree(proc)
+        proc.communicate(timeout=30)
         raise
     finally:
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # ranks that outlived horovodrun
+            os.killpg(proc.pid, signal.SIGKILL)  # anything left in horovodrun's own group
     if proc.returncode != 0:
         raise SystemExit(f"job failed (exit {proc.returncode}): {' '.join(argv)}\n{out}")
     return out
+
+
+def run_bench_job(args: argparse.Namespace, script: Path, worker_args: list[str]) -> dict[str, Any]:
+    """`horovodrun -np N script --worker worker_args` on localhost; the JSON its rank 0 printed after BENCH_RESULT."""
+    cmd = [str(Path(sys.executable).parent / "horovodrun"), "-np", str(args.np), "-H", f"localhost:{args.np}",
+           f"--{args.controller}", sys.executable, str(script.resolve()), "--worker", *worker_args]
+    m = RESULT.search(run_job(cmd, args.timeout))
+    if not m:
+        raise SystemExit("the benchmark job printed no result")
+    return json.loads(m.group(1))
 
 
 def forwarded(args: argparse.Namespace) -> list[str]:
@@ -169,29 +216,31 @@ def stats(img_secs: list[float]) -> dict[str, float]:
             "median": statistics.median(img_secs), "n": len(img_secs)}
 
 
+def compare(base: list[float], other: list[float]) -> dict[str, float]:
+    """other / base as the ratio of means, of medians, and the median of the per-iteration ratios (each `other`
+    iteration ran right next to a `base` one: the median of their ratios resists load drift)."""
+    return {"ratio_of_means": statistics.fmean(other) / statistics.fmean(base),
+            "ratio_of_medians": statistics.median(other) / statistics.median(base),
+            "paired_ratio_median": statistics.median(o / b for b, o in zip(base, other, strict=True))}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker:
         worker(args)
         return 0
     OUT.mkdir(parents=True, exist_ok=True)
-    start = time.perf_counter()
-    cmd = [str(Path(sys.executable).parent / "horovodrun"), "-np", str(args.np), "-H", f"localhost:{args.np}",
-           f"--{args.controller}", sys.executable, str(Path(__file__).resolve()), "--worker", *forwarded(args)]
-    m = RESULT.search(run_job(cmd, args.timeout))
-    if not m:
-        raise SystemExit("the benchmark job printed no result")
-    raw = json.loads(m.group(1))
-    s, r = stats(raw["synthetic"]), stats(raw["recipe"])
+    start, before = time.perf_counter(), shm_segments()
+    raw = run_bench_job(args, Path(__file__), forwarded(args))
+    s, r, ratios = stats(raw["synthetic"]), stats(raw["recipe"]), compare(raw["synthetic"], raw["recipe"])
     result = {
         "config": {k: v for k, v in vars(args).items() if k != "worker"},
         "synthetic_img_per_sec_per_worker": s, "recipe_img_per_sec_per_worker": r,
-        "ratio_recipe_over_synthetic": r["mean"] / s["mean"], "ratio_of_medians": r["median"] / s["median"],
-        # each recipe iteration ran right next to a synthetic one: the median of their ratios resists load drift
-        "paired_ratio_median": statistics.median(b / a for a, b in zip(raw["synthetic"], raw["recipe"], strict=True)),
+        "ratio_recipe_over_synthetic": ratios["ratio_of_means"], "ratio_of_medians": ratios["ratio_of_medians"],
+        "paired_ratio_median": ratios["paired_ratio_median"],
         "per_iteration": {"synthetic": raw["synthetic"], "recipe": raw["recipe"]},
         "recipe_data_wait_share": raw["stall"]["wait_share"], "recipe_mean_data_wait_s": raw["stall"]["mean_wait_s"],
-        "wall_s": time.perf_counter() - start,
+        "wall_s": time.perf_counter() - start, "leaks": check_clean(before),
     }
     (OUT / "recipe_vs_synthetic.json").write_text(json.dumps(result, indent=2) + "\n")
     print(f"model ResNet(width {args.width}) on {args.shape}, batch {args.batch_size}/rank, np={args.np} "

@@ -32,6 +32,10 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     from hvdtrain.doctor import doctor
 
     more = None
+    if args.hosts is None and args.hostfile is None and (args.ssh_port or args.ssh_identity_file):
+        print("hvdtrain doctor: error: --ssh-port/--ssh-identity-file need --hosts or --hostfile (the hosts to "
+              "check over ssh)", file=sys.stderr)
+        return EXIT_INVALID_INPUT
     if args.hosts is not None or args.hostfile is not None:
         from hvdtrain.doctor_hosts import host_checks, load_hosts
 

@@ -18,7 +18,6 @@ without ssh, as horovodrun starts their ranks without ssh. Hosts are probed in p
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import platform
 import shlex
@@ -33,7 +32,7 @@ from importlib import metadata
 from pathlib import Path
 
 from hvdtrain.doctor import Check
-from hvdtrain.hosts import Host, HostError, parse_hostfile, parse_hosts
+from hvdtrain.hosts import Host, HostError, is_loopback, parse_hostfile, parse_hosts
 
 CONNECT_TIMEOUT_S = 5
 CALL_TIMEOUT_S = 40  # ssh connect + the remote interpreter's start on a busy host
@@ -107,13 +106,7 @@ def local_addresses() -> set[str]:
 def is_local(name: str, addresses: set[str]) -> bool:
     """Would horovodrun start this host's ranks without ssh? (No DNS look-up: names other than localhost and
     this machine's hostname count as remote.)"""
-    if name in ("localhost", socket.gethostname()):
-        return True
-    try:
-        ip = ipaddress.ip_address(name)
-    except ValueError:
-        return False
-    return ip.is_loopback or name in addresses
+    return is_loopback(name) or name == socket.gethostname() or name in addresses
 
 
 def ssh_failure(host: str, stderr: str, port: int | None, identity_file: str | None) -> tuple[str, str]:

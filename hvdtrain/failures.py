@@ -16,7 +16,7 @@ from pathlib import Path
 
 GLOO_EXIT = re.compile(r"^Process (\d+) exit with status code (-?\d+)\.?\s*$")
 MPI_SIGNAL = re.compile(r"process rank (\d+) with PID \d+ on node (\S+) exited on signal (\d+)")
-MPI_NAME = re.compile(r"^\s*Process name:\s*\[\[\d+,\d+\],(\d+)\]\s*$")
+MPI_NAME = re.compile(r"^\s*Process name:\s*(?:\[\[\d+,\d+\],)?(\d+)\]?\s*$")  # MPI `[[j,1],1]`, Gloo `1`
 EXIT_CODE = re.compile(r"^\s*Exit code:\s*(-?\d+)\s*$")
 # The last line of a Python traceback: `RuntimeError: message` (unindented). Ranks that only saw the job being
 # shut down under them raise HorovodInternalError: they are victims, not the cause.
@@ -60,8 +60,9 @@ def _from_code(rank: int | None, code: int) -> RankFailure:
 class FailureTracker:
     """Feeds on launcher lines; `first` is the first rank failure reported, with its host from `rank_hosts`."""
 
-    def __init__(self, rank_hosts: tuple[str, ...] = ()) -> None:
+    def __init__(self, rank_hosts: tuple[str, ...] = (), elastic: bool = False) -> None:
         self.rank_hosts = rank_hosts
+        self.elastic = elastic  # ranks that fail are replaced: their `Process N exit` lines do not end the job
         self.first: RankFailure | None = None
         self._mpi_rank: int | None = None  # from `Process name:`, waiting for its `Exit code:` line
         self.tails: dict[int, deque[str]] = {}
@@ -83,7 +84,8 @@ class FailureTracker:
         if self.first is not None:
             return
         if m := GLOO_EXIT.match(line):
-            self._set(_from_code(int(m.group(1)), int(m.group(2))))
+            if not self.elastic:
+                self._set(_from_code(int(m.group(1)), int(m.group(2))))
         elif m := MPI_SIGNAL.search(line):
             self._set(RankFailure(int(m.group(1)), signum=int(m.group(3)), host=m.group(2)))
         elif m := MPI_NAME.match(line):

@@ -115,10 +115,10 @@ class OutputRouter:
     """Splits horovodrun's merged output into rank lines and launcher lines; echoes and writes per-rank logs."""
 
     def __init__(self, logs: Logs, stdout: IO[str] | None = None, stderr: IO[str] | None = None,
-                 rank_hosts: tuple[str, ...] = ()) -> None:
+                 failures: FailureTracker | None = None) -> None:
         self.logs, self.stdout, self.stderr = logs, stdout or sys.stdout, stderr or sys.stderr
         self.files: dict[str, IO[str]] = {}
-        self.failures = FailureTracker(rank_hosts)  # the first failing rank, from the launcher's lines
+        self.failures = failures or FailureTracker()  # the first failing rank, from the launcher's lines
         self.console_ok = True  # False once the console is gone (e.g. `| head`): keep draining, stop echoing
         if logs.dir:
             try:
@@ -156,6 +156,10 @@ class OutputRouter:
                 self.console_ok = False
         if file is not None:
             file.write(file_text + "\n")
+
+    def note(self, text: str) -> None:
+        """hvdtrain's own verdict: to stderr and to launcher.log."""
+        self._emit(self.stderr, self._file("launcher.log"), text, text)
 
     def close(self) -> None:
         for f in self.files.values():
@@ -238,7 +242,7 @@ def run_plan(plan: LaunchPlan, logs: Logs, *, timeout_s: float | None = None, ss
 
     `ssh`: how to reach the hosts, to find which one was lost when a rank timed out waiting for a peer.
     """
-    router = OutputRouter(logs, rank_hosts=plan.rank_hosts)
+    router = OutputRouter(logs, failures=FailureTracker(plan.rank_hosts, elastic=plan.elastic))
     router.line(f"hvdtrain: starting {shlex.join(plan.argv)}")
     try:
         proc = subprocess.Popen(plan.argv, env={**os.environ, **plan.env}, stdin=subprocess.DEVNULL,
@@ -267,10 +271,12 @@ def run_plan(plan: LaunchPlan, logs: Logs, *, timeout_s: float | None = None, ss
             signal.signal(s, handler)
         job.sweep()
         reader.join(timeout=10)
+    try:
+        if proc.returncode != 0 and router.failures.peer_timed_out and job.signum is None:
+            _find_lost_hosts(router.failures, plan, ssh or Ssh())
+        return _exit_code(proc.returncode, router, job.signum, timed_out)
+    finally:
         router.close()
-    if proc.returncode != 0 and router.failures.peer_timed_out and job.signum is None:
-        _find_lost_hosts(router.failures, plan, ssh or Ssh())
-    return _exit_code(proc.returncode, router, job.signum, timed_out)
 
 
 def _find_lost_hosts(failures: FailureTracker, plan: LaunchPlan, ssh: Ssh) -> None:
@@ -286,7 +292,7 @@ def _find_lost_hosts(failures: FailureTracker, plan: LaunchPlan, ssh: Ssh) -> No
 def _exit_code(returncode: int, router: OutputRouter, signum: int | None, timed_out: bool) -> int:
     """The job's exit code: the first failing rank's (128 + N when signal N killed it)."""
     if timed_out:
-        print("hvdtrain: job timed out and was stopped", file=sys.stderr)
+        router.note("hvdtrain: job timed out and was stopped")
         return 124
     if signum is not None:
         return 128 + signum
@@ -295,7 +301,7 @@ def _exit_code(returncode: int, router: OutputRouter, signum: int | None, timed_
     failure = router.failures.first
     if returncode != 0:
         for line in router.failures.report(router.logs.dir):
-            print(line, file=sys.stderr)
+            router.note(line)
     if returncode != 0 and failure is not None:
         if failure.code:
             return failure.code

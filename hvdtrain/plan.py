@@ -51,6 +51,7 @@ class LaunchPlan:
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)
     rank_hosts: tuple[str, ...] = ()  # host of each rank (Horovod fills hosts' slots in order); () when elastic
+    elastic: bool = False
 
     def describe(self) -> str:
         """Dry-run text: the command (shell-quoted for display only) and the environment it adds."""
@@ -117,4 +118,4 @@ def build_plan(spec: JobSpec, *, controller: str, horovodrun: str = "horovodrun"
     env = dict(spec.env)
     if controller == "mpi" and any(not is_loopback(h) for h in ranks):
         env = {**MPI_REMOTE_ENV, **env}
-    return LaunchPlan(argv=argv, env=env, rank_hosts=ranks)
+    return LaunchPlan(argv=argv, env=env, rank_hosts=ranks, elastic=spec.elastic is not None)

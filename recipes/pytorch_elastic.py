@@ -51,12 +51,12 @@ from pytorch_train import (
     Config,
     Trainer,
     allreduce_sum,
+    build,
     check_in_sync,
     epoch_seed,
     evaluate,
     log,
     make_train_loader,
-    pick_model,
     report_epoch,
     save_checkpoint,
     setup_device,
@@ -67,7 +67,6 @@ from pytorch_train import (
 from hvdtrain.data import StallMeter
 from hvdtrain.train import checkpoint, datasets
 from hvdtrain.train.config import parse_config
-from hvdtrain.train.lr import LRSchedule
 from hvdtrain.train.metrics import SUMMARY_NAME, History, MetricSums, build_summary, combine_stall, write_summary
 
 EVENTS_NAME = "elastic.jsonl"
@@ -141,21 +140,9 @@ def setup(cfg: ElasticConfig) -> tuple[ElasticTrainer, hvd.elastic.TorchState]:
     device = setup_device(hvd.local_rank(), hvd.local_size(), cfg.threads)
     run_dir = Path(cfg.run_dir).absolute()
     write_worker_file(run_dir, rank, size)
-    splits = datasets.load(cfg.dataset, val_fraction=cfg.val_fraction, split_seed=0,
-                           synthetic_shape=cfg.synthetic_shape, synthetic_samples=cfg.synthetic_samples,
-                           num_classes=cfg.num_classes, seed=cfg.seed)
-    torch.manual_seed(cfg.seed)
-    model = pick_model(cfg, splits).to(device)
-    # Horovod: scale the LR by the number of workers (rescaled by the reset callback when the world changes).
-    schedule = LRSchedule(base_lr=cfg.base_lr, size=size, backward_passes_per_step=cfg.backward_passes_per_step,
-                          warmup_epochs=cfg.warmup_epochs, milestones=cfg.lr_milestones, gamma=cfg.lr_gamma)
-    optimizer = torch.optim.SGD(model.parameters(), lr=schedule.lr_at(0), momentum=cfg.momentum,
-                                weight_decay=cfg.weight_decay)
-    # Horovod: gradients are averaged over all ranks by allreduce inside step().
-    optimizer = hvd.DistributedOptimizer(
-        optimizer, named_parameters=model.named_parameters(),
-        compression=hvd.Compression.fp16 if cfg.fp16_allreduce else hvd.Compression.none,
-        backward_passes_per_step=cfg.backward_passes_per_step)
+    # Horovod: data, model, LR × world size (rescaled by the reset callback when the world changes), and the
+    # optimizer wrapped in hvd.DistributedOptimizer, exactly as the main recipe builds them.
+    splits, model, schedule, optimizer = build(cfg, size, device)
     first, history = load_latest(cfg, rank, run_dir / "checkpoints", model, optimizer)
     # Horovod: the state every rank must agree on after a reset; rank 0's copy is broadcast by state.sync().
     state = hvd.elastic.TorchState(model=model, optimizer=optimizer, epoch=first, batch=0, data=None,

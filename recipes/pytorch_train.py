@@ -382,17 +382,14 @@ def finish(t: Trainer, run_dir: Path, first: int, done: int, samples: float, sec
 
 # ---- 6. the run ---------------------------------------------------------------------------------------------
 
-def setup(cfg: Config) -> tuple[Trainer, int]:
-    """Everything before the first epoch, after hvd.init(); returns the trainer and the epochs already done."""
-    rank, size = hvd.rank(), hvd.size()
-    device = setup_device(hvd.local_rank(), hvd.local_size(), cfg.threads)
-    run_dir = Path(cfg.run_dir).absolute()
+def build(cfg: Config, size: int, device: torch.device
+          ) -> tuple[datasets.Splits, nn.Module, LRSchedule, torch.optim.Optimizer]:
+    """The dataset, the model, the LR schedule and the Horovod-wrapped optimizer (steps 2-4)."""
     splits = datasets.load(cfg.dataset, val_fraction=cfg.val_fraction, split_seed=0,
                            synthetic_shape=cfg.synthetic_shape, synthetic_samples=cfg.synthetic_samples,
                            num_classes=cfg.num_classes, seed=cfg.seed)
     torch.manual_seed(cfg.seed)
     model = pick_model(cfg, splits).to(device)
-    epochs = scaled_epochs(cfg.epochs, size, cfg.scale_epochs_by_size)
     # Horovod: scale the LR by the number of workers (and backward passes per step), warm it up (Goyal et al.).
     schedule = LRSchedule(base_lr=cfg.base_lr, size=size, backward_passes_per_step=cfg.backward_passes_per_step,
                           warmup_epochs=cfg.warmup_epochs, milestones=cfg.lr_milestones, gamma=cfg.lr_gamma)
@@ -403,6 +400,16 @@ def setup(cfg: Config) -> tuple[Trainer, int]:
         optimizer, named_parameters=model.named_parameters(),
         compression=hvd.Compression.fp16 if cfg.fp16_allreduce else hvd.Compression.none,
         backward_passes_per_step=cfg.backward_passes_per_step)
+    return splits, model, schedule, optimizer
+
+
+def setup(cfg: Config) -> tuple[Trainer, int]:
+    """Everything before the first epoch, after hvd.init(); returns the trainer and the epochs already done."""
+    rank, size = hvd.rank(), hvd.size()
+    device = setup_device(hvd.local_rank(), hvd.local_size(), cfg.threads)
+    run_dir = Path(cfg.run_dir).absolute()
+    splits, model, schedule, optimizer = build(cfg, size, device)
+    epochs = scaled_epochs(cfg.epochs, size, cfg.scale_epochs_by_size)
     first, history = resume(cfg, rank, run_dir / "checkpoints", model, optimizer)
     broadcast_state(model, optimizer)
 

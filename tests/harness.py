@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from hvdtrain.data.shm import creator_pid
+
 BIN = Path(sys.executable).parent
 HOROVODRUN = BIN / "horovodrun"
 REPO = Path(__file__).resolve().parent.parent
@@ -127,8 +129,9 @@ def leaked_segments(owner_pids: set[int]) -> list[str]:
 
     leaked = []
     for entry in SHM_DIR.glob(SHM_PREFIX + "*"):
-        parts = entry.name.split("_")
-        pid = int(parts[1]) if len(parts) > 2 and parts[1].isdigit() else -1
+        pid = creator_pid(entry.name)
+        if pid is None:
+            continue
         if pid in owner_pids or not psutil.pid_exists(pid):
             leaked.append(entry.name)
     return leaked

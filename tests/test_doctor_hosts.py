@@ -199,3 +199,8 @@ def test_cli_rejects_bad_hosts_with_exit_2_before_any_check(capsys):
         with pytest.raises(SystemExit) as exc:
             cli.main(argv)
         assert exc.value.code == 2
+
+
+def test_cli_rejects_ssh_options_without_hosts(capsys):
+    assert cli.main(["doctor", "--ssh-port", "2222"]) == 2
+    assert "--ssh-port/--ssh-identity-file need --hosts or --hostfile" in capsys.readouterr().err

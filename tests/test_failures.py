@@ -99,3 +99,14 @@ def test_after_a_gloo_peer_timeout_the_unreachable_host_is_named_before_the_firs
     assert t.report(None)[:2] == [
         "hvdtrain: host h2 is unreachable now (No route to host); it is the likely cause (a rank timed out waiting "
         "for a peer)", "hvdtrain: rank 0 on host h1 exited with code 1 (the first rank to fail)"]
+
+
+def test_elastic_jobs_ignore_the_exits_of_ranks_that_were_replaced():
+    t = FailureTracker((), elastic=True)
+    for line in ["Process 2 exit with status code 137.", "Exit code: 1"]:
+        t.feed(line)
+    assert t.first == RankFailure(None, code=1)
+
+
+def test_gloo_process_name_without_the_exit_line_still_names_the_rank():
+    assert track(["Process name: 1", "Exit code: 3"]).first == RankFailure(1, code=3, host="b")

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -309,3 +311,24 @@ def test_workers_do_not_rerun_the_training_script(tmp_path: Path, import_main: s
     assert result.returncode == 0, result.describe()
     assert "BATCHES [[0, 1, 4], [9, 16, 25]]" in result.output, result.describe()
     assert result.output.count("MAIN-MODULE-RUN") == runs, result.describe()
+
+
+def test_sweep_removes_only_old_segments_of_dead_creators(tmp_path) -> None:
+    from multiprocessing import shared_memory
+
+    from hvdtrain.data import shm
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait(timeout=60)
+    names = {f"hvdtrain_{dead.pid}_old", f"hvdtrain_{dead.pid}_new", f"hvdtrain_{os.getpid()}_mine"}
+    segs = [shared_memory.SharedMemory(name=n, create=True, size=64) for n in sorted(names)]
+    try:
+        old = f"/dev/shm/hvdtrain_{dead.pid}_old"
+        os.utime(old, (time.time() - 3600, time.time() - 3600))
+        assert shm.sweep_stale() == [f"hvdtrain_{dead.pid}_old"]  # a fresh name may be another namespace's, live
+        assert {p.name for p in Path("/dev/shm").glob("hvdtrain_*")} >= names - {f"hvdtrain_{dead.pid}_old"}
+    finally:
+        for seg in segs:
+            seg.close()
+            with contextlib.suppress(FileNotFoundError):
+                seg.unlink()

@@ -100,7 +100,7 @@ def describe_exit(code: int | None) -> str:
 def main_module_hidden() -> Iterator[None]:
     """While starting a spawned worker, show multiprocessing a bare `__main__` so the child does not re-import the
     training script (and with it torch, horovod, ...): everything a worker runs arrives cloudpickled, objects
-    defined in `__main__` included. Measured in bench/loader_bench.py (B3). Only our own Process objects are
+    defined in `__main__` included. Measured in bench/loader_bench.py (B5, --startup). Only our own Process objects are
     started inside this block; the swap lasts for `Process.start()`."""
     main = sys.modules.get("__main__")
     sys.modules["__main__"] = types.ModuleType("__main__")

@@ -75,7 +75,7 @@ class ShmLoader:
     until the next batch is requested,
     when the slot goes back to its worker. Copy what must outlive the step. Workers start in the constructor and
     live until `close()` (idempotent; also on garbage collection and at interpreter exit; a context manager).
-    Workers are started with 'spawn' (default; 'forkserver' is accepted but measured slower, bench B3), never
+    Workers are started with 'spawn' (default; 'forkserver' is accepted; bench B5 times both), never
     'fork', which is unsafe once torch has started its threads. `dataset`, `collate`, `fetch` and `generator` are
     sent to the workers with cloudpickle (lambdas, closures and `__main__` objects work; a big in-memory dataset is
     copied once per worker), so workers do not re-import the training script (its torch/horovod imports) unless

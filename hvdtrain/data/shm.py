@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from multiprocessing import shared_memory
@@ -61,21 +62,40 @@ def release_segment(seg: Segment, *, unlink: bool) -> None:
         seg.close()
 
 
-def sweep_stale() -> list[str]:
-    """Unlink hvdtrain segments whose creator process is dead (left by a crash); returns their names."""
+def creator_pid(name: str) -> int | None:
+    """The pid in a segment name `hvdtrain_<pid>_<token>`, or None for another name."""
+    parts = name.split("_")
+    if not name.startswith(PREFIX) or len(parts) < 3 or not parts[1].isdigit():
+        return None
+    return int(parts[1])
+
+
+STALE_AFTER_S = 60.0
+
+
+def sweep_stale(min_age_s: float = STALE_AFTER_S) -> list[str]:
+    """Unlink hvdtrain segments left by a crash: creator pid dead *and* older than `min_age_s`; returns their names.
+
+    The age matters: a name lives only until the worker attaches (milliseconds), and a creator in another PID
+    namespace sharing /dev/shm (containers with --ipc=host) looks dead from here; a live job's name is never old.
+    """
     removed = []
+    now = time.time()
     for entry in os.scandir("/dev/shm") if os.path.isdir("/dev/shm") else ():
-        parts = entry.name.split("_")
-        if not entry.name.startswith(PREFIX) or len(parts) < 3 or not parts[1].isdigit():
+        pid = creator_pid(entry.name)
+        if pid is None:
             continue
         try:
-            os.kill(int(parts[1]), 0)
+            os.kill(pid, 0)
+            continue
         except ProcessLookupError:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(entry.path)
-                removed.append(entry.name)
+            pass
         except PermissionError:
             continue
+        with contextlib.suppress(FileNotFoundError):
+            if now - entry.stat().st_mtime >= min_age_s:
+                os.unlink(entry.path)
+                removed.append(entry.name)
     return removed
 
 

@@ -1,7 +1,7 @@
 """A training-shaped loop for fault tests: ShmLoader batches (producer processes, shared memory) -> allreduce.
 
 Usage: fault_rank.py OUT_DIR MODE, MODE one of
-  raise  rank 1 raises at step 5 (an ordinary Python exception mid-epoch);
+  raise  rank 1 raises mid-epoch (an ordinary Python exception) once OUT_DIR/go exists;
   wait   every rank loops until killed (the test SIGKILLs one rank by the pid it wrote).
 Each rank writes OUT_DIR/pid.<rank> (its pid) once its loader is running and it has done one allreduce.
 """
@@ -30,6 +30,6 @@ with ShmLoader(data, rank=rank, size=size, batch_size=16, num_workers=1, seed=0)
                 with open(tmp, "w") as f:
                     f.write(str(os.getpid()))
                 os.replace(tmp, os.path.join(out_dir, f"pid.{rank}"))
-            if mode == "raise" and rank == 1 and step == 5:
+            if mode == "raise" and rank == 1 and os.path.exists(os.path.join(out_dir, "go")):
                 raise RuntimeError("rank 1 is failing on purpose mid-epoch")
             time.sleep(0.01)
