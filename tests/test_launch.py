@@ -151,8 +151,9 @@ def test_shipped_jobs_validate_and_dry_run_to_the_pinned_argv(job, cache_env):
     assert shlex.split(lines[1]) == PINNED_DRY_RUNS[job]()
     assert lines[2] == "# environment added (forwarded to every rank)"
     keepalive = sorted(f"{k}={v}" for k, v in MPI_REMOTE_ENV.items())  # two_hosts.yaml: MPI across hosts
-    assert lines[3:] == (["NCCL_DEBUG=WARN", *keepalive, "OMP_NUM_THREADS=4"] if job == "two_hosts.yaml"
-                         else ["(none)"])
+    env = {"two_hosts.yaml": ["NCCL_DEBUG=WARN", *keepalive, "OMP_NUM_THREADS=4"],
+           "quickstart.yaml": ["TF_CPP_MIN_LOG_LEVEL=2"]}
+    assert lines[3:] == env.get(job, ["(none)"])
 
 
 def test_invalid_spec_exits_2_with_the_message_and_no_traceback(tmp_path):

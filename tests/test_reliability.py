@@ -50,12 +50,19 @@ class Job:
 
     def kill_everything(self, procs: list[psutil.Process] | None = None) -> None:
         """A crash of the whole job: every process (launcher, ranks, producers) SIGKILLed at the same instant.
-        `procs`: a snapshot of the tree taken earlier, to kill without walking it first (then the rest)."""
-        procs = (procs or []) + self.tree()
+        `procs`: a snapshot of the tree taken earlier, to kill without walking it first (then the rest).
+
+        multiprocessing's resource trackers are spared, as the kernel's OOM killer or a `kill -9` of the job
+        would spare them: once the processes they serve are gone they unlink what those left registered (the
+        named semaphores of horovodrun's safe_shell_exec), which a whole-machine crash would wipe with /dev/shm.
+        """
+        procs = [p for p in (procs or []) + self.tree() if not _resource_tracker(p)]
+        trackers = [p for p in self.tree() if _resource_tracker(p)]
         for p in procs:
             with contextlib.suppress(psutil.Error):
                 p.send_signal(signal.SIGKILL)
         psutil.wait_procs(procs, timeout=30)
+        psutil.wait_procs(trackers, timeout=30)
 
     def wait(self, timeout: float) -> JobResult:
         try:
@@ -71,6 +78,13 @@ class Job:
         self.log.flush()
         self.log.seek(0)
         return self.log.read()
+
+
+def _resource_tracker(p: psutil.Process) -> bool:
+    try:
+        return "multiprocessing.resource_tracker" in " ".join(p.cmdline())
+    except psutil.Error:
+        return False
 
 
 def wait_for(condition, timeout: float, what: str, job: Job, poll: float = 0.05):
@@ -175,6 +189,7 @@ def test_sigkill_at_random_moments_and_mid_checkpoint_never_loses_a_checkpoint(t
                           cwd=tmp_path))
     want = json.loads((tmp_path / "reference" / "summary.json").read_text())["weights_sha256_by_rank"]
 
+    semaphores = set(SHM_DIR.glob("sem.mp-*"))  # multiprocessing's named semaphores (horovodrun makes some)
     run_dir, rng, trials = tmp_path / "killed", random.Random(7), []
     ckpt_dir, job = run_dir / "checkpoints", recipe_job(tmp_path, tmp_path / "killed")
     for trial in range(6):
@@ -209,3 +224,4 @@ def test_sigkill_at_random_moments_and_mid_checkpoint_never_loses_a_checkpoint(t
         assert f"epochs {(last[-1] if last else 0) + 1}..{EPOCHS}" in final.output, final.output
         assert not any(".tmp-" in p.name for p in ckpt_dir.iterdir()), "a crashed write's temp file survived"
     print("TRIALS " + json.dumps(trials))
+    assert set(SHM_DIR.glob("sem.mp-*")) - semaphores == set(), "the kills left named semaphores in /dev/shm"
