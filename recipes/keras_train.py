@@ -389,8 +389,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except datasets.DatasetError as e:  # bad --dataset input: every rank fails the same way, say why
-        print(f"{Path(__file__).name}: error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
+    datasets.exit_with(main, __file__)  # a bad --dataset: exit 2 with the message, no traceback

@@ -34,7 +34,6 @@ from __future__ import annotations
 import hashlib
 import math
 import os
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -438,8 +437,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except datasets.DatasetError as e:  # bad --dataset input: every rank fails the same way, say why
-        print(f"{Path(__file__).name}: error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
+    datasets.exit_with(main, __file__)  # a bad --dataset: exit 2 with the message, no traceback

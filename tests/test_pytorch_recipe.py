@@ -347,3 +347,18 @@ def test_stall_statistics_are_averaged_over_ranks():
     assert combined["mean_wait_s"] == pytest.approx(0.02) and combined["wait_share"] == pytest.approx(0.2)
     assert combined["by_rank"] == per_rank
     assert combine_stall([{"mean_wait_s": None}])["wait_share"] is None
+
+
+def test_exit_with_turns_a_dataset_error_into_exit_2_and_passes_other_codes(capsys):
+    from hvdtrain.train.datasets import exit_with
+
+    def bad() -> int:
+        raise DatasetError("/data/x.npz: missing array(s) x")
+
+    with pytest.raises(SystemExit) as exc:
+        exit_with(bad, "/r/recipe.py")
+    assert exc.value.code == 2
+    assert capsys.readouterr().err == "recipe.py: error: /data/x.npz: missing array(s) x\n"
+    with pytest.raises(SystemExit) as exc:
+        exit_with(lambda: 0, "/r/recipe.py")
+    assert exc.value.code == 0

@@ -9,8 +9,11 @@
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
 
@@ -20,6 +23,17 @@ SYNTHETIC = "synthetic"
 
 class DatasetError(ValueError):
     """A dataset argument or file is not usable; the message names the file and what was expected."""
+
+
+def exit_with(main: Callable[[], int], script: str) -> NoReturn:
+    """A recipe's entry point: exit with main()'s code; a bad --dataset exits 2 with its message, no traceback
+    (every rank fails the same way, before any training)."""
+    try:
+        code = main()
+    except DatasetError as e:
+        print(f"{Path(script).name}: error: {e}", file=sys.stderr, flush=True)
+        code = 2
+    sys.exit(code)
 
 
 @dataclass(frozen=True)
