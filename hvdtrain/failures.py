@@ -21,11 +21,12 @@ EXIT_CODE = re.compile(r"^\s*Exit code:\s*(-?\d+)\s*$")
 # The last line of a Python traceback: `RuntimeError: message` (unindented). Ranks that only saw the job being
 # shut down under them raise HorovodInternalError: they are victims, not the cause.
 EXCEPTION = re.compile(r"^[A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit)(?::.*)?$")
-VICTIM = ("HorovodInternalError", "HostsUpdatedInterrupt", "Horovod has been shut down")
 # mpirun, when a host's orted stops answering: `Remote daemon: [[21958,0],2] on node 10.213.86.12`.
 MPI_LOST_DAEMON = re.compile(r"^\s*Remote daemon:\s*\S+ on node (\S+)\s*$")
-# Gloo, when a peer stops answering (a lost host or link); it does not say which peer.
+# Gloo, when a peer stops answering (a lost host or link); it does not say which peer. The rank that timed out
+# is a victim too: the cause is the peer it waited for.
 GLOO_TIMEOUT = "Timed out waiting"
+VICTIM = ("HorovodInternalError", "HostsUpdatedInterrupt", "Horovod has been shut down", GLOO_TIMEOUT)
 TAIL_LINES = 15
 
 

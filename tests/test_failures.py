@@ -110,3 +110,11 @@ def test_elastic_jobs_ignore_the_exits_of_ranks_that_were_replaced():
 
 def test_gloo_process_name_without_the_exit_line_still_names_the_rank():
     assert track(["Process name: 1", "Exit code: 3"]).first == RankFailure(1, code=3, host="b")
+
+
+def test_a_rank_that_timed_out_waiting_for_a_peer_is_not_named_as_the_cause():
+    t = FailureTracker(("h1", "h2"))
+    t.rank_line(0, "RuntimeError: [unbound_buffer.cc:81] Timed out waiting 15000ms for recv operation to complete")
+    t.feed("Process 0 exit with status code 1.")
+    assert t.cause is None and t.peer_timed_out
+    assert t.report(None)[0] == "hvdtrain: rank 0 on host h1 exited with code 1 (the first rank to fail)"
