@@ -6,8 +6,15 @@
 
 The hosts share this machine's filesystem, so a job started over ssh runs the same venv and scripts. Keys are
 generated per fixture in a temporary directory; everything (sshd and every other process still inside the
-namespaces, the namespaces, bridge, known_hosts entries) is removed on exit. Only addresses inside the namespaces
-this module creates are ever contacted.
+namespaces, the namespaces, bridge, and /run/sshd if this module made it) is removed on exit. Only addresses inside
+the namespaces this module creates are ever contacted.
+
+NOTE [ The user's ssh state is never touched ]
+The test hosts get a fresh host key every run, so whatever ssh records about them is garbage the next time. Every
+ssh client of a test (ours, horovodrun's, mpirun's plm_rsh_agent, the doctor's) goes through the cluster's `ssh`
+wrapper (`SshCluster.client_env()`: first on PATH, and OMPI_MCA_plm_rsh_agent), which runs the real ssh with a
+private config (`-F`): known hosts in the fixture's temporary directory, never ~/.ssh/known_hosts, and nothing from
+~/.ssh/config. Options given with `-o` (horovodrun's StrictHostKeyChecking=no) still apply on top of it.
 """
 
 from __future__ import annotations
@@ -24,6 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SSHD = "/usr/sbin/sshd"
+SSH = "/usr/bin/ssh"
+PRIVSEP_DIR = Path("/run/sshd")  # sshd refuses to start (even `sshd -T`) without it; /run is a tmpfs
 CMD_TIMEOUT_S = 30
 
 
@@ -44,6 +53,50 @@ class SshCluster:
     hosts: list[SshHost]
     identity_file: Path
     bridge: str
+    client_bin: Path  # holds the `ssh` wrapper: see NOTE [ The user's ssh state is never touched ]
+
+    def client_env(self) -> dict[str, str]:
+        """Environment under which every ssh started by a job, a test or hvdtrain uses the private config."""
+        return {"PATH": f"{self.client_bin}{os.pathsep}{os.environ.get('PATH', '')}",
+                "OMPI_MCA_plm_rsh_agent": str(self.client_bin / "ssh")}
+
+
+@contextlib.contextmanager
+def privsep_dir() -> Iterator[Path]:
+    """sshd's privilege-separation directory for the duration: made if missing, and then removed again (only then:
+    a directory this module did not make is left as it was). A fresh machine or a reboot has no /run/sshd."""
+    made = False
+    try:
+        PRIVSEP_DIR.mkdir(mode=0o755)
+        made = True
+    except FileExistsError:
+        pass
+    try:
+        yield PRIVSEP_DIR
+    finally:
+        if made:
+            with contextlib.suppress(OSError):  # not empty: something else uses it now; leave it
+                PRIVSEP_DIR.rmdir()
+
+
+def write_ssh_client(tmp: Path) -> Path:
+    """A private ssh client config and an `ssh` wrapper using it, in tmp/bin; returns that bin directory."""
+    config = tmp / "ssh_config"
+    config.write_text("\n".join([
+        "Host *",
+        f"  UserKnownHostsFile {tmp / 'known_hosts'}",
+        "  GlobalKnownHostsFile /dev/null",
+        "  StrictHostKeyChecking accept-new",
+        "  BatchMode yes",
+        "  LogLevel ERROR",
+        "",
+    ]))
+    bin_dir = tmp / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    wrapper = bin_dir / "ssh"
+    wrapper.write_text(f'#!/bin/sh\nexec {SSH} -F {shlex.quote(str(config))} "$@"\n')
+    wrapper.chmod(0o755)
+    return bin_dir
 
 
 def unavailable_reason() -> str | None:
@@ -90,10 +143,9 @@ def _sshd_config(tmp: Path, host: SshHost) -> Path:
     return cfg
 
 
-def _wait_for_ssh(host: SshHost, identity: Path, deadline_s: float = 20) -> None:
+def _wait_for_ssh(host: SshHost, identity: Path, client_bin: Path, deadline_s: float = 20) -> None:
     deadline = time.monotonic() + deadline_s
-    argv = ["ssh", "-i", str(identity), "-o", "StrictHostKeyChecking=no", "-o", "BatchMode=yes",
-            "-o", "ConnectTimeout=2", host.address, "true"]
+    argv = [str(client_bin / "ssh"), "-i", str(identity), "-o", "ConnectTimeout=2", host.address, "true"]
     while time.monotonic() < deadline:
         if _run(argv, check=False).returncode == 0:
             return
@@ -149,8 +201,6 @@ def _teardown(tok: str, n: int, bridge: str, sshds: list[subprocess.Popen], host
         _run(["ip", "netns", "del", f"hvdt{tok}h{i}"], check=False)
         _run(["ip", "link", "del", f"hv{tok}{i}"], check=False)
     _run(["ip", "link", "del", bridge], check=False)
-    for host in hosts:  # StrictHostKeyChecking=no records the throwaway host keys: forget them
-        _run(["ssh-keygen", "-R", host.address], check=False)
 
 
 def _free_subnet() -> str:
@@ -172,7 +222,9 @@ def ssh_cluster(tmp: Path, n: int = 2) -> Iterator[SshCluster]:
     bridge = f"hb{tok}"
     sshds: list[subprocess.Popen] = []
     hosts: list[SshHost] = []
-    try:
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(privsep_dir())  # left last, once every sshd is gone
+        stack.callback(_teardown, tok, n, bridge, sshds, hosts)
         _run(["ip", "link", "add", bridge, "type", "bridge"])
         _run(["ip", "addr", "add", f"{subnet}.1/24", "dev", bridge])
         _run(["ip", "link", "set", bridge, "up"])
@@ -180,9 +232,8 @@ def ssh_cluster(tmp: Path, n: int = 2) -> Iterator[SshCluster]:
         _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(identity)])
         _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp / "host_key")])
         shutil.copy(tmp / "id_ed25519.pub", tmp / "authorized_keys")
-        Path("/run/sshd").mkdir(exist_ok=True)  # sshd's privilege-separation directory
+        client_bin = write_ssh_client(tmp)
         for i in range(1, n + 1):
-            _run(["ssh-keygen", "-R", f"{subnet}.{10 + i}"], check=False)  # a crashed earlier run's host key
             host = _add_host(tok, i, subnet, bridge)
             hosts.append(host)
             # Its own UTS namespace too, so that the host's hostname (what ranks see) is its namespace's name.
@@ -191,7 +242,5 @@ def ssh_cluster(tmp: Path, n: int = 2) -> Iterator[SshCluster]:
                 ["ip", "netns", "exec", host.namespace, "unshare", "--uts", "sh", "-c", sshd],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True))
         for host in hosts:
-            _wait_for_ssh(host, identity)
-        yield SshCluster(hosts, identity, bridge)
-    finally:
-        _teardown(tok, n, bridge, sshds, hosts)
+            _wait_for_ssh(host, identity, client_bin)
+        yield SshCluster(hosts, identity, bridge, client_bin)

@@ -4,12 +4,15 @@ entrypoint exercised with this machine's OpenSSH. No image is built here (there 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
+
+from tests import netns
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKER = ROOT / "docker"
@@ -163,11 +166,14 @@ needs_openssh = pytest.mark.skipif(not (Path("/usr/sbin/sshd").exists() and shut
 
 @needs_openssh
 def test_sshd_config_is_key_only_on_the_port(tmp_path):
+    if os.geteuid() != 0 and not netns.PRIVSEP_DIR.is_dir():
+        pytest.skip(f"sshd -T needs {netns.PRIVSEP_DIR}, which only root can create")
     key = tmp_path / "host_ed25519"
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True)
     conf = tmp_path / "sshd_config"
     conf.write_text((DOCKER / "sshd_config").read_text() + "Port 2222\n" + f"HostKey {key}\n")
-    proc = subprocess.run(["/usr/sbin/sshd", "-T", "-f", str(conf)], capture_output=True, text=True, timeout=10)
+    with netns.privsep_dir():  # a fresh machine has no /run/sshd; sshd -T refuses to run without it
+        proc = subprocess.run([netns.SSHD, "-T", "-f", str(conf)], capture_output=True, text=True, timeout=10)
     assert proc.returncode == 0, proc.stderr
     effective = dict(line.split(" ", 1) for line in proc.stdout.splitlines() if " " in line)
     assert effective["port"] == "2222"

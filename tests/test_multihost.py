@@ -50,13 +50,16 @@ SETTLE_S = 30  # after the job: how long its processes may take to be gone (a cu
 
 
 @pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[netns.SshCluster]:
+def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[netns.SshCluster]:
     reason = netns.unavailable_reason()
     if reason:
         pytest.skip(f"no namespace ssh hosts: {reason}")
     keys = tmp_path / "cluster"
     keys.mkdir()
     with netns.ssh_cluster(keys) as found:
+        # Every ssh of this test and of the jobs it starts uses the cluster's private known_hosts and config.
+        for name, value in found.client_env().items():
+            monkeypatch.setenv(name, value)
         yield found
 
 

@@ -1,0 +1,120 @@
+"""scripts/fresh_state.sh removes what earlier runs left (hvdtrain's cache, an empty privsep dir, the test hosts'
+known_hosts lines, segments of dead processes) and nothing else. Run with HOME and every path pointed at tmp_path."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests import netns
+from tests.harness import REPO
+
+SCRIPT = REPO / "scripts" / "fresh_state.sh"
+KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOMqqnkVzrm0SdG6UOoqKLsabgH5C9okWi0dh2l9GKJl"
+
+
+def dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait(timeout=30)
+    return proc.pid
+
+
+def run(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in os.environ.items() if k not in ("HVDTRAIN_CACHE_DIR", "XDG_CACHE_HOME")}
+    full = {**base, "HOME": str(tmp_path / "home"), "HVDTRAIN_PRIVSEP_DIR": str(tmp_path / "sshd"),
+            "HVDTRAIN_SHM_DIR": str(tmp_path / "shm"), "HVDTRAIN_SKIP_NETNS": "1", **env}
+    return subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, timeout=120, env=full,
+                          stdin=subprocess.DEVNULL, check=False)
+
+
+@pytest.mark.skipif(shutil.which("ssh-keygen") is None, reason="ssh-keygen not installed")
+def test_removes_what_earlier_runs_left_and_nothing_else(tmp_path):
+    home = tmp_path / "home"
+    (home / ".cache" / "hvdtrain").mkdir(parents=True)
+    (home / ".cache" / "hvdtrain" / "controllers.json").write_text("{}")
+    (home / ".cache" / "other").mkdir()
+    (home / ".ssh").mkdir()
+    known = home / ".ssh" / "known_hosts"
+    known.write_text(f"10.213.57.11 {KEY}\nserver1 {KEY}\n10.213.57.12 {KEY}\n10.0.0.7 {KEY}\n")
+    (tmp_path / "sshd").mkdir()
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    stale, live = f"hvdtrain_{dead_pid()}_a1", f"hvdtrain_{os.getpid()}_b2"
+    for name in (stale, live, "other_segment"):
+        (shm / name).write_bytes(b"x")
+
+    proc = run(tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert not (home / ".cache" / "hvdtrain").exists(), proc.stdout
+    assert (home / ".cache" / "other").is_dir()
+    kept = [line.split()[0] for line in known.read_text().splitlines()]
+    assert kept == ["server1", "10.0.0.7"], proc.stdout
+    assert not (home / ".ssh" / "known_hosts.old").exists()
+    assert sorted(p.name for p in shm.iterdir()) == sorted([live, "other_segment"]), proc.stdout
+    if subprocess.run(["pgrep", "-x", "sshd"], capture_output=True, timeout=10).returncode != 0:
+        assert not (tmp_path / "sshd").exists(), proc.stdout
+    assert "removed 2 test host(s)" in proc.stdout and f"removing stale shared-memory segment {shm / stale}" \
+        in proc.stdout
+
+
+def test_leaves_a_non_empty_privsep_dir_and_runs_on_an_empty_machine(tmp_path):
+    (tmp_path / "sshd").mkdir()
+    (tmp_path / "sshd" / "keep").write_text("not ours")
+    proc = run(tmp_path)  # no home, no cache, no shm directory at all
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (tmp_path / "sshd" / "keep").exists()
+    assert proc.stdout == "", proc.stdout
+
+
+def test_honours_hvdtrain_cache_dir(tmp_path):
+    cache = tmp_path / "elsewhere"
+    cache.mkdir()
+    (tmp_path / "home" / ".cache" / "hvdtrain").mkdir(parents=True)
+    proc = run(tmp_path, HVDTRAIN_CACHE_DIR=str(cache))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert not cache.exists()
+    assert (tmp_path / "home" / ".cache" / "hvdtrain").is_dir()
+
+
+def test_removes_a_killed_runs_test_hosts_but_not_a_live_one(tmp_path):
+    reason = netns.unavailable_reason()
+    if reason:
+        pytest.skip(f"no network namespaces: {reason}")
+    tok = str(900000 + os.getpid() % 100000)  # never a live session's token (those are pid % 100000)
+    stale, live, bridge = f"hvdt{tok}h1", f"hvdt{tok}h2", f"hb{tok}"
+    sh = ["ip", "netns", "exec", live, "sleep", "120"]
+    sleeper = None
+    try:
+        for argv in (["ip", "netns", "add", stale], ["ip", "netns", "add", live],
+                     ["ip", "link", "add", bridge, "type", "bridge"]):
+            subprocess.run(argv, check=True, capture_output=True, timeout=30)
+        sleeper = subprocess.Popen(sh)
+        deadline = time.monotonic() + 20
+        while not netns.namespace_processes(live) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        proc = run(tmp_path, HVDTRAIN_SKIP_NETNS="0")
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
+        assert stale not in names and live in names, proc.stdout
+        assert f"removing the test host namespace {stale}" in proc.stdout
+        links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, timeout=30).stdout
+        assert f" {bridge}:" in links, "the bridge of a namespace still in use must stay"
+
+        sleeper.kill()
+        sleeper.wait(timeout=30)
+        proc = run(tmp_path, HVDTRAIN_SKIP_NETNS="0")
+        names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
+        links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, timeout=30).stdout
+        assert live not in names and f" {bridge}:" not in links, proc.stdout
+    finally:
+        if sleeper is not None and sleeper.poll() is None:
+            sleeper.kill()
+            sleeper.wait(timeout=30)
+        for argv in (["ip", "netns", "del", stale], ["ip", "netns", "del", live], ["ip", "link", "del", bridge]):
+            subprocess.run(argv, capture_output=True, timeout=30, check=False)
