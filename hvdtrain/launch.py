@@ -32,6 +32,9 @@ POLL_S = 0.5
 SNAPSHOT_S = 2.0  # a process-tree walk costs ~10 ms of CPU: not every poll, the ranks need the cores
 # Gloo: `[0]<stdout>:text`; MPI (--tag-output): `[1,0]<stdout>:text`. Both become `[0]<stdout>:text`.
 RANK_LINE = re.compile(r"^\[(?:\d+,)?(\d+)\]<(stdout|stderr)>:(.*)$", re.DOTALL)
+# mpirun --tag-output tags every chunk it reads, so a line a rank wrote in several writes (Python's traceback
+# writes `RuntimeError`, `: `, the message) carries tags inside it: `RuntimeError[1,1]<stderr>:: [1,1]<stderr>:msg`.
+MPI_TAG = re.compile(r"\[\d+,\d+\]<(?:stdout|stderr|stddiag)>:")
 _PROBE = r"""
 import json, importlib, pathlib
 for fw in ("torch", "tensorflow"):
@@ -141,7 +144,7 @@ class OutputRouter:
             self._emit(self.stdout, self._file("launcher.log"), stamp + text, stamp + text)
             return
         rank, stream, body = int(m.group(1)), m.group(2), m.group(3)
-        body = body.removesuffix(f"[1,{rank}]<{stream}>:")  # mpirun's tag on an empty trailing line
+        body = MPI_TAG.sub("", body)
         self.failures.rank_line(rank, body)
         echo = self.logs.console_ranks is None or rank in self.logs.console_ranks
         console = (self.stderr if stream == "stderr" else self.stdout) if echo else None

@@ -107,6 +107,19 @@ def test_router_normalises_prefixes_filters_console_and_writes_rank_logs(tmp_pat
     assert router.failures.first == RankFailure(1, code=3)  # the first report wins
 
 
+def test_router_removes_mpirun_tags_inside_a_line_and_finds_the_exception():
+    # What mpirun printed in a real run when rank 1's traceback reached it in several chunks: the tags inside the
+    # line hid the exception, and hvdtrain named the victim rank 0 instead of rank 1.
+    lines = ["[1]<stderr>:RuntimeError[1,1]<stderr>:: [1,1]<stderr>:rank 1 is failing on purpose",
+             "[0]<stderr>:horovod.common.exceptions.HorovodInternalError: Horovod has been shut down.",
+             "Process name: [[10821,1],0]", "  Exit code:    1"]
+    router, _, err = route(lines, Logs())
+    assert "[1]<stderr>:RuntimeError: rank 1 is failing on purpose\n" in err
+    assert router.failures.cause == (1, "RuntimeError: rank 1 is failing on purpose")
+    assert router.failures.report(None)[0] == ("hvdtrain: rank 1 raised RuntimeError: rank 1 is failing on purpose "
+                                               "(the cause); rank 0 exited with code 1 first, after Horovod shut down")
+
+
 def test_router_echoes_every_rank_by_default_stderr_to_stderr_with_optional_timestamps():
     _, out, err = route(["[1]<stderr>:bad", "[0]<stdout>:good"], Logs(timestamp=True))
     assert out.endswith(" [0]<stdout>:good\n") and out[:4].isdigit()
