@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
 import re
 import shutil
 import subprocess
@@ -56,11 +57,15 @@ def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[netns.S
         pytest.skip(f"no namespace ssh hosts: {reason}")
     keys = tmp_path / "cluster"
     keys.mkdir()
+    user_known = Path(pwd.getpwuid(os.getuid()).pw_dir) / ".ssh" / "known_hosts"  # ssh's ~ is passwd's, not $HOME
+    before = user_known.read_bytes() if user_known.exists() else None
     with netns.ssh_cluster(keys) as found:
         # Every ssh of this test and of the jobs it starts uses the cluster's private known_hosts and config.
         for name, value in found.client_env().items():
             monkeypatch.setenv(name, value)
         yield found
+    after = user_known.read_bytes() if user_known.exists() else None
+    assert after == before, f"the test changed {user_known}: see NOTE [ The user's ssh state is never touched ]"
 
 
 def _needs_mpirun(controller: str) -> None:
