@@ -204,7 +204,8 @@ def _teardown(tok: str, n: int, bridge: str, sshds: list[subprocess.Popen], host
 
 
 def _free_subnet() -> str:
-    """A 10.213.N/24 no interface here uses yet (two test sessions at once must not share a subnet)."""
+    """A 10.213.N/24 no interface here uses yet (two test sessions at once must not share a subnet).
+    scripts/fresh_state.sh knows this range (N = 20..219, hosts .11, .12) and these names: keep them in step."""
     used = _run(["ip", "-4", "-o", "addr", "show"], check=False).stdout
     start = os.getpid() % 200
     for k in range(200):

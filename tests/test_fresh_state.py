@@ -1,5 +1,6 @@
 """scripts/fresh_state.sh removes what earlier runs left (hvdtrain's cache, an empty privsep dir, the test hosts'
-known_hosts lines, segments of dead processes) and nothing else. Run with HOME and every path pointed at tmp_path."""
+known_hosts lines, segments of dead processes, a killed test run's namespaces and bridge) and nothing else. Run with
+HOME and every path pointed at tmp_path; only the namespace test lets it touch the machine's namespaces."""
 
 from __future__ import annotations
 
