@@ -19,12 +19,13 @@ def test_torch_loader_tensors_view_the_shared_memory_slot() -> None:
         shm_loader = tl.loader
         for x, y in tl:
             assert isinstance(x, torch.Tensor) and x.dtype == torch.float32 and y.dtype == torch.int64
-            seg = shm_loader._res.segments[shm_loader._lent]
+            (slot,) = shm_loader._lender._held
+            seg = shm_loader._res.segments[slot]
             base = np.frombuffer(seg.buf, np.uint8)
             start = base.ctypes.data
             assert start <= x.data_ptr() < start + seg.size  # no copy: the tensor lives in the slot
             assert torch.equal(x[:, 0].long(), y)
-            del base
+            del base, x, y  # the slot goes back when its last tensor is released
         tl.set_epoch(1)
         copies = [x for x, _ in TorchLoader(shm_loader, copy=True)]
         assert all(c.untyped_storage().data_ptr() != copies[0].untyped_storage().data_ptr() for c in copies[1:])

@@ -24,8 +24,9 @@ Who owns what, and how everything ends — normally, on an exception, on interpr
   `multiprocessing.connection.wait(timeout=poll_s)`, so a dead worker is reported at once (WorkerDiedError, and
   the loader closes itself), an exception in a worker is re-raised with its traceback (WorkerError), and a silent
   worker raises LoaderTimeoutError after `timeout` s.
-- Numpy views the user still holds keep their mapping alive after close (shm.Segment tolerates that); the memory
-  is returned when the last view is dropped. Views must not be used after the next batch is requested anyway.
+- Batches the user still holds keep their mapping alive after close (a lent batch holds a memoryview export that
+  makes shm.Segment.close() leave the mapping to it); the memory is returned when the last view is dropped.
+  NOTE [batch lifetime] in lending.py says when a slot goes back to its worker.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from hvdtrain.data import shm
+from hvdtrain.data.lending import Lender
 from hvdtrain.data.lifecycle import (
     LoaderError,
     LoaderTimeoutError,
@@ -71,11 +72,13 @@ class ShmLoader:
 
     Iterating yields the batches in a fixed order (worker 0, 1, ... round robin; in dataset mode exactly the
     sampler's order; generator mode with `ordered=False`: as they arrive, so one slow producer does not hold up
-    the others, at the price of a run-dependent order) as numpy arrays that *view* a shared-memory slot: valid
-    until the next batch is requested,
-    when the slot goes back to its worker. Copy what must outlive the step. Workers start in the constructor and
-    live until `close()` (idempotent; also on garbage collection and at interpreter exit; a context manager).
-    Workers are started with 'spawn' (default; 'forkserver' is accepted; bench B5 times both), never
+    the others, at the price of a run-dependent order) as numpy arrays that *view* a shared-memory slot (no copy).
+    A batch stays valid as long as any view of it (or a tensor made from one) is alive, also after `close()`: the
+    slot goes back to its worker when the last view is released. Each worker owns `prefetch + 1` slots; a batch
+    that would leave its worker none (the user keeps batches) is handed out as a private copy instead, so holding
+    batches never aliases and never deadlocks (NOTE [batch lifetime] in lending.py). Workers start in the
+    constructor and live until `close()` (idempotent; also on garbage collection and at interpreter exit; a
+    context manager). Workers are started with 'spawn' (default; 'forkserver' is accepted; bench B5 times both), never
     'fork', which is unsafe once torch has started its threads. `dataset`, `collate`, `fetch` and `generator` are
     sent to the workers with cloudpickle (lambdas, closures and `__main__` objects work; a big in-memory dataset is
     copied once per worker), so workers do not re-import the training script (its torch/horovod imports) unless
@@ -108,10 +111,18 @@ class ShmLoader:
         self._consumed = 0  # batches yielded in the current epoch (generator mode; the sampler counts otherwise)
         self._resume_pending = False
         self._completed_epoch: int | None = None
-        self._lent: int | None = None  # the slot whose views the trainer holds
+        self._spw = prefetch + 1  # slots per worker: prefetch ahead + the one the step holds
+        self_ref = weakref.ref(self)  # the lender must not keep the loader (and its workers) alive
+
+        def give_back(slot: int) -> None:
+            loader = self_ref()
+            if loader is not None and not loader._closed:
+                loader._give_back(slot, quiet=True)
+
+        self._lender = Lender(self._spw, give_back)
         self._stash: dict[tuple[int, int], tuple[Any, ...]] = {}
         self._res = Resources()
-        self._finalizer = weakref.finalize(self, self._res.shutdown)
+        self._finalizer = weakref.finalize(self, _shut_down, self._res, self._lender)
         self._closed = False
         base = WorkerConfig(0, num_workers, rank, size, seed, poll_s, dataset, collate, fetch, generator,
                             None if dataset is None else {"num_samples": len(dataset), "shuffle": shuffle,
@@ -138,7 +149,7 @@ class ShmLoader:
                 proc.start()
             self._res.procs.append(proc)
             theirs.close()
-            for slot in range(w * self.prefetch, (w + 1) * self.prefetch):
+            for slot in range(w * self._spw, (w + 1) * self._spw):
                 mine.send(("slot", slot, None, 0))
 
     # ---- public API ----------------------------------------------------------------------------------------
@@ -181,25 +192,25 @@ class ShmLoader:
             warnings.warn(f"ShmLoader: iterating epoch {self.epoch} again with the same order; call "
                           "set_epoch(epoch) every epoch", stacklevel=2)
         self._gen += 1
-        self._release_lent()
-        for msg in self._stash.values():
-            if msg[0] == "batch":
-                self._give_back(msg[3])
-        self._stash.clear()
         # Generator mode resumes by producing and skipping the consumed batches (the order is deterministic).
         skip = self._consumed if self._resume_pending and self.sampler is None else 0
         if not self._resume_pending and self.sampler is not None:
             self.sampler.rewind()
         self._consumed, self._resume_pending = 0, False
         state = None if self.sampler is None else self.sampler.state_dict()
-        for w in range(self.num_workers):
-            self._send(w, ("epoch", self._gen, self.epoch, state))
+        with self._lender.talking():
+            for msg in self._stash.values():
+                if msg[0] == "batch":
+                    self._give_back(msg[3])
+            self._stash.clear()
+            for w in range(self.num_workers):
+                self._send(w, ("epoch", self._gen, self.epoch, state))
         return _EpochIterator(self, self._gen, skip)
 
     def close(self) -> None:
         """Stop the workers and free every segment (idempotent; see NOTE [shutdown])."""
         self._closed = True
-        self._lent = None
+        self._lender.close()
         self._stash.clear()
         self._finalizer()
 
@@ -225,14 +236,15 @@ class ShmLoader:
         except OSError:
             self._fail_dead(w, "when the trainer wrote to it")
 
-    def _give_back(self, slot: int) -> None:
+    def _give_back(self, slot: int, *, quiet: bool = False) -> None:
+        """Hand `slot` back to its worker. quiet: a dead worker is left for `_receive` to report (its sentinel)."""
         seg = self._res.segments.get(slot)
-        self._send(slot // self.prefetch, ("slot", slot, seg.name if seg else None, seg.size if seg else 0))
-
-    def _release_lent(self) -> None:
-        if self._lent is not None:
-            slot, self._lent = self._lent, None
-            self._give_back(slot)
+        w, msg = slot // self._spw, ("slot", slot, seg.name if seg else None, seg.size if seg else 0)
+        if not quiet:
+            self._send(w, msg)
+            return
+        with contextlib.suppress(OSError):
+            self._res.conns[w].send(msg)
 
     def _grow(self, slot: int, nbytes: int) -> None:
         old = self._res.segments.pop(slot, None)
@@ -275,6 +287,7 @@ class ShmLoader:
         conns, procs = self._res.conns, self._res.procs
         sentinels = {p.sentinel: w for w, p in enumerate(procs)}
         while (key not in self._stash) if key is not None else not self._stash:
+            self._lender.flush()  # batches released by other threads: NOTE [batch lifetime] (d)
             left = deadline - time.monotonic()
             if left <= 0:
                 raise LoaderTimeoutError(f"no {what} from the data workers of rank {self.rank} within "
@@ -288,6 +301,12 @@ class ShmLoader:
                     self._fail_dead(w, f"while the trainer waited for {what}")
         key = key if key is not None else next(iter(self._stash))  # arrival order
         return key, self._stash.pop(key)
+
+
+def _shut_down(res: Resources, lender: Lender) -> None:
+    """The loader's finalizer (close(), GC or interpreter exit): batches released later go nowhere."""
+    lender.close()
+    res.shutdown()
 
 
 class _EpochIterator:
@@ -309,7 +328,12 @@ class _EpochIterator:
             raise StopIteration
         if ld._closed or ld._gen != self.gen:
             raise LoaderError("this iterator is stale: the loader was closed or iterated again")
-        ld._release_lent()
+        with ld._lender.talking():
+            return self._next_batch()
+
+    def _next_batch(self) -> Any:
+        ld = self.loader
+        ld._lender.flush()
         while True:
             limit = ld.batches_per_epoch
             if not self.active or (limit is not None and ld._consumed >= limit):
@@ -334,8 +358,15 @@ class _EpochIterator:
                 self.skip -= 1
                 ld._give_back(msg[3])
                 continue
-            ld._lent = msg[3]
-            return shm.read_batch(ld._res.segments[msg[3]].buf, msg[4])
+            try:
+                batch, lent = ld._lender.lend(ld._res.segments[msg[3]], msg[3], msg[4])
+            except BaseException:  # e.g. KeyboardInterrupt mid-hand-off: the slot must not be lost
+                if not ld._lender.tracks(msg[3]):
+                    ld._give_back(msg[3], quiet=True)
+                raise
+            if not lent:  # handed out as a copy: NOTE [batch lifetime] (c)
+                ld._give_back(msg[3])
+            return batch
 
     def _advance(self, w: int, ended: bool) -> None:
         """Move the round robin on: past worker w, or dropping w when it has no more batches."""
@@ -350,6 +381,5 @@ class _EpochIterator:
         self.done = True
         ld = self.loader
         ld._completed_epoch = ld.epoch
-        ld._release_lent()
         raise StopIteration
 

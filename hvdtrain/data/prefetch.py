@@ -15,8 +15,8 @@ Three hazards, one guard each (letters are referred to from the code):
     the pinned buffer must stay alive and unchanged until the DMA is done. Host batches are memcpy'd into a ring
     of two pinned buffers that live as long as the prefetcher; before the CPU writes into ring slot i again, the
     host waits on the event of the last copy out of slot i (`copied[i].synchronize()`, normally long complete).
-    The shared-memory slot itself is only read by that synchronous CPU memcpy, so the ShmLoader may hand it back
-    to its worker as soon as the next batch is requested.
+    The shared-memory slot itself is only read by that synchronous CPU memcpy; it goes back to its worker when
+    the host views are dropped (NOTE [batch lifetime] in lending.py).
 There is no helper thread: the host-side work (fetching from the loader, the memcpy, enqueueing the copy) runs in
 `__next__`, while the GPU still executes the previous step's queued kernels. So no thread has to
 `torch.cuda.set_device` (it would default to GPU 0), and nothing can leak across epochs or hang in `close()`.
@@ -27,6 +27,7 @@ when another device is current. Unverified here (no GPU on the build machine): r
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from typing import Any
 
@@ -48,7 +49,8 @@ class DevicePrefetcher:
 
     On a CUDA device: one batch of look-ahead (the loader's own workers provide the deeper buffering), a side
     stream for host->device copies from a two-slot pinned ring, ordering as in NOTE [stream sync]. Any other device
-    (CPU): a pass-through without look-ahead, so the loader's zero-copy views stay valid for the whole step.
+    (CPU): a pass-through without look-ahead; its tensors view the loader's slot and keep it for as long as they
+    live (NOTE [batch lifetime] in lending.py), so collecting `y` without `.clone()` is correct.
     Yields the last batch, yields nothing for an empty loader, and starts afresh on every `iter()` (per epoch).
     `state_dict()` reports the batches handed to the caller, not those fetched ahead.
     """
@@ -75,21 +77,25 @@ class DevicePrefetcher:
 
     def _cuda_iter(self) -> Iterator[Any]:
         it = iter(self.loader)
-        host = next(it, _END)
-        if host is _END:
-            return
-        pending = self._issue(host, 0)
-        self._ahead = 1
-        for k, host in enumerate(it, start=1):
+        pending = None
+        for k in itertools.count():
+            host = next(it, _END)
+            if host is _END:
+                break
+            # The host views are dropped right after the pinned memcpy, so the loader's slot goes back to its
+            # worker before the next batch is asked for (NOTE [batch lifetime] in lending.py).
             following = self._issue(host, k % 2)
-            self._ahead = 2
-            batch = self._hand_off(*pending)
-            self._ahead = 1
-            yield batch
+            del host
+            self._ahead += 1
+            if pending is not None:
+                batch = self._hand_off(*pending)
+                self._ahead -= 1
+                yield batch
             pending = following
-        batch = self._hand_off(*pending)
-        self._ahead = 0
-        yield batch
+        if pending is not None:
+            batch = self._hand_off(*pending)
+            self._ahead = 0
+            yield batch
 
     def _issue(self, host: Any, slot: int) -> tuple[Any, Any]:
         """Start copying one host batch to the device on the side stream; returns (device batch, ready event)."""

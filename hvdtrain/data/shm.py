@@ -15,7 +15,7 @@ import contextlib
 import os
 import secrets
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from multiprocessing import shared_memory
 from typing import Any
@@ -28,10 +28,23 @@ PAGE = 4096
 
 
 class Segment(shared_memory.SharedMemory):
-    """SharedMemory whose finalizer tolerates live numpy views (the memory is freed when the last view dies)."""
+    """SharedMemory whose `close()` never unmaps memory that a lent batch still views (NOTE [batch lifetime] in
+    lending.py): with a live export it drops its own reference and the last view unmaps."""
+
+    def close(self) -> None:
+        if self._buf is not None:
+            self._buf.release()
+            self._buf = None
+        if self._mmap is not None:
+            with contextlib.suppress(BufferError):  # exported to a lent batch: unmapped when its last view dies
+                self._mmap.close()
+            self._mmap = None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
     def __del__(self) -> None:
-        with contextlib.suppress(OSError, BufferError):
+        with contextlib.suppress(OSError):
             self.close()
 
 
@@ -157,11 +170,21 @@ def write_batch(buf: memoryview, layout: Layout, arrays: Sequence[np.ndarray]) -
         np.copyto(dst, arr, casting="no")
 
 
-def read_batch(buf: memoryview, layout: Layout) -> Any:
+def read_batch(buf: memoryview | np.ndarray, layout: Layout) -> Any:
     """Numpy views on `buf` with the batch's structure (no copy)."""
     views = [np.ndarray(s.shape, dtype=np.dtype(s.dtype), buffer=buf, offset=s.offset) for s in layout.arrays]
-    if layout.kind == "array":
-        return views[0]
-    if layout.kind == "dict":
-        return dict(zip(layout.keys, views, strict=True))
-    return tuple(views) if layout.kind == "tuple" else views
+    return _rebuild(layout.kind, layout.keys, views)
+
+
+def map_batch(fn: Callable[[np.ndarray], np.ndarray], batch: Any) -> Any:
+    """The batch with `fn` applied to each array, same structure."""
+    kind, keys, arrays = flatten(batch)
+    return _rebuild(kind, keys, [fn(a) for a in arrays])
+
+
+def _rebuild(kind: str, keys: tuple[str, ...], arrays: list[np.ndarray]) -> Any:
+    if kind == "array":
+        return arrays[0]
+    if kind == "dict":
+        return dict(zip(keys, arrays, strict=True))
+    return tuple(arrays) if kind == "tuple" else list(arrays)

@@ -33,9 +33,10 @@ def to_torch(batch: Any, *, copy: bool = False) -> Any:
 class TorchLoader:
     """Iterate an ShmLoader (or anything yielding numpy batches) as torch tensors.
 
-    With `copy=False` (default) each tensor views the shared-memory slot: valid until the next batch is requested.
-    `copy=True` gives tensors the caller owns (one memcpy per batch). `set_epoch`, `state_dict`,
-    `load_state_dict`, `close`, `len()` and `with` pass through to the wrapped loader.
+    With `copy=False` (default) each tensor views the shared-memory slot, which stays the tensor's until the last
+    tensor/view of the batch is released (NOTE [batch lifetime] in lending.py). `copy=True` gives tensors that own
+    their memory (one memcpy per batch): holding one label tensor then does not hold the whole slot.
+    `set_epoch`, `state_dict`, `load_state_dict`, `close`, `len()` and `with` pass through to the wrapped loader.
     """
 
     def __init__(self, loader: Any, *, copy: bool = False) -> None:

@@ -10,8 +10,9 @@ Protocol (one duplex pipe per worker; only small tuples cross it, never array da
                         ("end", generation, seq)                             no more batches (seq = how many)
                         ("error", generation, seq, traceback text)
 
-Back-pressure: a worker owns `prefetch` slots; with all of them full it waits (polling the pipe with a timeout)
-until the trainer hands one back. See NOTE [shutdown] in lifecycle.py for how the worker ends.
+Back-pressure: a worker owns `prefetch + 1` slots; with all of them full or held it waits (polling the pipe with a
+timeout) until the trainer hands one back (NOTE [batch lifetime] in lending.py). See NOTE [shutdown] in
+lifecycle.py for how the worker ends.
 """
 
 from __future__ import annotations
@@ -120,6 +121,7 @@ class _Worker:
         self.capacity: dict[int, tuple[str | None, int]] = {}  # slot -> (segment name, bytes) as last handed over
         self.mapped: dict[int, shm.Segment] = {}
         self.free: deque[int] = deque()
+        self.growing: set[int] = set()  # slots sent back to be grown, not yet returned
         self.pending: deque[tuple[Any, ...]] = deque()
 
     def pump(self, timeout: float) -> None:
@@ -130,6 +132,7 @@ class _Worker:
             while True:
                 msg = self.conn.recv()
                 if msg[0] == "slot":
+                    self.growing.discard(msg[1])
                     self.capacity[msg[1]] = (msg[2], msg[3])
                     if msg[2] is not None:
                         self.map(msg[1])  # attach (and so unlink) a new segment at once: NOTE [shutdown]
@@ -216,15 +219,20 @@ class _Worker:
         return True
 
     def acquire(self, nbytes: int) -> int | None:
-        """A free slot of at least `nbytes`, mapped; None if a newer command arrived while waiting."""
+        """A free slot of at least `nbytes`, mapped; None if a newer command arrived while waiting.
+
+        Slots are grown one at a time, when no free slot is big enough: the extra slot a worker owns for batches
+        the user holds (NOTE [batch lifetime]) gets memory only if it is ever needed."""
         while not self.pending:
             big = [s for s in self.free if self.capacity[s][0] is not None and self.capacity[s][1] >= nbytes]
             if big:
                 self.free.remove(big[0])
                 self.map(big[0])
                 return big[0]
-            while self.free:  # all free slots are too small: have them replaced by bigger ones
-                self.send(("grow", self.free.popleft(), nbytes))
+            if self.free and not self.growing:  # every free slot is too small: have one replaced by a bigger one
+                slot = self.free.popleft()
+                self.growing.add(slot)
+                self.send(("grow", slot, nbytes))
             self.pump(self.cfg.poll_s)
         return None
 
