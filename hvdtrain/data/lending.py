@@ -73,11 +73,11 @@ class Lender:
     def lend(self, seg: shm.Segment, slot: int, layout: shm.Layout) -> tuple[Any, bool]:
         """(batch, lent): views tied to the slot's lifetime, or a private copy when the worker would starve."""
         worker = slot // self.slots_per_worker
-        if self.held(worker) + 1 >= self.slots_per_worker:  # NOTE [batch lifetime] (c)
-            self.copies += 1
-            return shm.map_batch(lambda a: np.array(a, copy=True), shm.read_batch(seg.buf, layout)), False
         base = np.frombuffer(seg.buf[:], np.uint8)  # NOTE [batch lifetime] (a)
         batch = shm.read_batch(base, layout)
+        if self.held(worker) + 1 >= self.slots_per_worker:  # NOTE [batch lifetime] (c)
+            self.copies += 1
+            return shm.map_batch(lambda a: np.array(a, copy=True), batch), False
         self._held[slot] = weakref.ref(base, lambda _ref, s=slot: self._released(s))
         return batch, True
 

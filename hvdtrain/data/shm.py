@@ -44,7 +44,7 @@ class Segment(shared_memory.SharedMemory):
             self._fd = -1
 
     def __del__(self) -> None:
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError, BufferError):  # BufferError: `buf` itself still exported (a raw user view)
             self.close()
 
 
