@@ -59,7 +59,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from hvdtrain.launch import default_controller, find_horovodrun, run_plan
+    from hvdtrain.launch import check_rank_module, default_controller, find_horovodrun, run_plan
     from hvdtrain.plan import build_plan
 
     spec = _load(args)
@@ -68,7 +68,20 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(plan.describe())
         return 0
+    check_rank_module(spec.python)
+    check_run_dir(spec.args)
     return run_plan(plan, spec.logs, timeout_s=args.timeout, ssh=spec.ssh)
+
+
+def check_run_dir(script_args: list[str]) -> None:
+    """Refuse at once, before any process starts, when another job on this machine holds the run directory."""
+    from hvdtrain.launch import LaunchError
+    from hvdtrain.train.rundir import busy_message, held_here, run_dir_arg
+
+    run_dir = run_dir_arg(script_args)
+    holder = held_here(run_dir) if run_dir else None
+    if holder is not None:
+        raise LaunchError(busy_message(run_dir, holder))
 
 
 def _cmd_schema(args: argparse.Namespace) -> int:

@@ -7,6 +7,7 @@ context's `base_dir`). Nothing here starts a process or touches the network.
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 from pathlib import Path
@@ -206,7 +207,11 @@ class JobSpec(_Model):
     def _python(cls, value: str, info: ValidationInfo) -> str:
         if not value.strip():
             raise ValueError("the interpreter is empty")
-        return resolve_path(value, info) if "/" in value else value  # type: ignore[return-value]
+        if "/" not in value:
+            return value
+        # Absolute, but symlinks kept: a venv's bin/python is a symlink, and resolving it would leave the venv.
+        base = Path((info.context or {}).get("base_dir", "."))
+        return os.path.abspath(base / Path(value).expanduser())
 
     @field_validator("hosts", mode="before")
     @classmethod

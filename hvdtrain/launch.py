@@ -1,5 +1,6 @@
 """Run a LaunchPlan: start horovodrun (argv list, new session), stream rank-prefixed output, per-rank log files,
-forward SIGINT/SIGTERM, leave no process behind, and exit with the job's exit code.
+forward SIGINT/SIGTERM/SIGHUP, leave no process behind (also when hvdtrain itself is killed), and exit with the
+job's exit code.
 
 Also the two look-ups a plan needs from this machine: the default controller and the horovodrun executable.
 """
@@ -24,11 +25,13 @@ import psutil
 
 from hvdtrain.failures import FailureTracker
 from hvdtrain.jobspec import Logs, Ssh
-from hvdtrain.plan import LaunchPlan
+from hvdtrain.lifeline import DONE, die_with_parent
+from hvdtrain.plan import RANK_MODULE, LaunchPlan
 
 PROBE_TIMEOUT_S = 120
 GRACE_S = 20.0  # horovodrun itself gives ranks 5 s after SIGTERM, then 5 s more before SIGKILL
 POLL_S = 0.5
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # each stops the whole job; exit 128 + N
 SNAPSHOT_S = 2.0  # a process-tree walk costs ~10 ms of CPU: not every poll, the ranks need the cores
 # Gloo: `[0]<stdout>:text`; MPI (--tag-output): `[1,0]<stdout>:text`. Both become `[0]<stdout>:text`.
 RANK_LINE = re.compile(r"^\[(?:\d+,)?(\d+)\]<(stdout|stderr)>:(.*)$", re.DOTALL)
@@ -103,6 +106,20 @@ def default_controller(python: str) -> str:
     raise LaunchError(f"Horovod under {python} was built with neither Gloo nor MPI; rerun scripts/setup.sh")
 
 
+def check_rank_module(python: str) -> None:
+    """Every rank runs `python -m hvdtrain.rank`: say so before starting anything if `python` lacks hvdtrain."""
+    try:
+        proc = subprocess.run([python, "-c", f"import {RANK_MODULE}"], capture_output=True, text=True,
+                              timeout=PROBE_TIMEOUT_S, check=False, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise LaunchError(f"cannot run the job's interpreter {python}: {exc}") from None
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise LaunchError(f"{python} cannot import {RANK_MODULE}, which starts every rank ({last}); install "
+                          f"hvdtrain into that interpreter (pip install -e <hvdtrain checkout>) or set `python:` "
+                          f"in the spec to one that has it")
+
+
 def find_horovodrun() -> str:
     """horovodrun next to this interpreter (the venv's), else the one on PATH."""
     sibling = Path(sys.executable).parent / "horovodrun"
@@ -155,7 +172,7 @@ class OutputRouter:
             try:
                 console.write(console_text + "\n")
                 console.flush()
-            except (BrokenPipeError, ValueError):  # ValueError: the stream was closed
+            except (OSError, ValueError):  # EPIPE (`| head`), EIO (the terminal closed), ValueError: stream closed
                 self.console_ok = False
         if file is not None:
             file.write(file_text + "\n")
@@ -180,7 +197,10 @@ def _pump(stream: IO[bytes], router: OutputRouter) -> None:
 #    (a) snapshot every descendant of horovodrun every SNAPSHOT_S, so that we know them even after they re-parent,
 #    and (b) rely first on horovodrun's own teardown: on SIGINT/SIGTERM it tells each middleman to terminate its
 #    children (5 s grace, then SIGKILL); if horovodrun dies, each middleman sees its pipe close and does the same.
+#  - If hvdtrain itself dies (SIGKILL included), the job ends too: see NOTE [no orphans] in hvdtrain/rank.py
+#    (horovodrun's PR_SET_PDEATHSIG, the guard process of hvdtrain.lifeline, the ranks' supervisors).
 #  - The signal handler only forwards the signal to horovodrun's group and records it; the main loop does the rest.
+#    SIGHUP (the terminal closed) is forwarded as SIGTERM (horovodrun has no SIGHUP handler) and exits 129.
 #  - After a forwarded signal we wait GRACE_S; a second signal, or the grace running out, SIGKILLs the group and
 #    every descendant in the snapshot (psutil checks create times, so a recycled pid is never hit).
 #  - However horovodrun ends, `_Job.sweep` terminates snapshot members still alive, and the output reader thread is
@@ -192,6 +212,29 @@ class _Job:
         self.signum: int | None = None
         self.kill_at: float | None = None
         self.next_snapshot = time.monotonic() + POLL_S
+        self.guard: subprocess.Popen | None = None
+
+    def start_guard(self) -> None:
+        """The watcher that stops horovodrun's group if this process dies (hvdtrain.lifeline.guard)."""
+        try:
+            self.guard = subprocess.Popen([sys.executable, "-m", "hvdtrain.lifeline", str(self.proc.pid)],
+                                          stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, start_new_session=True)
+        except OSError as exc:
+            self.kill_all()
+            raise LaunchError(f"cannot start the job's guard process: {exc.strerror or exc}") from None
+
+    def release_guard(self) -> None:
+        """The job ended under our supervision: tell the guard to stand down."""
+        if self.guard is None:
+            return
+        with contextlib.suppress(OSError):
+            self.guard.stdin.write(DONE)
+            self.guard.stdin.close()
+        try:
+            self.guard.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.guard.kill()
+            self.guard.wait(timeout=5)
 
     def maybe_snapshot(self) -> None:
         if time.monotonic() >= self.next_snapshot:
@@ -207,7 +250,7 @@ class _Job:
         first = self.signum is None
         self.signum = signum
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signum)
+            os.killpg(self.proc.pid, signal.SIGTERM if signum == signal.SIGHUP else signum)
         self.kill_at = time.monotonic() + GRACE_S if first else time.monotonic()
 
     def kill_all(self) -> None:
@@ -245,16 +288,21 @@ def run_plan(plan: LaunchPlan, logs: Logs, *, timeout_s: float | None = None, ss
 
     `ssh`: how to reach the hosts, to find which one was lost when a rank timed out waiting for a peer.
     """
+    if threading.current_thread() is not threading.main_thread():
+        # Signal handlers can only be installed there, and PR_SET_PDEATHSIG fires when the starting thread ends.
+        raise LaunchError("run_plan must be called from the main thread")
     router = OutputRouter(logs, failures=FailureTracker(plan.rank_hosts, elastic=plan.elastic))
     router.line(f"hvdtrain: starting {shlex.join(plan.argv)}")
     try:
         proc = subprocess.Popen(plan.argv, env={**os.environ, **plan.env}, stdin=subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=die_with_parent(signal.SIGTERM))
     except OSError as exc:
         router.close()
         raise LaunchError(f"cannot start {plan.argv[0]}: {exc.strerror or exc}") from None
     job = _Job(proc)
-    old = {s: signal.signal(s, job.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    job.start_guard()
+    old = {s: signal.signal(s, job.on_signal) for s in STOP_SIGNALS}
     reader = threading.Thread(target=_pump, args=(proc.stdout, router), daemon=True)
     reader.start()
     deadline = time.monotonic() + timeout_s if timeout_s else None
@@ -273,6 +321,7 @@ def run_plan(plan: LaunchPlan, logs: Logs, *, timeout_s: float | None = None, ss
         for s, handler in old.items():
             signal.signal(s, handler)
         job.sweep()
+        job.release_guard()
         reader.join(timeout=10)
     try:
         if proc.returncode != 0 and router.failures.peer_timed_out and job.signum is None:

@@ -1,5 +1,6 @@
 """JobSpec -> LaunchPlan(argv, env): the exact horovodrun command a job runs. A pure function: no I/O.
 
+Every rank runs as `python -m hvdtrain.rank SCRIPT ARGS...` (a supervisor that runs `python SCRIPT ARGS...`).
 Hosts always reach horovodrun as `-H a:4,b:4` (the spec's hostfile was parsed by hvdtrain: horovodrun's own
 hostfile parser crashes on blank and `#` lines). `env` is what hvdtrain adds to its own environment when starting
 horovodrun, which forwards it to every rank (Gloo: the rank's environment; MPI: `mpirun -x NAME`).
@@ -36,6 +37,7 @@ SWITCH_FLAGS = (
     ("stall_check", "--stall-check", "--no-stall-check"),
 )
 CONTROLLERS = ("gloo", "mpi")
+RANK_MODULE = "hvdtrain.rank"
 # Open MPI's out-of-band TCP keepalive, for MPI jobs with remote hosts. With Open MPI's defaults a host whose link
 # is cut leaves mpirun waiting for many minutes (seen: > 270 s, every process still alive); with these it aborts
 # the job ~16 s after the host stops answering. horovodrun passes OMPI_MCA_* to mpirun and every orted; a value
@@ -114,7 +116,9 @@ def build_plan(spec: JobSpec, *, controller: str, horovodrun: str = "horovodrun"
     if spec.ssh.identity_file is not None:
         argv += ["--ssh-identity-file", spec.ssh.identity_file]
     argv += knob_args(spec.horovod) + elastic_args(spec) + list(spec.extra_args)
-    argv += [spec.python, spec.script, *spec.args]
+    # Each rank runs under hvdtrain's supervisor (NOTE [no orphans] in hvdtrain/rank.py): it ends the rank when
+    # the job's launcher side is gone, which nothing else does for a Gloo rank on another host.
+    argv += [spec.python, "-m", RANK_MODULE, spec.script, *spec.args]
     env = dict(spec.env)
     if controller == "mpi" and any(not is_loopback(h) for h in ranks):
         env = {**MPI_REMOTE_ENV, **env}

@@ -18,7 +18,8 @@ recipes/pytorch_train.py: re-running the same command resumes from the newest in
 
 What each rank does, in order (Horovod's six Keras steps, plus resume):
  1. hvd.init(); pin one GPU per process (visible device = local rank, memory growth), or on CPU split the
-    cores between the local ranks (tf.config.threading).
+    cores between the local ranks (tf.config.threading); rank 0 locks the run directory (a second job on it
+    stops with exit 2, naming the holder).
  2. tf.data input sharded per rank with hvdtrain's ShardSampler (same steps on every rank), prefetch(AUTOTUNE).
  3. LR = base LR × world size; wrap the optimizer in hvd.DistributedOptimizer.
  4. Callbacks in Horovod's order: BroadcastGlobalVariablesCallback(0), MetricAverageCallback(),
@@ -44,7 +45,7 @@ import numpy as np
 
 from hvdtrain import tfkeras
 from hvdtrain.data import ShardSampler, expected_batches
-from hvdtrain.train import checkpoint, datasets
+from hvdtrain.train import checkpoint, datasets, rundir
 from hvdtrain.train.config import parse_config
 from hvdtrain.train.lr import scaled_epochs
 from hvdtrain.train.metrics import SUMMARY_NAME, History, build_summary, write_summary
@@ -365,6 +366,9 @@ def main(argv: list[str] | None = None) -> int:
     rank, size = hvd.rank(), hvd.size()
     device = setup_devices(hvd.local_rank(), hvd.local_size(), cfg.threads)
     run_dir = Path(cfg.run_dir).absolute()
+    # Horovod: rank 0 alone writes the run directory; it locks it for the job's life, and a broadcast tells every
+    # rank whether another job holds it (then all stop here with exit 2, before reading or writing anything).
+    run_lock = rundir.claim(run_dir, rank, lambda v: hvd_tf.broadcast_object(v, root_rank=0, name="run_dir.lock"))
     splits = datasets.load(cfg.dataset, val_fraction=cfg.val_fraction, split_seed=0,
                            synthetic_shape=cfg.synthetic_shape, synthetic_samples=cfg.synthetic_samples,
                            num_classes=cfg.num_classes, seed=cfg.seed)
@@ -385,6 +389,8 @@ def main(argv: list[str] | None = None) -> int:
                   callbacks=make_callbacks(cfg, rank, lr, steps, run_dir, recorder),
                   verbose=cfg.verbose if rank == 0 else 0)  # Horovod: Keras output on rank 0 only.
     finish(rank, model, recorder, run_dir, first, epochs)
+    if run_lock is not None:
+        run_lock.release()
     return 0
 
 

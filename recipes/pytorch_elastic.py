@@ -17,13 +17,15 @@ exchanging data with the failed one notices the failure only when its Gloo opera
 (--gloo-timeout-seconds, default 30 s); that timeout also bounds how long the others wait for a joining rank.
 
 What each rank does, in order:
- 1. hvd.init(); device and threads as in the main recipe; write <run-dir>/workers/<host>.<slot>.json (pid).
+ 1. hvd.init(); device and threads as in the main recipe.
  2. Load the dataset; a loader for this rank's shard (ShmLoader: producer processes, shared memory).
  3. Model, optimizer wrapped in hvd.DistributedOptimizer, LR × world size; rank 0 alone loads the newest
     checkpoint (no collective may run before hvd.elastic.run: a late joiner would meet the others' sync there).
  4. Everything that must survive a reset goes into hvd.elastic.TorchState: weights, optimizer state, epoch,
     batch, the loader position (global samples consumed in the epoch), the epoch's metric sums, the history.
- 5. @hvd.elastic.run train(state): state.sync() (rank 0's state everywhere), then train, committing every
+ 5. @hvd.elastic.run train(state): state.sync() (rank 0's state everywhere); rank 0 locks the run directory (a
+    second job on it stops with exit 2; a new rank 0 takes the lock over after a reset); each process writes
+    <run-dir>/workers/<host>.<slot>.json (pid, rank); then train, committing every
     --commit-every steps and at each epoch end. A failed rank -> HorovodInternalError on the others -> restore
     the last commit; a host added/removed -> HostsUpdatedInterrupt at the next commit. Either way Horovod
     re-initialises, our reset callback rescales the LR and re-shards the loader for the new (rank, size), and
@@ -64,7 +66,7 @@ from pytorch_train import (
 )
 
 from hvdtrain.data import StallMeter
-from hvdtrain.train import checkpoint, datasets
+from hvdtrain.train import checkpoint, datasets, rundir
 from hvdtrain.train.config import parse_config
 from hvdtrain.train.metrics import SUMMARY_NAME, History, MetricSums, build_summary, combine_stall, write_summary
 
@@ -138,7 +140,6 @@ def setup(cfg: ElasticConfig) -> tuple[ElasticTrainer, hvd.elastic.TorchState]:
     rank, size = hvd.rank(), hvd.size()
     device = setup_device(hvd.local_rank(), hvd.local_size(), cfg.threads)
     run_dir = Path(cfg.run_dir).absolute()
-    write_worker_file(run_dir, rank, size)
     # Horovod: data, model, LR × world size (rescaled by the reset callback when the world changes), and the
     # optimizer wrapped in hvd.DistributedOptimizer, exactly as the main recipe builds them.
     splits, model, schedule, optimizer = build(cfg, size, device)
@@ -149,7 +150,7 @@ def setup(cfg: ElasticConfig) -> tuple[ElasticTrainer, hvd.elastic.TorchState]:
     t = ElasticTrainer(cfg, rank, size, cfg.epochs, model, optimizer, schedule,
                        train_loader=make_train_loader(cfg, splits, rank, size, device), val_set=splits.val,
                        device=device, meter=StallMeter(), history=History(list(history)),
-                       ckpt_dir=run_dir / "checkpoints", writer=tensorboard_writer(cfg, rank, run_dir),
+                       ckpt_dir=run_dir / "checkpoints", writer=None,
                        splits=splits, run_dir=run_dir)
     # Horovod: called on the surviving ranks after every reset (not on new ones: they build all of this).
     state.register_reset_callbacks([lambda: on_reset(t, state)])
@@ -180,7 +181,6 @@ def on_reset(t: ElasticTrainer, state: hvd.elastic.TorchState) -> None:
     log(rank, f"reset: world size {t.size} -> {size}; LR rescaled ×{size}/{t.size}; resuming at epoch "
               f"{state.epoch + 1}, {(state.data or {}).get('samples_consumed', 0)} samples in")
     t.rank, t.size = rank, size
-    write_worker_file(t.run_dir, rank, size)
     # Horovod: rescale the LR by the new number of workers.
     t.schedule = replace(t.schedule, size=size)
     for group in t.optimizer.param_groups:
@@ -269,6 +269,14 @@ def train(state: hvd.elastic.TorchState, t: ElasticTrainer) -> None:
     # latter initialises empty optimizer state with a zero-gradient step, which moves weights under weight decay.
     # Broadcast the weights once more so every rank starts from rank 0's.
     hvd.broadcast_parameters(t.model.state_dict(), root_rank=0)
+    # Horovod: rank 0 alone writes the run directory and locks it; a broadcast tells every rank whether another job
+    # holds it (then all stop with exit 2). After a reset a new rank 0 takes the lock over from the old one.
+    t.run_lock = rundir.claim(t.run_dir, hvd.rank(), lambda v: hvd.broadcast_object(v, 0, name="run_dir.lock"),
+                              held=t.run_lock, wait_s=10.0)
+    # Only now, with the directory ours, write into it: this process's worker file, rank 0's TensorBoard writer.
+    write_worker_file(t.run_dir, hvd.rank(), hvd.size())
+    if t.writer is None:
+        t.writer = tensorboard_writer(t.cfg, hvd.rank(), t.run_dir)
     event(t, "start", state)
     first = state.epoch
     while state.epoch < t.epochs:

@@ -18,7 +18,8 @@ Other data and models:
 `<run-dir>/checkpoints`; `--no-resume` starts over. `--help` lists every option.
 
 What each rank does, in order:
- 1. hvd.init(); pin one GPU per process (local rank), or on CPU split the cores between the local ranks.
+ 1. hvd.init(); pin one GPU per process (local rank), or on CPU split the cores between the local ranks;
+    rank 0 locks the run directory (a second job on it stops with exit 2, naming the holder).
  2. Load the dataset; shard it per rank with hvdtrain's sampler; batches come from shared-memory producer
     processes (ShmLoader) through a device prefetcher; a StallMeter times data-wait vs step time.
  3. LR = base LR × world size × backward passes per step, linear warmup, optional step decay (Goyal et al.).
@@ -48,7 +49,7 @@ from pytorch_models import MODELS, make_model
 from torch import nn
 
 from hvdtrain.data import DevicePrefetcher, ShardSampler, ShmLoader, StallMeter
-from hvdtrain.train import checkpoint, datasets
+from hvdtrain.train import checkpoint, datasets, rundir
 from hvdtrain.train.config import parse_config
 from hvdtrain.train.lr import LRSchedule, scaled_epochs
 from hvdtrain.train.metrics import SUMMARY_NAME, History, MetricSums, build_summary, combine_stall, write_summary
@@ -242,6 +243,7 @@ class Trainer:
     history: History
     ckpt_dir: Path
     writer: Any = None
+    run_lock: rundir.RunDirLock | None = None  # rank 0's lock on the run directory, held for the process's life
 
 
 def train_epoch(t: Trainer, epoch: int) -> dict[str, float]:
@@ -407,6 +409,9 @@ def setup(cfg: Config) -> tuple[Trainer, int]:
     rank, size = hvd.rank(), hvd.size()
     device = setup_device(hvd.local_rank(), hvd.local_size(), cfg.threads)
     run_dir = Path(cfg.run_dir).absolute()
+    # Horovod: rank 0 alone writes the run directory; it locks it for the job's life, and a broadcast tells every
+    # rank whether another job holds it (then all stop here with exit 2, before reading or writing anything).
+    run_lock = rundir.claim(run_dir, rank, lambda v: hvd.broadcast_object(v, root_rank=0, name="run_dir.lock"))
     splits, model, schedule, optimizer = build(cfg, size, device)
     epochs = scaled_epochs(cfg.epochs, size, cfg.scale_epochs_by_size)
     first, history = resume(cfg, rank, run_dir / "checkpoints", model, optimizer)
@@ -419,7 +424,7 @@ def setup(cfg: Config) -> tuple[Trainer, int]:
     return Trainer(cfg, rank, size, epochs, model, optimizer, schedule,
                    train_loader=make_train_loader(cfg, splits, rank, size, device), val_set=splits.val,
                    device=device, meter=StallMeter(), history=history, ckpt_dir=run_dir / "checkpoints",
-                   writer=tensorboard_writer(cfg, rank, run_dir)), first
+                   writer=tensorboard_writer(cfg, rank, run_dir), run_lock=run_lock), first
 
 
 def main(argv: list[str] | None = None) -> int:

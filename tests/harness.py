@@ -7,10 +7,15 @@ tree — horovodrun, mpirun/orted and the ranks — with one `killpg`, never by 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
+import select
 import signal
 import subprocess
 import sys
+import termios
+import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,6 +112,100 @@ def expect_ok(result: JobResult) -> JobResult:
     if result.returncode != 0:
         pytest.fail(f"job failed\n{result.describe()}", pytrace=False)
     return result
+
+
+@dataclass(frozen=True)
+class Killed:
+    """What kill_launcher_when saw: the launcher's exit status and output, whether `ready` ever held, and every
+    descendant of the launcher just before the signal (psutil handles: a recycled pid is never mistaken)."""
+
+    returncode: int | None
+    output: str
+    ready: bool
+    processes: list
+    signalled_at: float  # time.monotonic() when the signal was sent
+    cmdlines: list[str]  # of `processes`, taken with them
+
+
+def _drain(fd: int, sink: list[bytes], stop: threading.Event) -> None:
+    while not stop.is_set():
+        if select.select([fd], [], [], 0.2)[0]:
+            try:
+                chunk = os.read(fd, 65536)
+            except OSError:  # EIO: the terminal's other side is gone
+                return
+            if not chunk:
+                return
+            sink.append(chunk)
+
+
+def kill_launcher_when(argv: Sequence[str], ready, signum: int, *, timeout: float, cwd: Path | None = None,
+                       via_terminal: bool = False) -> Killed:
+    """Start argv (`hvdtrain run ...`) in a new session; once `ready()` holds, snapshot its descendants and signal the
+    launcher alone. `via_terminal`: the launcher runs on a pseudo-terminal as its controlling terminal, and SIGHUP
+    comes from closing that terminal (as closing a terminal window does), not from kill()."""
+    import psutil
+
+    master, slave = os.openpty() if via_terminal else os.pipe()
+    stdin = slave if via_terminal else subprocess.DEVNULL
+    proc = subprocess.Popen(list(argv), stdin=stdin, stdout=slave, stderr=slave, cwd=cwd, start_new_session=True,
+                            preexec_fn=(lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0)) if via_terminal else None)
+    STARTED_SESSIONS.add(proc.pid)
+    os.close(slave)
+    sink: list[bytes] = []
+    stop = threading.Event()
+    reader = threading.Thread(target=_drain, args=(master, sink, stop), daemon=True)
+    reader.start()
+    deadline, is_ready = time.monotonic() + timeout, False
+    while proc.poll() is None and time.monotonic() < deadline and not (is_ready := ready()):
+        time.sleep(0.2)
+    processes, cmdlines = [], []
+    with contextlib.suppress(psutil.Error):
+        processes = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    for p in processes:
+        with contextlib.suppress(psutil.Error):
+            cmdlines.append(" ".join(p.cmdline()))
+    signalled_at = time.monotonic()
+    if via_terminal and signum == signal.SIGHUP:
+        stop.set()
+        reader.join(timeout=5)
+        os.close(master)  # the terminal goes away: the kernel sends SIGHUP to the launcher
+    else:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signum)
+    try:
+        code: int | None = proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        code = None
+    if not stop.is_set():
+        stop.set()
+        reader.join(timeout=5)
+        os.close(master)
+    return Killed(code, b"".join(sink).decode(errors="replace"), is_ready, processes, signalled_at, cmdlines)
+
+
+def wait_gone(processes: list, bound_s: float) -> list[str]:
+    """Wait up to bound_s for every process to end; return those still alive (then SIGKILL them: no leak)."""
+    import psutil
+
+    deadline = time.monotonic() + bound_s
+
+    def alive() -> list:
+        left = []
+        for p in processes:
+            with contextlib.suppress(psutil.Error):
+                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                    left.append(p)
+        return left
+
+    while (left := alive()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    described = []
+    for p in left:
+        with contextlib.suppress(psutil.Error):
+            described.append(f"{p.pid}: {' '.join(p.cmdline())}")
+            p.kill()
+    return described
 
 
 def live_job_processes() -> list[str]:

@@ -8,6 +8,7 @@ import io
 import json
 import shlex
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -138,17 +139,17 @@ def quickstart_args() -> list[str]:
 
 
 PINNED_DRY_RUNS = {
-    "quickstart.yaml": lambda: [HOROVODRUN, "-np", "2", "-H", "localhost:2", "--gloo", PY, RECIPE,
-                                *quickstart_args()],
+    "quickstart.yaml": lambda: [HOROVODRUN, "-np", "2", "-H", "localhost:2", "--gloo", PY, "-m", "hvdtrain.rank",
+                                RECIPE, *quickstart_args()],
     "two_hosts.yaml": lambda: [
         HOROVODRUN, "-np", "8", "-H", "server1:4,server2:4", "--mpi", "--network-interfaces", "eth0",
         "--ssh-port", "2222", "--fusion-threshold-mb", "64", "--cycle-time-ms", "2.5",
-        "--stall-check-warning-time-seconds", "120", "--log-level", "WARNING", PY, RECIPE,
+        "--stall-check-warning-time-seconds", "120", "--log-level", "WARNING", PY, "-m", "hvdtrain.rank", RECIPE,
         "--dataset", "synthetic", "--model", "resnet", "--epochs", "3"],
     "elastic.yaml": lambda: [
         HOROVODRUN, "-np", "2", "--gloo", "--network-interfaces", "lo", "--host-discovery-script",
         str(REPO / "jobs" / "discover_hosts.sh"), "--min-np", "1", "--max-np", "4", "--reset-limit", "10",
-        "--elastic-timeout", "120", "--blacklist-cooldown-range", "10", "60", PY, ELASTIC_RECIPE,
+        "--elastic-timeout", "120", "--blacklist-cooldown-range", "10", "60", PY, "-m", "hvdtrain.rank", ELASTIC_RECIPE,
         "--dataset", "digits", "--epochs", "8", "--warmup-epochs", "1", "--lr-milestones", "5", "--threads", "1",
         "--run-dir", "runs/elastic"],
 }
@@ -238,3 +239,17 @@ def test_signal_stops_the_whole_job(controller, signum, tmp_path):
     assert report["alive"] == [], f"ranks outlived hvdtrain\n{log}"
     assert report["code"] == 128 + signum, log
     assert report["elapsed"] < 30, log
+
+
+def test_run_refuses_an_interpreter_without_hvdtrain_before_starting_anything(tmp_path):
+    bare = tmp_path / "bare-venv"
+    subprocess.run([sys.base_prefix + "/bin/python3", "-m", "venv", "--without-pip", str(bare)], check=True,
+                   timeout=120)
+    job = tmp_path / "job.yaml"
+    job.write_text(f"script: t.py\nnp: 2\ncontroller: gloo\npython: {bare}/bin/python\n")
+    (tmp_path / "t.py").write_text("print('never')\n")
+    res = run_bounded([HVDTRAIN, "run", str(job)], timeout=60, cwd=tmp_path)  # not the checkout: it is on sys.path
+    assert res.returncode == 2, res.describe()
+    assert f"hvdtrain: error: {bare}/bin/python cannot import hvdtrain.rank, which starts every rank" in res.output
+    assert "install hvdtrain into that interpreter" in res.output
+    assert "hvdtrain: starting" not in res.output and "Traceback" not in res.output

@@ -19,6 +19,7 @@ import os
 import pwd
 import re
 import shutil
+import signal
 import subprocess
 import threading
 import time
@@ -31,7 +32,7 @@ import yaml
 
 from hvdtrain.doctor_hosts import unreachable_hosts
 from tests import netns
-from tests.harness import BIN, REPO, JobResult, expect_ok, run_bounded
+from tests.harness import BIN, REPO, JobResult, expect_ok, kill_launcher_when, run_bounded, wait_gone
 
 pytestmark = pytest.mark.slow
 
@@ -243,3 +244,30 @@ def test_doctor_fails_naming_a_host_nobody_has_and_a_wrong_port_in_bounded_time(
     assert "sshd listens on port 2222" in result.output
     assert took < 120, f"took {took:.0f} s"
 
+
+
+# ---- the launcher killed mid-training: nothing of the job survives it, on either host -----------------------
+
+KILLED_BOUND_S = 20  # SIGKILL/SIGHUP of hvdtrain -> every process of the job gone (measured: ~1-3 s)
+
+
+@pytest.mark.timeout(JOB_TIMEOUT_S + 120)
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGHUP], ids=["SIGKILL", "SIGHUP"])
+@pytest.mark.parametrize("controller", ["gloo", "mpi"])
+def test_killing_the_launcher_mid_training_ends_every_rank_on_every_host(controller, signum, cluster, tmp_path):
+    """Gloo's remote ranks run under `ssh host '...'`: nothing but hvdtrain's rank supervisor ends them when the
+    launcher side dies (NOTE [no orphans]); MPI's go down with mpirun's orted."""
+    _needs_mpirun(controller)
+    out = tmp_path / "out"
+    job = write_job(tmp_path, cluster, controller, out, loop_s=LOOP_S)
+    killed = kill_launcher_when([HVDTRAIN, "run", str(job)], lambda: all(
+        (out / f"ready.{r}").exists() for r in range(2)), signum, timeout=JOB_TIMEOUT_S)
+    assert killed.ready, f"the ranks never reached their training loop\n{killed.output}"
+    assert killed.returncode == (-signal.SIGKILL if signum == signal.SIGKILL else 128 + signum), killed.output
+    gone = wait_gone(killed.processes, KILLED_BOUND_S)  # first: it kills what outlived the bound (no leak)
+    wait_until_clean(cluster, [str(out), *(h.address for h in cluster.hosts)])
+    settle = time.monotonic() - killed.signalled_at
+    print(f"{controller} {signal.Signals(signum).name}: every process of the job gone {settle:.1f} s after it")
+    assert settle < KILLED_BOUND_S, f"took {settle:.1f} s\n{killed.output}"
+    assert not gone, "launcher-side processes outlived it:\n  " + "\n  ".join(gone)
+    assert not list(out.glob("finished.*")), killed.output

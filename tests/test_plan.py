@@ -17,7 +17,8 @@ def plan_for(text: str, controller: str = "gloo", **kwargs) -> LaunchPlan:
 
 def test_minimal_plan():
     plan = plan_for("script: train.py\nnp: 2\n")
-    assert plan.argv == ["horovodrun", "-np", "2", "-H", "localhost:2", "--gloo", PY, "/jobs/train.py"]
+    assert plan.argv == ["horovodrun", "-np", "2", "-H", "localhost:2", "--gloo", PY, "-m", "hvdtrain.rank",
+                         "/jobs/train.py"]
     assert plan.env == {}
 
 
@@ -61,7 +62,7 @@ extra_args: [--disable-cache]
         "--log-level", "DEBUG", "--gloo-timeout-seconds", "90", "--start-timeout", "45", "--num-nccl-streams", "2",
         "--hierarchical-allreduce", "--no-hierarchical-allgather", "--autotune", "--no-timeline-mark-cycles",
         "--no-stall-check", "--tcp", "--verbose", "--disable-cache",
-        PY, "/jobs/train.py", "--lr", "0.1", "$(touch /tmp/x)", "a b",
+        PY, "-m", "hvdtrain.rank", "/jobs/train.py", "--lr", "0.1", "$(touch /tmp/x)", "a b",
     ]
     assert plan.env == {"OMP_NUM_THREADS": "1", "X": "$(id)", **MPI_REMOTE_ENV}  # MPI with remote hosts
     assert plan.rank_hosts == ("a", "a", "b", "b")
@@ -81,10 +82,10 @@ def test_mpi_jobs_with_remote_hosts_get_oob_keepalive_unless_the_spec_sets_it(ho
 def test_elastic_plan_uses_discovery_not_hosts_and_defaults_min_max_to_np():
     plan = plan_for("script: t.py\nnp: 2\nelastic: {discovery_script: d.sh}\n")
     assert plan.argv == ["horovodrun", "-np", "2", "--gloo", "--host-discovery-script", "/jobs/d.sh",
-                         "--min-np", "2", "--max-np", "2", PY, "/jobs/t.py"]
+                         "--min-np", "2", "--max-np", "2", PY, "-m", "hvdtrain.rank", "/jobs/t.py"]
     plan = plan_for("script: t.py\nnp: 2\nelastic: {discovery_script: d.sh, min_np: 1, max_np: 8, "
                     "slots_per_host: 4, reset_limit: 0, timeout_s: 60, blacklist_cooldown_s: [10, 300]}\n")
-    assert plan.argv[4:-2] == ["--host-discovery-script", "/jobs/d.sh", "--min-np", "1", "--max-np", "8",
+    assert plan.argv[4:-4] == ["--host-discovery-script", "/jobs/d.sh", "--min-np", "1", "--max-np", "8",
                                "--slots-per-host", "4", "--reset-limit", "0", "--elastic-timeout", "60",
                                "--blacklist-cooldown-range", "10", "300"]
 
@@ -94,7 +95,7 @@ def test_describe_quotes_for_display_only():
     assert plan.argv[-2:] == ["$(id)", "a b"]  # the argv itself is never quoted or joined
     assert plan.describe() == (
         "# command\n"
-        f"horovodrun -np 1 -H localhost:1 --gloo {PY} /jobs/t.py '$(id)' 'a b'\n"
+        f"horovodrun -np 1 -H localhost:1 --gloo {PY} -m hvdtrain.rank /jobs/t.py '$(id)' 'a b'\n"
         "# environment added (forwarded to every rank)\n"
         "A=1\nB='x y'")
     assert plan_for("script: t.py\nnp: 1\n").describe().endswith("# environment added (forwarded to every rank)"

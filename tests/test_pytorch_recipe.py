@@ -151,8 +151,9 @@ def test_only_rank_0_writes_checkpoints_and_summary_keeping_the_last_k(uninterru
     renamed = [Path(p).name for kind, p in audit[0] if kind == "rename"]
     assert renamed == ["ckpt-epoch0001.pt", "ckpt-epoch0002.pt", "ckpt-epoch0003.pt", "summary.json"]
     opened = {Path(p).name.split(".tmp-")[0] for kind, p in audit[0] if kind == "open"}
-    assert opened == {".ckpt-epoch0001.pt", ".ckpt-epoch0002.pt", ".ckpt-epoch0003.pt", ".summary.json"}, \
-        "rank 0 wrote something other than through a temp file"
+    # Data only through temp files; besides, rank 0 holds the run directory's lock (its name, pid and start time).
+    assert opened == {".ckpt-epoch0001.pt", ".ckpt-epoch0002.pt", ".ckpt-epoch0003.pt", ".summary.json",
+                      "hvdtrain.lock"}, "rank 0 wrote something other than through a temp file"
     assert uninterrupted.checkpoints() == ["ckpt-epoch0002.pt", "ckpt-epoch0003.pt"]  # --keep-checkpoints 2
 
 

@@ -108,7 +108,8 @@ def test_mpijob_layout_gpus_env_and_command(tmp_path):
     at = expected.index("-H")
     expected[at:at + 2] = ["--hostfile", "/etc/mpi/hostfile"]
     assert launcher["command"] == expected
-    assert launcher["command"][-5:] == ["/opt/hvdtrain/.venv/bin/python", "/opt/hvdtrain/recipes/train.py",
+    assert launcher["command"][-7:] == ["/opt/hvdtrain/.venv/bin/python", "-m", "hvdtrain.rank",
+                                        "/opt/hvdtrain/recipes/train.py",
                                         "--epochs", "3", "--note=two words"]
     assert {"name": "dshm", "mountPath": "/dev/shm"} in worker["volumeMounts"]
 
@@ -219,8 +220,8 @@ def test_sbatch_horovodrun_gets_every_value_intact(tmp_path):
     assert note == NASTY  # exported env value: no expansion, no word splitting
     assert not (tmp_path / "PWNED").exists() and not (tmp_path / "PWNED2").exists()
     assert argv[:5] == ["horovodrun", "-np", "8", "-H", "node01:4,node02:4"]
-    assert argv[-5:] == [str(bin_dir / "python"), "/opt/hvdtrain/recipes/train.py", "--epochs", "3",
-                         "--note=two words"]
+    assert argv[-7:] == [str(bin_dir / "python"), "-m", "hvdtrain.rank", "/opt/hvdtrain/recipes/train.py",
+                         "--epochs", "3", "--note=two words"]
     assert argv[argv.index("--fusion-threshold-mb"):][:2] == ["--fusion-threshold-mb", "64"]
 
 

@@ -26,11 +26,13 @@ class DatasetError(ValueError):
 
 
 def exit_with(main: Callable[[], int], script: str) -> NoReturn:
-    """A recipe's entry point: exit with main()'s code; a bad --dataset exits 2 with its message, no traceback
-    (every rank fails the same way, before any training)."""
+    """A recipe's entry point: exit with main()'s code; a bad --dataset, or a run directory another job holds,
+    exits 2 with its message, no traceback (every rank fails the same way, before any training)."""
+    from hvdtrain.train.rundir import RunDirBusy
+
     try:
         code = main()
-    except DatasetError as e:
+    except (DatasetError, RunDirBusy) as e:
         print(f"{Path(script).name}: error: {e}", file=sys.stderr, flush=True)
         code = 2
     sys.exit(code)
