@@ -31,6 +31,7 @@ from hvdtrain.plan import RANK_MODULE, LaunchPlan
 PROBE_TIMEOUT_S = 120
 GRACE_S = 20.0  # horovodrun itself gives ranks 5 s after SIGTERM, then 5 s more before SIGKILL
 POLL_S = 0.5
+GUARD_MODULE = "hvdtrain.lifeline"  # `python -m hvdtrain.lifeline PGID`: see NOTE [no orphans]
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # each stops the whole job; exit 128 + N
 SNAPSHOT_S = 2.0  # a process-tree walk costs ~10 ms of CPU: not every poll, the ranks need the cores
 # Gloo: `[0]<stdout>:text`; MPI (--tag-output): `[1,0]<stdout>:text`. Both become `[0]<stdout>:text`.
@@ -217,7 +218,7 @@ class _Job:
     def start_guard(self) -> None:
         """The watcher that stops horovodrun's group if this process dies (hvdtrain.lifeline.guard)."""
         try:
-            self.guard = subprocess.Popen([sys.executable, "-m", "hvdtrain.lifeline", str(self.proc.pid)],
+            self.guard = subprocess.Popen([sys.executable, "-m", GUARD_MODULE, str(self.proc.pid)],
                                           stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, start_new_session=True)
         except OSError as exc:
             self.kill_all()

@@ -176,3 +176,9 @@ def test_an_elastic_job_on_a_busy_run_directory_stops_on_every_rank_having_writt
         assert f"[{rank}]<stderr>:pytorch_elastic.py: error: run directory {run_dir} is in use by another job: " \
                f"its writer is pid {holder.pid}" in res.output, res.describe()
     assert sorted(p.name for p in run_dir.iterdir()) == [rundir.LOCK_NAME], res.describe()
+
+
+def test_a_run_directory_that_cannot_be_made_is_refused_with_the_fix(tmp_path):
+    (tmp_path / "file").write_text("not a directory")
+    with pytest.raises(rundir.RunDirBusy, match=r"cannot use run directory .*/file/run: .*give another one"):
+        rundir.lock(tmp_path / "file" / "run")

@@ -73,7 +73,8 @@ def lock(run_dir: Path | str) -> RunDirLock:
         path = run_dir / LOCK_NAME
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     except OSError as exc:
-        raise RunDirBusy(f"cannot use run directory {run_dir}: {exc.strerror or exc}") from None
+        raise RunDirBusy(f"cannot use run directory {run_dir}: {exc.strerror or exc}; check that the path is a "
+                         f"directory you may write to, or give another one (--run-dir)") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
