@@ -23,7 +23,8 @@ What each rank does, in order (Horovod's six Keras steps, plus resume):
  2. tf.data input sharded per rank with hvdtrain's ShardSampler (same steps on every rank), prefetch(AUTOTUNE).
  3. LR = base LR × world size; wrap the optimizer in hvd.DistributedOptimizer.
  4. Callbacks in Horovod's order: BroadcastGlobalVariablesCallback(0), MetricAverageCallback(),
-    LearningRateWarmupCallback, LR schedules; then, on rank 0 only, checkpoints and TensorBoard.
+    LearningRateWarmupCallback, LR schedules; a NaN/Inf check of the weights after each step (every rank stops
+    at the same step, exit 3); then, on rank 0 only, checkpoints and TensorBoard.
  5. Resume: rank 0 loads the newest checkpoint; the epoch is broadcast; the weights follow by the callback.
  6. Rank 0 writes <run-dir>/summary.json; every rank checks that the weights are identical everywhere.
 """
@@ -45,7 +46,7 @@ import numpy as np
 
 from hvdtrain import tfkeras
 from hvdtrain.data import ShardSampler, expected_batches
-from hvdtrain.train import checkpoint, datasets, rundir
+from hvdtrain.train import checkpoint, datasets, divergence, rundir
 from hvdtrain.train.config import parse_config
 from hvdtrain.train.lr import scaled_epochs
 from hvdtrain.train.metrics import SUMMARY_NAME, History, build_summary, write_summary
@@ -80,7 +81,10 @@ class Config:
     val_fraction: float = field(default=0.2, metadata={"help": "held-out share (digits, shard dirs)"})
     synthetic_shape: tuple[int, ...] = field(default=(3, 32, 32), metadata={"help": "sample shape, C,H,W"})
     synthetic_samples: int = 1024
-    num_classes: int = field(default=10, metadata={"help": "classes (synthetic)"})
+    num_classes: int | None = field(default=None, metadata={
+        "help": "classes; labels must be below it (none: 10 for digits and synthetic, from the labels of shards)"})
+    check_finite: bool = field(default=True, metadata={
+        "help": "stop on NaN/Inf: in the samples (at load), the weights (each step), the loss (each epoch)"})
     run_dir: str = field(default="runs/keras", metadata={"help": "checkpoints, TensorBoard, summary.json"})
     keep_checkpoints: int = 3
     resume: bool = field(default=True, metadata={"help": "resume from the newest intact checkpoint"})
@@ -99,6 +103,8 @@ class Config:
             raise ValueError(f"--base-lr must be a finite number > 0, got {self.base_lr}")
         if list(self.lr_milestones) != sorted(set(self.lr_milestones)) or any(m < 1 for m in self.lr_milestones):
             raise ValueError(f"--lr-milestones must be increasing epochs >= 1, got {self.lr_milestones}")
+        if self.num_classes is not None and self.num_classes < 2:
+            raise ValueError(f"--num-classes must be >= 2 (or none), got {self.num_classes}")
         for name in ("threads", "stop_after_epoch"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1 (or none), got {getattr(self, name)}")
@@ -269,6 +275,36 @@ class Recorder(tf.keras.callbacks.Callback):
             self.model.stop_training = True
 
 
+class StopOnNonFinite(tf.keras.callbacks.Callback):
+    """Stops every rank at the same step when the weights hold NaN/Inf after an update, and after an epoch whose
+    (rank-averaged) loss is NaN/Inf, before it is checkpointed. The weights are the same on every rank (broadcast
+    after the first step, then the same averaged gradients everywhere): NOTE [divergence checks] in
+    hvdtrain/train/divergence.py. Keras's TerminateOnNaN reads each rank's own loss: one rank would stop while the
+    others wait for it in their next allreduce."""
+
+    def __init__(self, steps: int) -> None:
+        super().__init__()
+        self.steps, self.epoch = steps, 0
+        self.all_finite: Any = None
+
+    def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
+        variables = self.model.trainable_variables
+        self.all_finite = tf.function(lambda: tf.reduce_all([tf.reduce_all(tf.math.is_finite(v))
+                                                             for v in variables]))
+        self.all_finite()  # traced now, not inside the first step's timing
+
+    def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        if not bool(self.all_finite()):
+            raise divergence.at_step(self.epoch, batch, self.steps, "the weights hold NaN/Inf after the update",
+                                     float((logs or {}).get("loss", math.nan)))
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        divergence.check_epoch(epoch, {k: float(v) for k, v in (logs or {}).items() if k in ("loss", "val_loss")})
+
+
 def lr_callbacks(cfg: Config, lr: float, steps: int, rank: int) -> list[Any]:
     # momentum_correction=False: Keras 2.11+ optimizers hold momentum as a Python float, which Horovod 0.28.1's
     # correction (scale momentum by new_lr / old_lr for one step) tries to set as a variable and fails.
@@ -296,6 +332,7 @@ def make_callbacks(cfg: Config, rank: int, lr: float, steps: int, run_dir: Path,
         # Horovod: average the epoch's metrics (loss, accuracy, val_*) over all ranks before anything logs them.
         hvd.callbacks.MetricAverageCallback(),
         *lr_callbacks(cfg, lr, steps, rank),
+        *([StopOnNonFinite(steps)] if cfg.check_finite else []),  # before the epoch is recorded or checkpointed
         recorder,
     ]
     if rank == 0:  # Horovod: checkpoints and TensorBoard on rank 0 only (every rank holds the same weights).
@@ -371,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     run_lock = rundir.claim(run_dir, rank, lambda v: hvd_tf.broadcast_object(v, root_rank=0, name="run_dir.lock"))
     splits = datasets.load(cfg.dataset, val_fraction=cfg.val_fraction, split_seed=0,
                            synthetic_shape=cfg.synthetic_shape, synthetic_samples=cfg.synthetic_samples,
-                           num_classes=cfg.num_classes, seed=cfg.seed)
+                           num_classes=cfg.num_classes, seed=cfg.seed, check_finite=cfg.check_finite)
     train, val = channels_last(splits.train), channels_last(splits.val)
     tf.keras.utils.set_random_seed(cfg.seed)
     model = build_model(train.x.shape[1:], splits.num_classes, cfg.width)
@@ -395,4 +432,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    datasets.exit_with(main, __file__)  # a bad --dataset: exit 2 with the message, no traceback
+    datasets.exit_with(main, __file__)  # bad data: exit 2, divergence: exit 3, with the message, no traceback

@@ -52,6 +52,7 @@ from pytorch_train import (
     Config,
     Trainer,
     allreduce_sum,
+    apply_gradients,
     build,
     check_in_sync,
     epoch_seed,
@@ -66,7 +67,7 @@ from pytorch_train import (
 )
 
 from hvdtrain.data import StallMeter
-from hvdtrain.train import checkpoint, datasets, rundir
+from hvdtrain.train import checkpoint, datasets, divergence, rundir
 from hvdtrain.train.config import parse_config
 from hvdtrain.train.metrics import SUMMARY_NAME, History, MetricSums, build_summary, combine_stall, write_summary
 
@@ -195,7 +196,8 @@ def on_reset(t: ElasticTrainer, state: hvd.elastic.TorchState) -> None:
 
 # ---- 5. train with commits ----------------------------------------------------------------------------------
 
-def train_step(t: ElasticTrainer, x: torch.Tensor, y: torch.Tensor, lr: float, sums: MetricSums) -> float:
+def train_step(t: ElasticTrainer, state: hvd.elastic.TorchState, x: torch.Tensor, y: torch.Tensor, lr: float,
+               sums: MetricSums) -> float:
     for group in t.optimizer.param_groups:
         group["lr"] = lr
     t.optimizer.zero_grad()
@@ -207,7 +209,8 @@ def train_step(t: ElasticTrainer, x: torch.Tensor, y: torch.Tensor, lr: float, s
         loss = F.cross_entropy(out, yc)
         (loss / len(chunks)).backward()
         sums.add(loss.item(), int((out.argmax(1) == yc).sum()), len(yc))
-    t.optimizer.step()  # Horovod: allreduce of the gradients
+    # Horovod: the averaged gradients, checked for NaN/Inf (every rank alike) and applied (main recipe).
+    apply_gradients(t, state.epoch, state.batch, len(t.train_loader), loss.item())
     return loss.item()
 
 
@@ -234,7 +237,7 @@ def train_rest_of_epoch(t: ElasticTrainer, state: hvd.elastic.TorchState) -> Non
     sums = MetricSums()
     for x, y in t.meter.wrap(t.train_loader):
         done = t.train_loader.state_dict()["samples_consumed"]  # after this batch, over all ranks
-        train_step(t, x, y, t.schedule.lr_at(epoch + min(done / n, 1.0)), sums)
+        train_step(t, state, x, y, t.schedule.lr_at(epoch + min(done / n, 1.0)), sums)
         state.batch += 1
         if state.batch % t.cfg.commit_every == 0:
             commit(t, state, sums)
@@ -246,6 +249,8 @@ def end_epoch(t: ElasticTrainer, state: hvd.elastic.TorchState, started: float, 
     loss_sum, correct, count = state.train_sums
     took = time.perf_counter() - started
     wait_share = sum(t.meter.waits[step0:]) / max(sum(t.meter.steps[step0:]), 1e-12)
+    if t.cfg.check_finite:  # before the epoch is recorded or checkpointed (NOTE [divergence checks])
+        divergence.check_epoch(state.epoch, {"train_loss": loss_sum / max(count, 1), "val_loss": val["loss"]})
     t.history = History(list(state.history))
     row = t.history.record(state.epoch + 1, train_loss=loss_sum / max(count, 1),
                            train_accuracy=correct / max(count, 1), val_loss=val["loss"],
@@ -330,4 +335,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    datasets.exit_with(main, __file__)  # a bad --dataset: exit 2 with the message, no traceback
+    datasets.exit_with(main, __file__)  # bad data: exit 2, divergence: exit 3, with the message, no traceback

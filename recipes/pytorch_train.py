@@ -20,13 +20,16 @@ Other data and models:
 What each rank does, in order:
  1. hvd.init(); pin one GPU per process (local rank), or on CPU split the cores between the local ranks;
     rank 0 locks the run directory (a second job on it stops with exit 2, naming the holder).
- 2. Load the dataset; shard it per rank with hvdtrain's sampler; batches come from shared-memory producer
-    processes (ShmLoader) through a device prefetcher; a StallMeter times data-wait vs step time.
+ 2. Load the dataset (checked: unreadable shards, labels not below --num-classes, NaN/Inf samples: exit 2,
+    naming the file and index); shard it per rank with hvdtrain's sampler; batches come from shared-memory
+    producer processes (ShmLoader) through a device prefetcher; a StallMeter times data-wait vs step time.
  3. LR = base LR × world size × backward passes per step, linear warmup, optional step decay (Goyal et al.).
  4. Wrap the optimizer in hvd.DistributedOptimizer (gradients averaged by allreduce); on resume rank 0 loads
     the checkpoint; broadcast the optimizer state and the weights from rank 0.
- 5. Train; after each epoch average the metrics over ranks (allreduce) and validate; rank 0 alone writes the
-    checkpoint (atomically, keeping the last K), TensorBoard scalars and the progress bar.
+ 5. Train; each step checks the averaged gradients before applying them (NaN/Inf from any rank: every rank
+    stops at that step, exit 3; --no-check-finite: no checks); after each epoch average the metrics over ranks
+    (allreduce) and validate; rank 0 alone writes the checkpoint (atomically, keeping the last K), TensorBoard
+    scalars and the progress bar.
  6. Rank 0 writes <run-dir>/summary.json; every rank checks that the weights are identical everywhere.
 """
 
@@ -49,7 +52,7 @@ from pytorch_models import MODELS, make_model
 from torch import nn
 
 from hvdtrain.data import DevicePrefetcher, ShardSampler, ShmLoader, StallMeter
-from hvdtrain.train import checkpoint, datasets, rundir
+from hvdtrain.train import checkpoint, datasets, divergence, rundir
 from hvdtrain.train.config import parse_config
 from hvdtrain.train.lr import LRSchedule, scaled_epochs
 from hvdtrain.train.metrics import SUMMARY_NAME, History, MetricSums, build_summary, combine_stall, write_summary
@@ -81,7 +84,11 @@ class Config:
     val_fraction: float = field(default=0.2, metadata={"help": "held-out share (digits, shard dirs)"})
     synthetic_shape: tuple[int, ...] = field(default=(3, 32, 32), metadata={"help": "sample shape, C,H,W"})
     synthetic_samples: int = 1024
-    num_classes: int = field(default=10, metadata={"help": "classes (synthetic)"})
+    num_classes: int | None = field(default=None, metadata={
+        "help": "classes; labels must be below it (none: 10 for digits and synthetic, from the labels of shards)"})
+    check_finite: bool = field(default=True, metadata={
+        "help": "stop on NaN/Inf: in the samples (at load), the averaged gradients (each step), the loss (each "
+                "epoch)"})
     run_dir: str = field(default="runs/pytorch", metadata={"help": "checkpoints, TensorBoard, summary.json"})
     keep_checkpoints: int = 3
     resume: bool = field(default=True, metadata={"help": "resume from the newest intact checkpoint"})
@@ -101,6 +108,8 @@ class Config:
         for name in ("threads", "stop_after_epoch", "model_width"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1 (or none), got {getattr(self, name)}")
+        if self.num_classes is not None and self.num_classes < 2:
+            raise ValueError(f"--num-classes must be >= 2 (or none), got {self.num_classes}")
         for name in ("momentum", "weight_decay"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
@@ -265,11 +274,24 @@ def train_epoch(t: Trainer, epoch: int) -> dict[str, float]:
             loss = F.cross_entropy(out, yc)
             (loss / len(chunks)).backward()
             sums.add(loss.item(), int((out.argmax(1) == yc).sum()), len(yc))
-        t.optimizer.step()
+        apply_gradients(t, epoch, step, steps, loss.item())
         bar.set_postfix(loss=f"{loss.item():.3f}", lr=f"{lr:.3g}", refresh=False)
     bar.close()
     # Horovod: average loss and accuracy over all ranks' samples (one allreduce).
     return sums.reduce(allreduce_sum)
+
+
+def apply_gradients(t: Trainer, epoch: int, step: int, steps: int, loss: float) -> None:
+    # Horovod: wait for the allreduce of the gradients (synchronize), check the averaged gradients (the same on
+    # every rank: all ranks stop at the same step, NOTE [divergence checks] in hvdtrain/train/divergence.py), then
+    # apply them (skip_synchronize: step() must not wait for the allreduce a second time).
+    t.optimizer.synchronize()
+    if t.cfg.check_finite:
+        grads = [p.grad for p in t.model.parameters() if p.grad is not None]
+        if grads and not torch.isfinite(torch.nn.utils.get_total_norm(grads, norm_type=math.inf)):
+            raise divergence.at_step(epoch, step, steps, "the averaged gradients hold NaN/Inf", loss)
+    with t.optimizer.skip_synchronize():
+        t.optimizer.step()
 
 
 @torch.no_grad()
@@ -328,6 +350,8 @@ def run_epochs(t: Trainer, first: int) -> tuple[int, float, float]:
         took = time.perf_counter() - start
         wait_share = sum(t.meter.waits[step0:]) / max(sum(t.meter.steps[step0:]), 1e-12)
         val = evaluate(t)
+        if t.cfg.check_finite:  # before anything records or checkpoints the epoch (NOTE [divergence checks])
+            divergence.check_epoch(epoch, {"train_loss": train["loss"], "val_loss": val["loss"]})
         done, samples, seconds = epoch + 1, samples + train["samples"], seconds + took
         row = t.history.record(done, train_loss=train["loss"], train_accuracy=train["accuracy"],
                                val_loss=val["loss"], val_accuracy=val["accuracy"],
@@ -388,7 +412,7 @@ def build(cfg: Config, size: int, device: torch.device
     """The dataset, the model, the LR schedule and the Horovod-wrapped optimizer (steps 2-4)."""
     splits = datasets.load(cfg.dataset, val_fraction=cfg.val_fraction, split_seed=0,
                            synthetic_shape=cfg.synthetic_shape, synthetic_samples=cfg.synthetic_samples,
-                           num_classes=cfg.num_classes, seed=cfg.seed)
+                           num_classes=cfg.num_classes, seed=cfg.seed, check_finite=cfg.check_finite)
     torch.manual_seed(cfg.seed)
     model = pick_model(cfg, splits).to(device)
     # Horovod: scale the LR by the number of workers (and backward passes per step), warm it up (Goyal et al.).
@@ -442,4 +466,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    datasets.exit_with(main, __file__)  # a bad --dataset: exit 2 with the message, no traceback
+    datasets.exit_with(main, __file__)  # bad data: exit 2, divergence: exit 3, with the message, no traceback

@@ -10,6 +10,8 @@
 from __future__ import annotations
 
 import sys
+import zipfile
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,15 +28,17 @@ class DatasetError(ValueError):
 
 
 def exit_with(main: Callable[[], int], script: str) -> NoReturn:
-    """A recipe's entry point: exit with main()'s code; a bad --dataset, or a run directory another job holds,
-    exits 2 with its message, no traceback (every rank fails the same way, before any training)."""
+    """A recipe's entry point: exit with main()'s code. Errors every rank meets alike exit with one message and
+    no traceback: bad data or a run directory another job holds (before any training): 2; training that diverged
+    (NaN/Inf, hvdtrain.train.divergence): 3."""
+    from hvdtrain.train.divergence import EXIT_CODE, TrainingDiverged
     from hvdtrain.train.rundir import RunDirBusy
 
     try:
         code = main()
-    except (DatasetError, RunDirBusy) as e:
+    except (DatasetError, RunDirBusy, TrainingDiverged) as e:
         print(f"{Path(script).name}: error: {e}", file=sys.stderr, flush=True)
-        code = 2
+        code = EXIT_CODE if isinstance(e, TrainingDiverged) else 2
     sys.exit(code)
 
 
@@ -71,28 +75,38 @@ class Splits:
 def load(
     source: str, *, val_fraction: float = 0.2, split_seed: int = 0,
     synthetic_shape: tuple[int, ...] = (3, 32, 32), synthetic_samples: int = 1024,
-    num_classes: int = 10, seed: int = 0,
+    num_classes: int | None = None, seed: int = 0, check_finite: bool = True,
 ) -> Splits:
-    """`source` is "digits", "synthetic" or a directory of .npy/.npz shards."""
+    """`source` is "digits", "synthetic" or a directory of .npy/.npz shards.
+
+    `num_classes` declares the number of classes (labels must be below it); None: 10 for digits and synthetic,
+    inferred from the labels of a shard directory (see `infer_num_classes`). `check_finite`: samples holding
+    NaN/Inf are an error naming the shard and the sample.
+    """
+    if num_classes is not None and num_classes < 2:
+        raise DatasetError(f"--num-classes must be >= 2, got {num_classes!r}")
     if source == DIGITS:
-        return digits(val_fraction=val_fraction, split_seed=split_seed)
+        return digits(val_fraction=val_fraction, split_seed=split_seed, num_classes=num_classes)
     if source == SYNTHETIC:
-        return synthetic(synthetic_shape, synthetic_samples, num_classes=num_classes, seed=seed)
+        return synthetic(synthetic_shape, synthetic_samples, num_classes=num_classes or 10, seed=seed)
     path = Path(source)
     if not path.is_dir():
         raise DatasetError(f"dataset must be {DIGITS!r}, {SYNTHETIC!r} or a directory of .npy/.npz shards; "
                            f"got {source!r}, which is not a directory")
-    return shard_dir(path, val_fraction=val_fraction, split_seed=split_seed)
+    return shard_dir(path, val_fraction=val_fraction, split_seed=split_seed, num_classes=num_classes,
+                     check_finite=check_finite)
 
 
-def digits(*, val_fraction: float = 0.2, split_seed: int = 0) -> Splits:
+def digits(*, val_fraction: float = 0.2, split_seed: int = 0, num_classes: int | None = None) -> Splits:
     from sklearn.datasets import load_digits
 
     bunch = load_digits()
     x = (bunch.images.astype(np.float32) / 16.0)[:, None, :, :]  # N × 1 × 8 × 8 in [0, 1]
     y = bunch.target.astype(np.int64)
+    if num_classes is not None:
+        check_labels(y, "digits labels", num_classes)
     train, val = _split(x, y, val_fraction, split_seed)
-    return Splits(train=train, val=val, num_classes=10, name=DIGITS)
+    return Splits(train=train, val=val, num_classes=num_classes or 10, name=DIGITS)
 
 
 def synthetic(shape: tuple[int, ...], num_samples: int, *, num_classes: int = 10, seed: int = 0) -> Splits:
@@ -112,30 +126,103 @@ def synthetic(shape: tuple[int, ...], num_samples: int, *, num_classes: int = 10
     return Splits(train=make(num_samples), val=make(n_val), num_classes=num_classes, name=SYNTHETIC)
 
 
-def shard_dir(path: Path, *, val_fraction: float = 0.2, split_seed: int = 0) -> Splits:
+# ---- shard directories ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Shard:
+    """One file's (or .npy pair's) samples and labels, with the names its errors use."""
+
+    x: np.ndarray
+    y: np.ndarray
+    x_name: str  # e.g. "/data/a.npz['x']" or "/data/a_x.npy"
+    y_name: str
+
+
+def shard_dir(path: Path, *, val_fraction: float = 0.2, split_seed: int = 0, num_classes: int | None = None,
+              check_finite: bool = True) -> Splits:
     train_dir, val_dir = path / "train", path / "val"
-    if train_dir.is_dir() and val_dir.is_dir():
-        train, val = _read_shards(train_dir), _read_shards(val_dir)
+    split_dirs = train_dir.is_dir() and val_dir.is_dir()
+    parts = [_read_shards(train_dir), _read_shards(val_dir)] if split_dirs else [_read_shards(path)]
+    every = [s for part in parts for s in part]
+    for shard in every:  # once, at load: vectorised passes over each shard
+        check_labels(shard.y, shard.y_name, num_classes)
+        if check_finite:
+            check_samples(shard.x, shard.x_name)
+    classes = num_classes if num_classes is not None else infer_num_classes(every, str(path))
+    if split_dirs:
+        train, val = _concat(parts[0]), _concat(parts[1])
         if train.x.shape[1:] != val.x.shape[1:]:
             raise DatasetError(f"{val_dir}: samples have shape {val.x.shape[1:]}, but {train_dir} has "
                                f"{train.x.shape[1:]}")
     else:
-        whole = _read_shards(path)
+        whole = _concat(parts[0])
         train, val = _split(whole.x, whole.y, val_fraction, split_seed)
-    num_classes = int(max(train.y.max(initial=0), val.y.max(initial=0))) + 1
-    return Splits(train=train, val=val, num_classes=max(num_classes, 2), name=str(path))
+    return Splits(train=train, val=val, num_classes=classes, name=str(path))
 
 
-def _read_shards(directory: Path) -> ArrayDataset:
+def check_labels(y: np.ndarray, name: str, num_classes: int | None) -> None:
+    """Labels are class ids 0..num_classes-1 (only >= 0 when num_classes is None); the first bad one is named."""
+    if not len(y):
+        return
+    lo = int(np.argmin(y))
+    if y[lo] < 0:
+        raise DatasetError(f"{name}[{lo}]: label {int(y[lo])} is negative; labels are class ids 0..K-1")
+    hi = int(np.argmax(y))
+    if num_classes is not None and y[hi] >= num_classes:
+        raise DatasetError(f"{name}[{hi}]: label {int(y[hi])} is out of range for --num-classes {num_classes} "
+                           f"(labels must be 0..{num_classes - 1}); fix the label or declare more classes")
+
+
+def infer_num_classes(shards: list[Shard], dataset: str) -> int:
+    """The largest label + 1 (at least 2), unless most class ids below it never occur: then a stray label (one
+    1 000 000 among 0..9) would silently build a 1 000 001-class model, so it is an error naming that label."""
+    tops = [(int(s.y.max()), s) for s in shards if len(s.y)]
+    if not tops:
+        raise DatasetError(f"{dataset}: no labels in any shard")
+    top, shard = max(tops, key=lambda item: item[0])
+    distinct = len(np.unique(np.concatenate([s.y for s in shards])))
+    if top + 1 > 2 * distinct:
+        raise DatasetError(
+            f"{shard.y_name}[{int(np.argmax(shard.y))}]: label {top} would make a {top + 1}-class model, but only "
+            f"{distinct} distinct labels occur in {dataset}; fix the label, or if the classes are right declare "
+            f"their number with --num-classes N (every label must be < N)")
+    return max(top + 1, 2)
+
+
+FINITE_BLOCK_VALUES = 1 << 24  # values per block of the NaN/Inf scan: 16 MiB of booleans at most
+
+
+def check_samples(x: np.ndarray, name: str) -> None:
+    """No NaN/Inf in floating-point samples; scans blocks of ~16M values (little extra memory)."""
+    if not np.issubdtype(x.dtype, np.inexact) or not len(x):
+        return
+    block = max(1, FINITE_BLOCK_VALUES // max(1, int(np.prod(x.shape[1:], dtype=np.int64))))
+    for start in range(0, len(x), block):
+        finite = np.isfinite(x[start:start + block])
+        if finite.all():
+            continue
+        where = np.argwhere(~finite)[0]
+        index, inner = start + int(where[0]), tuple(int(i) for i in where[1:])
+        value = x[index][inner]
+        raise DatasetError(f"{name}[{index}]: sample holds {value} at position {inner}; fix the data, or pass "
+                           f"--no-check-finite to train on it anyway")
+
+
+def _concat(shards: list[Shard]) -> ArrayDataset:
+    return ArrayDataset(np.concatenate([s.x for s in shards]).astype(np.float32, copy=False),
+                        np.concatenate([s.y for s in shards]))
+
+
+def _read_shards(directory: Path) -> list[Shard]:
     pairs = _shard_files(directory)
-    xs, ys = [], []
-    for label, (x, y) in ((name, _load_pair(src)) for name, src in pairs):
-        if xs and x.shape[1:] != xs[0].shape[1:]:
-            raise DatasetError(f"{label}: samples have shape {x.shape[1:]}, but {pairs[0][0]} has "
-                               f"{xs[0].shape[1:]}; every shard must hold samples of one shape")
-        xs.append(x)
-        ys.append(y)
-    return ArrayDataset(np.concatenate(xs).astype(np.float32, copy=False), np.concatenate(ys))
+    shards: list[Shard] = []
+    for label, src in pairs:
+        shard = _load_shard(src)
+        if shards and shard.x.shape[1:] != shards[0].x.shape[1:]:
+            raise DatasetError(f"{label}: samples have shape {shard.x.shape[1:]}, but {pairs[0][0]} has "
+                               f"{shards[0].x.shape[1:]}; every shard must hold samples of one shape")
+        shards.append(shard)
+    return shards
 
 
 def _shard_files(directory: Path) -> list[tuple[str, Path | tuple[Path, Path]]]:
@@ -161,7 +248,21 @@ def _shard_files(directory: Path) -> list[tuple[str, Path | tuple[Path, Path]]]:
     return sorted(found, key=lambda item: item[0])
 
 
-def _load_pair(src: Path | tuple[Path, Path]) -> tuple[np.ndarray, np.ndarray]:
+# What numpy and zipfile raise for a file that is not (intact) numpy data: a truncated or corrupt .npy header,
+# a bad zip, a bad CRC-32, a corrupt deflate stream, object arrays (which would need pickle).
+UNREADABLE = (ValueError, OSError, EOFError, zipfile.BadZipFile, zlib.error, NotImplementedError)
+
+
+def _unreadable(name: str, e: BaseException) -> DatasetError:
+    reason = str(e) or type(e).__name__
+    if isinstance(e, zipfile.BadZipFile | zlib.error):
+        reason = f"corrupt or truncated .npz archive ({reason})"
+    elif "allow_pickle" in reason:
+        reason = "it holds Python objects (dtype=object), which would need pickle; save numeric arrays"
+    return DatasetError(f"{name}: cannot read as numpy data: {reason}")
+
+
+def _load_shard(src: Path | tuple[Path, Path]) -> Shard:
     if isinstance(src, tuple):
         x, y = _np_load(src[0]), _np_load(src[1])
         return _check_arrays(x, y, str(src[0]), str(src[1]))
@@ -174,32 +275,42 @@ def _load_pair(src: Path | tuple[Path, Path]) -> tuple[np.ndarray, np.ndarray]:
         if missing:
             raise DatasetError(f"{src}: missing array(s) {', '.join(missing)}; found {sorted(npz.files)}; "
                                f"a .npz shard must hold 'x' (samples) and 'y' (integer labels)")
-        return _check_arrays(npz["x"], npz["y"], f"{src}['x']", f"{src}['y']")
+        arrays = {}
+        for key in ("x", "y"):  # members are read (decompressed, CRC-checked) only here
+            try:
+                arrays[key] = npz[key]
+            except UNREADABLE as e:
+                raise _unreadable(f"{src}['{key}']", e) from None
+        return _check_arrays(arrays["x"], arrays["y"], f"{src}['x']", f"{src}['y']")
 
 
 def _np_load(path: Path) -> np.ndarray | np.lib.npyio.NpzFile:
     try:
         return np.load(path, allow_pickle=False)
-    except (ValueError, OSError, EOFError) as e:
-        raise DatasetError(f"{path}: cannot read as numpy data: {e}") from None
+    except UNREADABLE as e:
+        raise _unreadable(str(path), e) from None
 
 
-def _check_arrays(x: object, y: object, x_name: str, y_name: str) -> tuple[np.ndarray, np.ndarray]:
-    for arr, name in ((x, x_name), (y, y_name)):
-        if not isinstance(arr, np.ndarray):
-            raise DatasetError(f"{name}: expected a single numpy array, got {type(arr).__name__}")
-    assert isinstance(x, np.ndarray) and isinstance(y, np.ndarray)
+def _check_arrays(x: object, y: object, x_name: str, y_name: str) -> Shard:
+    if not isinstance(x, np.ndarray):
+        raise DatasetError(f"{x_name}: expected a single numpy array, got {type(x).__name__}")
+    if not isinstance(y, np.ndarray):
+        raise DatasetError(f"{y_name}: expected a single numpy array, got {type(y).__name__}")
     if x.ndim < 2 or not np.issubdtype(x.dtype, np.number):
         raise DatasetError(f"{x_name}: samples must be a numeric array of shape (N, ...), "
                            f"got dtype {x.dtype} shape {x.shape}")
     if y.ndim != 1 or not np.issubdtype(y.dtype, np.integer):
-        raise DatasetError(f"{y_name}: labels must be a 1-D integer array, "
-                           f"got dtype {y.dtype} shape {y.shape}")
+        hint = ""
+        if y.ndim == 1 and np.issubdtype(y.dtype, np.floating) and np.all(np.isfinite(y)) \
+                and np.array_equal(y, np.round(y)):
+            hint = " (these floats are whole numbers: save them with y.astype(np.int64))"
+        raise DatasetError(f"{y_name}: labels must be a 1-D integer array of class ids, "
+                           f"got dtype {y.dtype} shape {y.shape}{hint}")
     if len(x) != len(y):
         raise DatasetError(f"{x_name} has {len(x)} samples but {y_name} has {len(y)} labels")
-    if len(y) and y.min() < 0:
-        raise DatasetError(f"{y_name}: labels must be >= 0, found {int(y.min())}")
-    return x, y.astype(np.int64, copy=False)
+    if y.dtype == np.uint64 and len(y) and y.max() > np.iinfo(np.int64).max:
+        raise DatasetError(f"{y_name}[{int(np.argmax(y))}]: label {int(y.max())} does not fit in int64")
+    return Shard(x, y.astype(np.int64, copy=False), x_name, y_name)
 
 
 def _split(x: np.ndarray, y: np.ndarray, val_fraction: float, seed: int) -> tuple[ArrayDataset, ArrayDataset]:

@@ -1,0 +1,44 @@
+"""Training that went NaN/Inf stops, on every rank at the same step, with a message naming the epoch and step.
+
+NOTE [divergence checks]
+A rank that stopped alone would leave the others blocked in their next allreduce, so every check here looks at a
+value that is identical on every rank, and needs no collective of its own:
+- each step, the *averaged* gradients (after Horovod's allreduce, before the optimizer applies them): a NaN or
+  Inf gradient on any rank makes the average non-finite everywhere, and the weights are still the good ones;
+- each epoch, the allreduced metrics (train and validation loss), before the checkpoint is written: this catches
+  a rank whose loss alone went bad while its gradients stayed finite.
+Keras applies the averaged gradients inside `fit`; there the check reads the weights after each step (identical
+on every rank once BroadcastGlobalVariablesCallback ran), which a non-finite average has turned non-finite.
+The recipes' `--no-check-finite` turns the checks off (and the load-time check of the samples).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+EXIT_CODE = 3  # a recipe that stops on divergence exits 3 (2 is bad input, 1 an unexpected error)
+OPT_OUT = "--no-check-finite"
+
+
+class TrainingDiverged(RuntimeError):
+    """The averaged gradients, the weights or the epoch's loss became NaN/Inf: raised on every rank alike."""
+
+
+def at_step(epoch: int, step: int, steps: int, what: str, local_loss: float) -> TrainingDiverged:
+    """The error for a non-finite step (`epoch`, `step` 0-based); `local_loss` is this rank's loss there."""
+    return TrainingDiverged(
+        f"training diverged at epoch {epoch + 1}, step {step + 1}/{steps}: {what} (this rank's loss at that step: "
+        f"{local_loss:.4g}); no checkpoint was written for this epoch. Lower the LR (--base-lr, "
+        f"--warmup-epochs), check the data, or pass {OPT_OUT} to train on regardless")
+
+
+def check_epoch(epoch: int, metrics: Mapping[str, float]) -> None:
+    """Raise TrainingDiverged if an (allreduced) loss of epoch `epoch` (0-based) is NaN/Inf."""
+    bad = {k: v for k, v in metrics.items() if k.endswith("loss") and not math.isfinite(v)}
+    if bad:
+        shown = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in bad.items())
+        raise TrainingDiverged(
+            f"training diverged in epoch {epoch + 1}: {shown} (averaged over all ranks); no checkpoint was "
+            f"written for this epoch. Lower the LR (--base-lr, --warmup-epochs), check the data, or pass "
+            f"{OPT_OUT} to train on regardless")
