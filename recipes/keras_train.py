@@ -299,7 +299,8 @@ class StopOnNonFinite(tf.keras.callbacks.Callback):
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         if not bool(self.all_finite()):
             raise divergence.at_step(self.epoch, batch, self.steps, "the weights hold NaN/Inf after the update",
-                                     float((logs or {}).get("loss", math.nan)))
+                                     float((logs or {}).get("loss", math.nan)),
+                                     loss_label="this rank's mean loss so far in the epoch")
 
     def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         divergence.check_epoch(epoch, {k: float(v) for k, v in (logs or {}).items() if k in ("loss", "val_loss")})

@@ -47,7 +47,6 @@ from pathlib import Path
 import horovod.torch as hvd
 import numpy as np
 import torch
-import torch.nn.functional as F
 from pytorch_train import (
     Config,
     Trainer,
@@ -57,6 +56,7 @@ from pytorch_train import (
     check_in_sync,
     epoch_seed,
     evaluate,
+    forward_backward,
     log,
     make_train_loader,
     report_epoch,
@@ -201,17 +201,11 @@ def train_step(t: ElasticTrainer, state: hvd.elastic.TorchState, x: torch.Tensor
     for group in t.optimizer.param_groups:
         group["lr"] = lr
     t.optimizer.zero_grad()
-    # Horovod: as in the main recipe, each chunk's backward() is one of backward_passes_per_step.
-    chunks = list(zip(x.chunk(t.cfg.backward_passes_per_step), y.chunk(t.cfg.backward_passes_per_step),
-                      strict=True))
-    for xc, yc in chunks:
-        out = t.model(xc)
-        loss = F.cross_entropy(out, yc)
-        (loss / len(chunks)).backward()
-        sums.add(loss.item(), int((out.argmax(1) == yc).sum()), len(yc))
-    # Horovod: the averaged gradients, checked for NaN/Inf (every rank alike) and applied (main recipe).
-    apply_gradients(t, state.epoch, state.batch, len(t.train_loader), loss.item())
-    return loss.item()
+    losses = forward_backward(t, x, y, sums)  # Horovod: backward_passes_per_step chunks (main recipe)
+    # Horovod: the averaged gradients, checked for NaN/Inf (every rank alike) and applied (main recipe). The step
+    # counts from the epoch's start over every world size it saw, so no per-epoch total is shown.
+    apply_gradients(t, state.epoch, state.batch, None, divergence.worst(losses))
+    return losses[-1]
 
 
 def commit(t: ElasticTrainer, state: hvd.elastic.TorchState, sums: MetricSums) -> None:

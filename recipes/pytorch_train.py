@@ -257,7 +257,7 @@ class Trainer:
 
 def train_epoch(t: Trainer, epoch: int) -> dict[str, float]:
     t.model.train()
-    sums, steps, bpps = MetricSums(), len(t.train_loader), t.cfg.backward_passes_per_step
+    sums, steps = MetricSums(), len(t.train_loader)
     batches = t.meter.wrap(t.train_loader)  # times the wait for each batch and the step after it
     # Horovod: only rank 0 shows progress (every rank's bar would interleave in the output).
     bar = progress_bar(batches, steps, f"epoch {epoch + 1}/{t.epochs}", enabled=t.rank == 0 and t.cfg.progress)
@@ -266,22 +266,30 @@ def train_epoch(t: Trainer, epoch: int) -> dict[str, float]:
         for group in t.optimizer.param_groups:
             group["lr"] = lr
         t.optimizer.zero_grad()
-        # Horovod: each chunk's backward() is one of the backward_passes_per_step that DistributedOptimizer
-        # accumulates locally before one allreduce in step(); scale the loss so the sum is the batch mean.
-        chunks = list(zip(x.chunk(bpps), y.chunk(bpps), strict=True))
-        for xc, yc in chunks:
-            out = t.model(xc)
-            loss = F.cross_entropy(out, yc)
-            (loss / len(chunks)).backward()
-            sums.add(loss.item(), int((out.argmax(1) == yc).sum()), len(yc))
-        apply_gradients(t, epoch, step, steps, loss.item())
-        bar.set_postfix(loss=f"{loss.item():.3f}", lr=f"{lr:.3g}", refresh=False)
+        losses = forward_backward(t, x, y, sums)
+        apply_gradients(t, epoch, step, steps, divergence.worst(losses))
+        bar.set_postfix(loss=f"{losses[-1]:.3f}", lr=f"{lr:.3g}", refresh=False)
     bar.close()
     # Horovod: average loss and accuracy over all ranks' samples (one allreduce).
     return sums.reduce(allreduce_sum)
 
 
-def apply_gradients(t: Trainer, epoch: int, step: int, steps: int, loss: float) -> None:
+def forward_backward(t: Trainer, x: torch.Tensor, y: torch.Tensor, sums: MetricSums) -> list[float]:
+    """Forward and backward passes over the batch in backward_passes_per_step chunks; each chunk's loss."""
+    bpps = t.cfg.backward_passes_per_step
+    # Horovod: each chunk's backward() is one of the backward_passes_per_step that DistributedOptimizer
+    # accumulates locally before one allreduce; scale the loss so the sum is the batch mean.
+    chunks, losses = list(zip(x.chunk(bpps), y.chunk(bpps), strict=True)), []
+    for xc, yc in chunks:
+        out = t.model(xc)
+        loss = F.cross_entropy(out, yc)
+        (loss / len(chunks)).backward()
+        losses.append(loss.item())
+        sums.add(losses[-1], int((out.argmax(1) == yc).sum()), len(yc))
+    return losses
+
+
+def apply_gradients(t: Trainer, epoch: int, step: int, steps: int | None, loss: float) -> None:
     # Horovod: wait for the allreduce of the gradients (synchronize), check the averaged gradients (the same on
     # every rank: all ranks stop at the same step, NOTE [divergence checks] in hvdtrain/train/divergence.py), then
     # apply them (skip_synchronize: step() must not wait for the allreduce a second time).

@@ -11,6 +11,7 @@ PyTorch (Gloo and MPI), elastic and Keras recipes; `--no-check-finite` trains on
 from __future__ import annotations
 
 import importlib.util
+import math
 import re
 import sys
 import zipfile
@@ -33,8 +34,9 @@ FAST = ("--epochs", "2", "--batch-size", "8", "--threads", "1", "--no-tensorboar
 RNG = np.random.default_rng(0)
 
 # Each rank runs under this wrapper: it ignores the SIGTERM that horovodrun sends the other ranks once one has
-# exited (SIGKILL follows 5 s later). A rank that stopped at the same step as the first prints its own error in
-# that time; a rank left waiting in an allreduce would print nothing: the test sees the difference.
+# exited (Gloo: SIGKILL follows 5 s later; MPI: after odls_base_sigkill_timeout, raised to 10 s by MPI_ENV). A rank
+# that stopped at the same step as the first prints its own error in that time; a rank left waiting in an
+# allreduce would print nothing: the test sees the difference.
 RIDE_OUT = r'''
 import os, runpy, signal, sys
 signal.signal(signal.SIGTERM, lambda *_: None)  # a Python handler: the spawned data producers do not inherit it
@@ -42,6 +44,9 @@ sys.argv = sys.argv[1:]
 sys.path.insert(0, os.path.dirname(sys.argv[0]))
 runpy.run_path(sys.argv[0], run_name="__main__")
 '''
+
+
+MPI_ENV = {"OMPI_MCA_odls_base_sigkill_timeout": "10"}  # OpenMPI's default: SIGKILL 1 s after its SIGTERM
 
 
 def ride_out(tmp: Path) -> Path:
@@ -175,6 +180,8 @@ def flipped(d: Path, compressed: bool) -> None:
                 (d / "a_x.npy").write_bytes((d / "a_x.npy").read_bytes()[:100])),
      "a_x.npy", "EOF: reading array header"),
     (lambda d: (d / "a.npz").write_bytes(b""), "a.npz", "cannot read as numpy data: "),
+    (lambda d: (np.save(d / "a_y.npy", labels(2)), (d / "a_x.npy").write_bytes(b"<html>Not Found</html>")),
+     "a_x.npy", "not a .npy/.npz file (no numpy header: another format, a damaged start, or a pickle)"),
 ])
 def test_every_unreadable_shard_is_one_error_naming_the_file_and_the_reason(tmp_path, make, name, reason):
     make(tmp_path)
@@ -200,6 +207,31 @@ def test_a_nan_or_inf_sample_is_named_with_its_index_and_position(tmp_path, bad)
     assert (~np.isfinite(np.concatenate([loaded.train.x, loaded.val.x]))).sum() == 1
 
 
+def test_a_float64_sample_beyond_float32_range_is_named_not_trained_as_inf(tmp_path):
+    x = RNG.random((10, 3))  # float64, numpy's default
+    x[4, 1] = 1e39
+    np.savez(tmp_path / "a.npz", x=x, y=labels(10, 2))
+    with pytest.raises(DatasetError, match=re.escape(
+            f"{tmp_path / 'a.npz'}['x'][4]: sample holds inf at position (1,) (as float32; the file holds float64: "
+            "a value beyond float32's range is inf)")):
+        load(str(tmp_path))
+
+
+def test_loading_shards_peaks_at_twice_the_samples_not_three_times(tmp_path):
+    import tracemalloc
+
+    for i in range(4):  # 4 MB of float32 samples each
+        np.savez(tmp_path / f"p{i}.npz", x=samples(1000, (1000,)), y=labels(1000, 10))
+    tracemalloc.start()
+    try:
+        splits = load(str(tmp_path))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    total = (len(splits.train) + len(splits.val)) * 1000 * 4
+    assert peak < 2.5 * total, f"peak {peak / 1e6:.1f} MB for {total / 1e6:.1f} MB of samples"
+
+
 def test_the_sample_check_scans_in_blocks_and_still_names_the_right_sample(monkeypatch):
     monkeypatch.setattr(datasets, "FINITE_BLOCK_VALUES", 10)  # 2 samples of 5 values per block
     x = np.zeros((9, 5), np.float32)
@@ -221,6 +253,13 @@ def test_exit_with_maps_divergence_to_exit_3_and_bad_data_to_exit_2(capsys):
     assert e.value.code == divergence.EXIT_CODE == 3
     assert capsys.readouterr().err.startswith("recipe.py: error: training diverged at epoch 1, step 5/10: the "
                                               "averaged gradients hold NaN/Inf (this rank's loss at that step: nan)")
+
+
+def test_a_step_reports_the_worst_of_its_backward_passes_losses():
+    assert math.isnan(divergence.worst([0.5, float("nan"), 0.7]))
+    assert divergence.worst([0.5, float("inf"), float("nan")]) == float("inf")
+    assert divergence.worst([0.5, 0.7]) == 0.7
+    assert "at epoch 2, step 7: " in str(divergence.at_step(1, 6, None, "x", 1.0))
 
 
 def test_the_epoch_check_names_the_non_finite_losses():
@@ -246,7 +285,7 @@ def assert_stopped_together(result: JobResult, script: str, run_dir: Path) -> No
     assert job_exit_code(result) == divergence.EXIT_CODE, result.describe()
     errors = errors_by_rank(result, script)
     assert sorted(errors) == [0, 1], result.describe()
-    where = {re.match(r"training diverged at epoch (\d+), step \d+/\d+: ", e).group(0) for e in errors.values()}
+    where = {re.match(r"training diverged at epoch (\d+), step \d+(/\d+)?: ", e).group(0) for e in errors.values()}
     assert len(where) == 1, errors
     epoch = int(re.search(r"epoch (\d+)", where.pop()).group(1))
     written = [e for e, _ in checkpoint.list_checkpoints(run_dir / "checkpoints")]
@@ -260,7 +299,8 @@ def test_a_sample_that_overflows_on_one_rank_stops_every_rank_at_the_same_step(t
     data = huge_sample_dataset(tmp_path / "data")
     run_dir = tmp_path / "run"
     result = horovodrun(ride_out(tmp_path), str(PYTORCH), "--dataset", str(data), "--run-dir", str(run_dir),
-                        "--no-progress", *FAST, controller=controller, timeout=TIMEOUT)
+                        "--no-progress", *FAST, controller=controller, timeout=TIMEOUT,
+                        env=MPI_ENV if controller == "mpi" else None)
     assert_stopped_together(result, "pytorch_train.py", run_dir)
     errors = errors_by_rank(result, "pytorch_train.py")
     assert all("the averaged gradients hold NaN/Inf" in e for e in errors.values())

@@ -130,32 +130,38 @@ def synthetic(shape: tuple[int, ...], num_samples: int, *, num_classes: int = 10
 
 @dataclass(frozen=True)
 class Shard:
-    """One file's (or .npy pair's) samples and labels, with the names its errors use."""
+    """One file's (or .npy pair's) samples (as float32) and labels, with the names its errors use."""
 
     x: np.ndarray
     y: np.ndarray
     x_name: str  # e.g. "/data/a.npz['x']" or "/data/a_x.npy"
     y_name: str
+    x_dtype: np.dtype  # the dtype in the file (x is float32)
 
 
 def shard_dir(path: Path, *, val_fraction: float = 0.2, split_seed: int = 0, num_classes: int | None = None,
               check_finite: bool = True) -> Splits:
     train_dir, val_dir = path / "train", path / "val"
     split_dirs = train_dir.is_dir() and val_dir.is_dir()
-    parts = [_read_shards(train_dir), _read_shards(val_dir)] if split_dirs else [_read_shards(path)]
-    every = [s for part in parts for s in part]
-    for shard in every:  # once, at load: vectorised passes over each shard
-        check_labels(shard.y, shard.y_name, num_classes)
-        if check_finite:
-            check_samples(shard.x, shard.x_name)
-    classes = num_classes if num_classes is not None else infer_num_classes(every, str(path))
+    merged: list[ArrayDataset] = []
+    labels: list[tuple[np.ndarray, str]] = []  # every shard's labels, for the inference across all of them
+    for directory in (train_dir, val_dir) if split_dirs else (path,):
+        shards = _read_shards(directory)
+        for shard in shards:  # once, at load: vectorised passes over each shard
+            check_labels(shard.y, shard.y_name, num_classes)
+            if check_finite:
+                check_samples(shard.x, shard.x_name, shard.x_dtype)
+        labels += [(shard.y, shard.y_name) for shard in shards]
+        merged.append(_concat(shards))  # the shards' samples are freed here: peak 2x the split's samples
+        del shards
+    classes = num_classes if num_classes is not None else infer_num_classes(labels, str(path))
     if split_dirs:
-        train, val = _concat(parts[0]), _concat(parts[1])
+        train, val = merged
         if train.x.shape[1:] != val.x.shape[1:]:
             raise DatasetError(f"{val_dir}: samples have shape {val.x.shape[1:]}, but {train_dir} has "
                                f"{train.x.shape[1:]}")
     else:
-        whole = _concat(parts[0])
+        whole = merged.pop()
         train, val = _split(whole.x, whole.y, val_fraction, split_seed)
     return Splits(train=train, val=val, num_classes=classes, name=str(path))
 
@@ -173,27 +179,30 @@ def check_labels(y: np.ndarray, name: str, num_classes: int | None) -> None:
                            f"(labels must be 0..{num_classes - 1}); fix the label or declare more classes")
 
 
-def infer_num_classes(shards: list[Shard], dataset: str) -> int:
+def infer_num_classes(labels: list[tuple[np.ndarray, str]], dataset: str) -> int:
     """The largest label + 1 (at least 2), unless most class ids below it never occur: then a stray label (one
-    1 000 000 among 0..9) would silently build a 1 000 001-class model, so it is an error naming that label."""
-    tops = [(int(s.y.max()), s) for s in shards if len(s.y)]
+    1 000 000 among 0..9) would silently build a 1 000 001-class model, so it is an error naming that label. A
+    stray label close to the real ones (20 among 0..9) passes: only a declared --num-classes checks every label.
+    `labels`: (labels, name for errors) of every shard."""
+    tops = [(int(y.max()), y, name) for y, name in labels if len(y)]
     if not tops:
         raise DatasetError(f"{dataset}: no labels in any shard")
-    top, shard = max(tops, key=lambda item: item[0])
-    distinct = len(np.unique(np.concatenate([s.y for s in shards])))
+    top, y, name = max(tops, key=lambda item: item[0])
+    distinct = len(np.unique(np.concatenate([y for y, _ in labels])))
     if top + 1 > 2 * distinct:
         raise DatasetError(
-            f"{shard.y_name}[{int(np.argmax(shard.y))}]: label {top} would make a {top + 1}-class model, but only "
-            f"{distinct} distinct labels occur in {dataset}; fix the label, or if the classes are right declare "
-            f"their number with --num-classes N (every label must be < N)")
+            f"{name}[{int(np.argmax(y))}]: label {top} would make a {top + 1}-class model, but only {distinct} "
+            f"distinct labels occur in {dataset}; fix the label, or if the classes are right declare their number "
+            f"with --num-classes N (every label must be < N)")
     return max(top + 1, 2)
 
 
 FINITE_BLOCK_VALUES = 1 << 24  # values per block of the NaN/Inf scan: 16 MiB of booleans at most
 
 
-def check_samples(x: np.ndarray, name: str) -> None:
-    """No NaN/Inf in floating-point samples; scans blocks of ~16M values (little extra memory)."""
+def check_samples(x: np.ndarray, name: str, file_dtype: np.dtype | None = None) -> None:
+    """No NaN/Inf in floating-point samples (x as trained on: float32, where a float64 1e39 is inf); scans blocks of
+    FINITE_BLOCK_VALUES values (little extra memory). `file_dtype`: the dtype x had in the file, if different."""
     if not np.issubdtype(x.dtype, np.inexact) or not len(x):
         return
     block = max(1, FINITE_BLOCK_VALUES // max(1, int(np.prod(x.shape[1:], dtype=np.int64))))
@@ -204,13 +213,15 @@ def check_samples(x: np.ndarray, name: str) -> None:
         where = np.argwhere(~finite)[0]
         index, inner = start + int(where[0]), tuple(int(i) for i in where[1:])
         value = x[index][inner]
-        raise DatasetError(f"{name}[{index}]: sample holds {value} at position {inner}; fix the data, or pass "
-                           f"--no-check-finite to train on it anyway")
+        cast = ""
+        if file_dtype is not None and file_dtype != x.dtype and np.isinf(value):
+            cast = f" (as float32; the file holds {file_dtype}: a value beyond float32's range is inf)"
+        raise DatasetError(f"{name}[{index}]: sample holds {value} at position {inner}{cast}; fix the data, or "
+                           f"pass --no-check-finite to train on it anyway")
 
 
 def _concat(shards: list[Shard]) -> ArrayDataset:
-    return ArrayDataset(np.concatenate([s.x for s in shards]).astype(np.float32, copy=False),
-                        np.concatenate([s.y for s in shards]))
+    return ArrayDataset(np.concatenate([s.x for s in shards]), np.concatenate([s.y for s in shards]))
 
 
 def _read_shards(directory: Path) -> list[Shard]:
@@ -257,8 +268,10 @@ def _unreadable(name: str, e: BaseException) -> DatasetError:
     reason = str(e) or type(e).__name__
     if isinstance(e, zipfile.BadZipFile | zlib.error):
         reason = f"corrupt or truncated .npz archive ({reason})"
-    elif "allow_pickle" in reason:
+    elif "Object arrays cannot be loaded" in reason:
         reason = "it holds Python objects (dtype=object), which would need pickle; save numeric arrays"
+    elif "pickled" in reason:  # numpy found no .npy/.npz magic and took the file for a pickle
+        reason = "not a .npy/.npz file (no numpy header: another format, a damaged start, or a pickle)"
     return DatasetError(f"{name}: cannot read as numpy data: {reason}")
 
 
@@ -308,9 +321,11 @@ def _check_arrays(x: object, y: object, x_name: str, y_name: str) -> Shard:
                            f"got dtype {y.dtype} shape {y.shape}{hint}")
     if len(x) != len(y):
         raise DatasetError(f"{x_name} has {len(x)} samples but {y_name} has {len(y)} labels")
-    if y.dtype == np.uint64 and len(y) and y.max() > np.iinfo(np.int64).max:
+    if y.dtype == np.uint64 and len(y) and y.max() > np.uint64(np.iinfo(np.int64).max):
         raise DatasetError(f"{y_name}[{int(np.argmax(y))}]: label {int(y.max())} does not fit in int64")
-    return Shard(x, y.astype(np.int64, copy=False), x_name, y_name)
+    with np.errstate(over="ignore"):  # a float64 beyond float32's range becomes inf: check_samples names it
+        x32 = x.astype(np.float32, copy=False)
+    return Shard(x32, y.astype(np.int64, copy=False), x_name, y_name, x.dtype)
 
 
 def _split(x: np.ndarray, y: np.ndarray, val_fraction: float, seed: int) -> tuple[ArrayDataset, ArrayDataset]:

@@ -25,12 +25,20 @@ class TrainingDiverged(RuntimeError):
     """The averaged gradients, the weights or the epoch's loss became NaN/Inf: raised on every rank alike."""
 
 
-def at_step(epoch: int, step: int, steps: int, what: str, local_loss: float) -> TrainingDiverged:
-    """The error for a non-finite step (`epoch`, `step` 0-based); `local_loss` is this rank's loss there."""
+def at_step(epoch: int, step: int, steps: int | None, what: str, local_loss: float,
+            loss_label: str = "this rank's loss at that step") -> TrainingDiverged:
+    """The error for a non-finite step (`epoch`, `step` 0-based; `steps` per epoch if known); `local_loss` is this
+    rank's loss there (see `worst`)."""
+    where = f"step {step + 1}/{steps}" if steps is not None else f"step {step + 1}"
     return TrainingDiverged(
-        f"training diverged at epoch {epoch + 1}, step {step + 1}/{steps}: {what} (this rank's loss at that step: "
-        f"{local_loss:.4g}); no checkpoint was written for this epoch. Lower the LR (--base-lr, "
-        f"--warmup-epochs), check the data, or pass {OPT_OUT} to train on regardless")
+        f"training diverged at epoch {epoch + 1}, {where}: {what} ({loss_label}: {local_loss:.4g}); no checkpoint "
+        f"was written for this epoch. Lower the LR (--base-lr, --warmup-epochs), check the data, or pass "
+        f"{OPT_OUT} to train on regardless")
+
+
+def worst(losses: list[float]) -> float:
+    """The loss to report for a step of several backward passes: the first NaN/Inf one, else the last."""
+    return next((v for v in losses if not math.isfinite(v)), losses[-1] if losses else math.nan)
 
 
 def check_epoch(epoch: int, metrics: Mapping[str, float]) -> None:
