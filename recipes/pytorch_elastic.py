@@ -243,10 +243,11 @@ def end_epoch(t: ElasticTrainer, state: hvd.elastic.TorchState, started: float, 
     loss_sum, correct, count = state.train_sums
     took = time.perf_counter() - started
     wait_share = sum(t.meter.waits[step0:]) / max(sum(t.meter.steps[step0:]), 1e-12)
+    train_loss = loss_sum / max(count, 1)
     if t.cfg.check_finite:  # before the epoch is recorded or checkpointed (NOTE [divergence checks])
-        divergence.check_epoch(state.epoch, {"train_loss": loss_sum / max(count, 1), "val_loss": val["loss"]})
+        divergence.check_epoch(state.epoch, {"train_loss": train_loss, "val_loss": val["loss"]})
     t.history = History(list(state.history))
-    row = t.history.record(state.epoch + 1, train_loss=loss_sum / max(count, 1),
+    row = t.history.record(state.epoch + 1, train_loss=train_loss,
                            train_accuracy=correct / max(count, 1), val_loss=val["loss"],
                            val_accuracy=val["accuracy"], lr=t.optimizer.param_groups[0]["lr"],
                            samples_per_sec=(count - samples0) / took, data_wait_share=wait_share,

@@ -19,6 +19,8 @@ from collections.abc import Mapping
 
 EXIT_CODE = 3  # a recipe that stops on divergence exits 3 (2 is bad input, 1 an unexpected error)
 OPT_OUT = "--no-check-finite"
+ADVICE = (f"no checkpoint was written for this epoch. Lower the LR (--base-lr, --warmup-epochs), check the data, or "
+          f"pass {OPT_OUT} to train on regardless")
 
 
 class TrainingDiverged(RuntimeError):
@@ -31,9 +33,7 @@ def at_step(epoch: int, step: int, steps: int | None, what: str, local_loss: flo
     rank's loss there (see `worst`)."""
     where = f"step {step + 1}/{steps}" if steps is not None else f"step {step + 1}"
     return TrainingDiverged(
-        f"training diverged at epoch {epoch + 1}, {where}: {what} ({loss_label}: {local_loss:.4g}); no checkpoint "
-        f"was written for this epoch. Lower the LR (--base-lr, --warmup-epochs), check the data, or pass "
-        f"{OPT_OUT} to train on regardless")
+        f"training diverged at epoch {epoch + 1}, {where}: {what} ({loss_label}: {local_loss:.4g}); {ADVICE}")
 
 
 def worst(losses: list[float]) -> float:
@@ -47,6 +47,4 @@ def check_epoch(epoch: int, metrics: Mapping[str, float]) -> None:
     if bad:
         shown = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in bad.items())
         raise TrainingDiverged(
-            f"training diverged in epoch {epoch + 1}: {shown} (averaged over all ranks); no checkpoint was "
-            f"written for this epoch. Lower the LR (--base-lr, --warmup-epochs), check the data, or pass "
-            f"{OPT_OUT} to train on regardless")
+            f"training diverged in epoch {epoch + 1}: {shown} (averaged over all ranks); {ADVICE}")
