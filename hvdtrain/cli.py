@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -51,7 +52,12 @@ def _load(args: argparse.Namespace):
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
+    from hvdtrain.plan import build_plan
+
     spec = _load(args)
+    # The same pure build `run --dry-run` does, so that validate accepts only what dry-run accepts; only what this
+    # machine decides (the controller Horovod was built with, where horovodrun is) is left to `run`.
+    build_plan(spec, controller=spec.controller or "gloo")
     where = "elastic (discovery script)" if spec.elastic else spec.hosts
     print(f"{args.job}: OK — np={spec.np}, hosts={where}, controller={spec.controller or 'auto'}, "
           f"script={spec.script}")
@@ -136,6 +142,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C before a job started (from then on run_plan handles it: NOTE [shutdown])
+        print("hvdtrain: interrupted (SIGINT); no job was started", file=sys.stderr)
+        return 128 + signal.SIGINT
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)  # argparse exits with 2 on bad usage
     from hvdtrain.hosts import HostError

@@ -29,10 +29,10 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from importlib import metadata
-from pathlib import Path
 
 from hvdtrain.doctor import Check
 from hvdtrain.hosts import Host, HostError, is_loopback, parse_hostfile, parse_hosts
+from hvdtrain.textfile import NotText, read_text
 
 CONNECT_TIMEOUT_S = 5
 CALL_TIMEOUT_S = 40  # ssh connect + the remote interpreter's start on a busy host
@@ -76,9 +76,10 @@ def load_hosts(hosts: str | None, hostfile: str | None) -> list[Host]:
     """The hosts named by `--hosts a:1,b:1` or `--hostfile FILE`, parsed by hvdtrain.hosts (HostError if bad)."""
     if hostfile is not None:
         try:
-            text = Path(hostfile).read_text()
-        except OSError as exc:
-            raise HostError(f"{hostfile}: cannot read the hostfile: {exc.strerror or exc}") from None
+            text = read_text(hostfile)
+        except OSError as exc:  # NotText too: the file is not UTF-8 (line and fix in the message)
+            fix = f"; {exc.fix}" if isinstance(exc, NotText) else ""
+            raise HostError(f"{hostfile}: cannot read the hostfile: {exc.strerror or exc}{fix}") from None
         return parse_hostfile(text, origin=hostfile)
     return parse_hosts(hosts or "", origin="--hosts")
 

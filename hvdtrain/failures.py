@@ -18,6 +18,7 @@ GLOO_EXIT = re.compile(r"^Process (\d+) exit with status code (-?\d+)\.?\s*$")
 MPI_SIGNAL = re.compile(r"process rank (\d+) with PID \d+ on node (\S+) exited on signal (\d+)")
 MPI_NAME = re.compile(r"^\s*Process name:\s*(?:\[\[\d+,\d+\],)?(\d+)\]?\s*$")  # MPI `[[j,1],1]`, Gloo `1`
 EXIT_CODE = re.compile(r"^\s*Exit code:\s*(-?\d+)\s*$")
+ELASTIC_NAME = re.compile(r"^\s*Process name:\s*(\S+\[\d+\])\s*$")  # elastic: `host[local rank]`, not a rank
 # The last line of a Python traceback: `RuntimeError: message` (unindented). Ranks that only saw the job being
 # shut down under them raise HorovodInternalError: they are victims, not the cause.
 EXCEPTION = re.compile(r"^[A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit)(?::.*)?$")
@@ -66,6 +67,7 @@ class FailureTracker:
         self.elastic = elastic  # ranks that fail are replaced: their `Process N exit` lines do not end the job
         self.first: RankFailure | None = None
         self._mpi_rank: int | None = None  # from `Process name:`, waiting for its `Exit code:` line
+        self.process: str | None = None  # elastic: the failed worker's `host[local rank]` (ranks change on resets)
         self.tails: dict[int, deque[str]] = {}
         self.cause: tuple[int, str] | None = None  # the first rank to raise something other than a victim's error
         self.lost_host: str | None = None  # a host mpirun lost contact with
@@ -91,6 +93,8 @@ class FailureTracker:
             self._set(RankFailure(int(m.group(1)), signum=int(m.group(3)), host=m.group(2)))
         elif m := MPI_NAME.match(line):
             self._mpi_rank = int(m.group(1))
+        elif m := ELASTIC_NAME.match(line):
+            self.process = m.group(1)
         elif m := EXIT_CODE.match(line):
             self._set(_from_code(self._mpi_rank, int(m.group(1))))
 
@@ -116,7 +120,8 @@ class FailureTracker:
         if f is None:
             return lost
         if f.rank is None:
-            return [*lost, f"hvdtrain: a rank {f.how()}"]
+            which = f" (worker {self.process}: host[local rank])" if self.process else ""
+            return [*lost, f"hvdtrain: a rank{which} {f.how()}"]
         lines = [f"hvdtrain: rank {f.rank}{self._host(f.rank)} {f.how()} (the first rank to fail)"]
         rank = f.rank
         if self.cause is not None and self.cause[0] != f.rank and f.signum is None:  # a killed rank is the cause

@@ -38,7 +38,11 @@ NonNegInt = Annotated[int, Field(ge=0)]
 
 
 def _numbers_to_str(value: Any) -> Any:
-    """YAML reads `3` and `0.1` as numbers; args and env values are strings, so take numbers as written."""
+    """args and env values are strings. A spec's YAML gives them as written (hvdtrain.spec.as_written); a spec built
+    in Python may hold numbers: take them as str()."""
+    if value is None:
+        raise ValueError("the value is empty (YAML reads `NAME:` with nothing after it, `~` and `null` as no value); "
+                         "write \"\" for an empty string, or remove it")
     if isinstance(value, bool):
         raise ValueError("YAML read this as a boolean (yes/no/true/false/on/off); quote it, e.g. \"true\"")
     if isinstance(value, int | float):
@@ -173,8 +177,9 @@ class JobSpec(_Model):
 
     script: str = Field(description="Training script to run on every rank (a path, relative to the spec file).")
     args: list[Text] = Field(
-        default_factory=list, description="Arguments for the script, a list of strings (numbers are taken as "
-                                          "written); each reaches the script as one literal argv element.")
+        default_factory=list, description="Arguments for the script, a list of strings; unquoted values are taken "
+                                          "as written (1:30 stays '1:30', 0x1F stays '0x1F'); each reaches the "
+                                          "script as one literal argv element.")
     python: str = Field(
         default_factory=lambda: sys.executable,
         description="Interpreter that runs the script (default: the one running hvdtrain); a name is looked up "
@@ -189,7 +194,8 @@ class JobSpec(_Model):
     controller: Literal["gloo", "mpi"] | None = Field(
         None, description="'gloo' or 'mpi' (default: what Horovod was built with, Gloo preferred).")
     env: dict[EnvName, Text] = Field(
-        default_factory=dict, description="Environment variables (NAME: value) set for every rank.")
+        default_factory=dict, description="Environment variables (NAME: value) set for every rank; unquoted values are "
+                                          "taken as written, like args.")
     ssh: Ssh = Field(default_factory=Ssh, description="ssh settings: port, identity_file.")
     network_interfaces: list[str] = Field(
         default_factory=list, description="--network-interfaces: NIC names to use, e.g. [eth0, ib0].")

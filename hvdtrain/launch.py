@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import shlex
 import shutil
 import signal
@@ -19,10 +18,10 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import IO
 
 import psutil
 
+from hvdtrain.console import OutputRouter, pump
 from hvdtrain.failures import FailureTracker
 from hvdtrain.jobspec import Logs, Ssh
 from hvdtrain.lifeline import DONE, die_with_parent
@@ -34,11 +33,6 @@ POLL_S = 0.5
 GUARD_MODULE = "hvdtrain.lifeline"  # `python -m hvdtrain.lifeline PGID`: see NOTE [no orphans]
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # each stops the whole job; exit 128 + N
 SNAPSHOT_S = 2.0  # a process-tree walk costs ~10 ms of CPU: not every poll, the ranks need the cores
-# Gloo: `[0]<stdout>:text`; MPI (--tag-output): `[1,0]<stdout>:text`. Both become `[0]<stdout>:text`.
-RANK_LINE = re.compile(r"^\[(?:\d+,)?(\d+)\]<(stdout|stderr)>:(.*)$", re.DOTALL)
-# mpirun --tag-output tags every chunk it reads, so a line a rank wrote in several writes (Python's traceback
-# writes `RuntimeError`, `: `, the message) carries tags inside it: `RuntimeError[1,1]<stderr>:: [1,1]<stderr>:msg`.
-MPI_TAG = re.compile(r"\[\d+,\d+\]<(?:stdout|stderr|stddiag)>:")
 _PROBE = r"""
 import json, importlib, pathlib
 for fw in ("torch", "tensorflow"):
@@ -132,66 +126,6 @@ def find_horovodrun() -> str:
     return found
 
 
-class OutputRouter:
-    """Splits horovodrun's merged output into rank lines and launcher lines; echoes and writes per-rank logs."""
-
-    def __init__(self, logs: Logs, stdout: IO[str] | None = None, stderr: IO[str] | None = None,
-                 failures: FailureTracker | None = None) -> None:
-        self.logs, self.stdout, self.stderr = logs, stdout or sys.stdout, stderr or sys.stderr
-        self.files: dict[str, IO[str]] = {}
-        self.failures = failures or FailureTracker()  # the first failing rank, from the launcher's lines
-        self.console_ok = True  # False once the console is gone (e.g. `| head`): keep draining, stop echoing
-        if logs.dir:
-            try:
-                Path(logs.dir).mkdir(parents=True, exist_ok=True)
-            except OSError as exc:
-                raise LaunchError(f"cannot create logs.dir {logs.dir}: {exc.strerror or exc}") from None
-
-    def _file(self, name: str) -> IO[str] | None:
-        if not self.logs.dir:
-            return None
-        if name not in self.files:
-            self.files[name] = open(Path(self.logs.dir) / name, "w", buffering=1)  # noqa: SIM115 (closed in close())
-        return self.files[name]
-
-    def line(self, text: str) -> None:
-        stamp = time.strftime("%Y-%m-%d %H:%M:%S ") if self.logs.timestamp else ""
-        m = RANK_LINE.match(text)
-        if m is None:
-            self.failures.feed(text)
-            self._emit(self.stdout, self._file("launcher.log"), stamp + text, stamp + text)
-            return
-        rank, stream, body = int(m.group(1)), m.group(2), m.group(3)
-        body = MPI_TAG.sub("", body)
-        self.failures.rank_line(rank, body)
-        echo = self.logs.console_ranks is None or rank in self.logs.console_ranks
-        console = (self.stderr if stream == "stderr" else self.stdout) if echo else None
-        self._emit(console, self._file(f"rank.{rank}.log"), f"{stamp}[{rank}]<{stream}>:{body}", stamp + body)
-
-    def _emit(self, console: IO[str] | None, file: IO[str] | None, console_text: str, file_text: str) -> None:
-        if console is not None and self.console_ok:
-            try:
-                console.write(console_text + "\n")
-                console.flush()
-            except (OSError, ValueError):  # EPIPE (`| head`), EIO (the terminal closed), ValueError: stream closed
-                self.console_ok = False
-        if file is not None:
-            file.write(file_text + "\n")
-
-    def note(self, text: str) -> None:
-        """hvdtrain's own verdict: to stderr and to launcher.log."""
-        self._emit(self.stderr, self._file("launcher.log"), text, text)
-
-    def close(self) -> None:
-        for f in self.files.values():
-            f.close()
-
-
-def _pump(stream: IO[bytes], router: OutputRouter) -> None:
-    for raw in stream:
-        router.line(raw.decode("utf-8", errors="replace").rstrip("\r\n"))
-
-
 # NOTE [shutdown]: how a job ends without orphans.
 #  - horovodrun runs in a new session, so its process group is ours to signal. Its rank launchers do not stay in
 #    that group: Horovod's safe_shell_exec middlemen call setsid(), and mpirun runs under one of them. We therefore
@@ -200,22 +134,49 @@ def _pump(stream: IO[bytes], router: OutputRouter) -> None:
 #    children (5 s grace, then SIGKILL); if horovodrun dies, each middleman sees its pipe close and does the same.
 #  - If hvdtrain itself dies (SIGKILL included), the job ends too: see NOTE [no orphans] in hvdtrain/rank.py
 #    (horovodrun's PR_SET_PDEATHSIG, the guard process of hvdtrain.lifeline, the ranks' supervisors).
-#  - The signal handler only forwards the signal to horovodrun's group and records it; the main loop does the rest.
-#    SIGHUP (the terminal closed) is forwarded as SIGTERM (horovodrun has no SIGHUP handler) and exits 129.
+#  - The signal handlers are installed before horovodrun starts: a signal that comes first means nothing is started.
+#    A handler only records the signal and forwards it to horovodrun's group; the main loop does the rest (and
+#    prints what is happening: NOTE [console] in hvdtrain/console.py). SIGHUP (the terminal closed) is forwarded as
+#    SIGTERM (horovodrun has no SIGHUP handler) and exits 129.
 #  - After a forwarded signal we wait GRACE_S; a second signal, or the grace running out, SIGKILLs the group and
 #    every descendant in the snapshot (psutil checks create times, so a recycled pid is never hit).
 #  - However horovodrun ends, `_Job.sweep` terminates snapshot members still alive, and the output reader thread is
 #    joined with a timeout (a straggler holding the pipe is killed by the sweep first).
 class _Job:
-    def __init__(self, proc: subprocess.Popen) -> None:
-        self.proc = proc
+    def __init__(self, router: OutputRouter) -> None:
+        self.router = router
+        self.proc: subprocess.Popen | None = None
         self.seen: dict[int, psutil.Process] = {}
-        self.signum: int | None = None
+        self.signals: list[int] = []  # every stop signal received, in order
+        self.told = 0  # how many of them the console has been told about
         self.kill_at: float | None = None
         self.next_snapshot = time.monotonic() + POLL_S
         self.guard: subprocess.Popen | None = None
 
-    def start_guard(self) -> None:
+    @property
+    def signum(self) -> int | None:
+        return self.signals[-1] if self.signals else None
+
+    def start(self, plan: LaunchPlan) -> subprocess.Popen:
+        try:
+            proc = subprocess.Popen(plan.argv, env={**os.environ, **plan.env}, stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                                    preexec_fn=die_with_parent(signal.SIGTERM))
+        except OSError as exc:
+            raise LaunchError(f"cannot start {plan.argv[0]}: {exc.strerror or exc}") from None
+        # A handler that ran before `self.proc` was set could not forward its signal: do it here, with the signals
+        # blocked so that a handler cannot forward the same signal twice.
+        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        try:
+            self.proc = proc
+            if self.signals:
+                self._forward(self.signals[-1])
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+        self._start_guard()
+        return proc
+
+    def _start_guard(self) -> None:
         """The watcher that stops horovodrun's group if this process dies (hvdtrain.lifeline.guard)."""
         try:
             self.guard = subprocess.Popen([sys.executable, "-m", GUARD_MODULE, str(self.proc.pid)],
@@ -248,11 +209,28 @@ class _Job:
                 self.seen.setdefault(child.pid, child)
 
     def on_signal(self, signum: int, _frame: object) -> None:
-        first = self.signum is None
-        self.signum = signum
+        self.signals.append(signum)
+        self.router.launcher.stopping = True
+        if self.proc is not None:
+            self._forward(signum)
+        self.kill_at = time.monotonic() + GRACE_S if len(self.signals) == 1 else time.monotonic()
+
+    def _forward(self, signum: int) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGTERM if signum == signal.SIGHUP else signum)
-        self.kill_at = time.monotonic() + GRACE_S if first else time.monotonic()
+
+    def tell(self, timed_out: bool, timeout_s: float | None) -> None:
+        """Say on the console what the signals received so far do (once each)."""
+        for signum in self.signals[self.told:]:
+            self.told += 1
+            name = signal.Signals(signum).name
+            if self.told > 1:
+                self.router.note(f"hvdtrain: {name} again: killing every rank now")
+            elif timed_out:
+                self.router.note(f"hvdtrain: --timeout {timeout_s:g} s reached: stopping every rank")
+            else:
+                again = " (Ctrl-C again to kill them at once)" if signum == signal.SIGINT else ""
+                self.router.note(f"hvdtrain: {name} received: stopping every rank{again}")
 
     def kill_all(self) -> None:
         self.snapshot()
@@ -292,19 +270,31 @@ def run_plan(plan: LaunchPlan, logs: Logs, *, timeout_s: float | None = None, ss
     if threading.current_thread() is not threading.main_thread():
         # Signal handlers can only be installed there, and PR_SET_PDEATHSIG fires when the starting thread ends.
         raise LaunchError("run_plan must be called from the main thread")
-    router = OutputRouter(logs, failures=FailureTracker(plan.rank_hosts, elastic=plan.elastic))
-    router.line(f"hvdtrain: starting {shlex.join(plan.argv)}")
-    try:
-        proc = subprocess.Popen(plan.argv, env={**os.environ, **plan.env}, stdin=subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-                                preexec_fn=die_with_parent(signal.SIGTERM))
-    except OSError as exc:
-        router.close()
-        raise LaunchError(f"cannot start {plan.argv[0]}: {exc.strerror or exc}") from None
-    job = _Job(proc)
-    job.start_guard()
+    if logs.dir:
+        try:
+            Path(logs.dir).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise LaunchError(f"cannot create logs.dir {logs.dir}: {exc.strerror or exc}") from None
+    router = OutputRouter(logs, sys.stdout, sys.stderr, FailureTracker(plan.rank_hosts, elastic=plan.elastic))
+    job = _Job(router)
     old = {s: signal.signal(s, job.on_signal) for s in STOP_SIGNALS}
-    reader = threading.Thread(target=_pump, args=(proc.stdout, router), daemon=True)
+    try:
+        return _supervise(plan, job, timeout_s, ssh or Ssh())
+    finally:
+        router.close()
+        for s, handler in old.items():
+            signal.signal(s, handler)
+
+
+def _supervise(plan: LaunchPlan, job: _Job, timeout_s: float | None, ssh: Ssh) -> int:
+    router = job.router
+    router.line(f"hvdtrain: starting {shlex.join(plan.argv)}")
+    if job.signum is not None:
+        router.note(f"hvdtrain: {signal.Signals(job.signum).name} received before the job started; nothing was "
+                    "started")
+        return 128 + job.signum
+    proc = job.start(plan)
+    reader = threading.Thread(target=pump, args=(proc.stdout, router), daemon=True)
     reader.start()
     deadline = time.monotonic() + timeout_s if timeout_s else None
     timed_out = False
@@ -314,22 +304,19 @@ def run_plan(plan: LaunchPlan, logs: Logs, *, timeout_s: float | None = None, ss
             if deadline and time.monotonic() > deadline and job.signum is None:
                 timed_out = True
                 job.on_signal(signal.SIGTERM, None)
+            job.tell(timed_out, timeout_s)
             if job.kill_at is not None and time.monotonic() >= job.kill_at:
                 job.kill_all()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=POLL_S)
     finally:
-        for s, handler in old.items():
-            signal.signal(s, handler)
         job.sweep()
         job.release_guard()
         reader.join(timeout=10)
-    try:
-        if proc.returncode != 0 and router.failures.peer_timed_out and job.signum is None:
-            _find_lost_hosts(router.failures, plan, ssh or Ssh())
-        return _exit_code(proc.returncode, router, job.signum, timed_out)
-    finally:
-        router.close()
+    job.tell(timed_out, timeout_s)
+    if proc.returncode != 0 and router.failures.peer_timed_out and job.signum is None:
+        _find_lost_hosts(router.failures, plan, ssh)
+    return _exit_code(proc.returncode, router, job.signum, timed_out)
 
 
 def _find_lost_hosts(failures: FailureTracker, plan: LaunchPlan, ssh: Ssh) -> None:
@@ -348,12 +335,16 @@ def _exit_code(returncode: int, router: OutputRouter, signum: int | None, timed_
         router.note("hvdtrain: job timed out and was stopped")
         return 124
     if signum is not None:
+        router.note(f"hvdtrain: the job was stopped by {signal.Signals(signum).name}; exit code {128 + signum}")
         return 128 + signum
     if returncode < 0:
         return 128 - returncode
     failure = router.failures.first
     if returncode != 0:
-        for line in router.failures.report(router.logs.dir):
+        where = f" and in {Path(router.logs.dir) / 'launcher.log'}" if router.logs.dir else ""
+        for line in router.failures.report(router.logs.dir) or [
+                f"hvdtrain: horovodrun exited with code {returncode} and no rank reported a failure (horovodrun's "
+                f"own output is above{where})"]:
             router.note(line)
     if returncode != 0 and failure is not None:
         if failure.code:

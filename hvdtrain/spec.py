@@ -17,7 +17,8 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from hvdtrain.hosts import Host, HostError, check_np, parse_hostfile, parse_hosts
+from hvdtrain import textfile
+from hvdtrain.hosts import MAX_SLOTS, Host, HostError, check_np, parse_hostfile, parse_hosts
 from hvdtrain.jobspec import JobSpec
 
 KeyPath = tuple[str | int, ...]
@@ -35,6 +36,13 @@ MODELED_FLAGS = {
     "--timeline-filename": "horovod.timeline_file", "--log-level": "horovod.log_level",
     "--autotune": "horovod.autotune", "--config-file": "the spec itself", "--output-filename": "logs.dir",
 }
+
+
+# Keys whose values are passed on as text (argv elements, environment values): a plain (unquoted) scalar there is
+# taken as the user wrote it. YAML 1.1 would read `1:30` as 90, `0x1F` as 31, `0.10` as 0.1, `yes` as true and
+# `2024-01-01` as a date.
+AS_WRITTEN = ("args", "env", "extra_args")
+_STR_TAG, _NULL_TAG = "tag:yaml.org,2002:str", "tag:yaml.org,2002:null"
 
 
 @dataclass(frozen=True)
@@ -107,6 +115,27 @@ def key_lines(node: yaml.Node | None, path: KeyPath = ()) -> tuple[dict[KeyPath,
     return lines, issues
 
 
+def as_written(value: Any, node: yaml.Node | None, path: KeyPath = ()) -> Any:
+    """`value` (what YAML built from `node`) with each plain scalar under AS_WRITTEN replaced by its source text.
+
+    `path` is where `node` sits in the spec (an override's key path). Null stays None: the models reject it.
+    """
+    if isinstance(node, yaml.ScalarNode):
+        text_key = len(path) == 2 and path[0] in AS_WRITTEN
+        keep = text_key and node.style is None and node.tag not in (_STR_TAG, _NULL_TAG)
+        return node.value if keep else value
+    if len(path) >= 2:
+        return value
+    if isinstance(node, yaml.SequenceNode) and isinstance(value, list) and len(value) == len(node.value):
+        return [as_written(v, n, (*path, i)) for i, (v, n) in enumerate(zip(value, node.value, strict=True))]
+    if isinstance(node, yaml.MappingNode) and isinstance(value, dict):
+        value = dict(value)
+        for key_node, value_node in node.value:
+            if key_node.tag == _STR_TAG and key_node.value in value:
+                value[key_node.value] = as_written(value[key_node.value], value_node, (*path, key_node.value))
+    return value
+
+
 def parse_yaml(text: str, origin: str) -> tuple[dict, dict[KeyPath, int]]:
     """YAML text -> (mapping, key-path -> line). Syntax errors become a SpecError quoting the line."""
     try:
@@ -123,6 +152,7 @@ def parse_yaml(text: str, origin: str) -> tuple[dict, dict[KeyPath, int]]:
     if not isinstance(data, dict):
         raise SpecError(origin, [Issue((), "the spec must be a mapping of keys (script, np, ...)", value=data,
                                        fix="start from jobs/quickstart.yaml; `hvdtrain schema` lists every key")])
+    data = as_written(data, node)
     lines, issues = key_lines(node)
     if issues:
         raise SpecError(origin, issues, lines)
@@ -137,7 +167,7 @@ def apply_override(data: dict, override: str) -> KeyPath:
         raise SpecError(f"-o {override}", [Issue((), "expected key.path=value", value=override,
                                                  fix="write e.g. -o np=4 or -o horovod.cycle_time_ms=2.5")])
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = as_written(yaml.safe_load(raw), yaml.compose(raw, Loader=yaml.SafeLoader), path) if raw.strip() else ""
     except yaml.YAMLError as exc:
         raise SpecError(f"-o {override}", [Issue(path, f"value is not valid YAML: {exc}", value=raw,
                                                  fix="quote the value")]) from None
@@ -255,6 +285,10 @@ def cross_checks(spec: JobSpec) -> list[Issue]:
             check_np(parse_hosts(spec.hosts), spec.np, "hosts")
         except HostError as exc:
             issues.append(Issue(("np",), str(exc), spec.np, fix="lower np or add slots to hosts"))
+    if spec.elastic is None and spec.hosts is None and spec.hostfile is None and spec.np > MAX_SLOTS:
+        issues.append(Issue(("np",), f"with no hosts or hostfile every rank runs on this machine, and a host has at "
+                                     f"most {MAX_SLOTS} slots", spec.np, f"1..{MAX_SLOTS} on one host",
+                            "lower np, or set hosts (or a hostfile) to spread the ranks over several machines"))
     if spec.elastic is None:
         for i, rank in enumerate(spec.logs.console_ranks or []):
             if rank >= spec.np:
@@ -294,9 +328,9 @@ def file_issues(spec: JobSpec) -> list[Issue]:
 def _hostfile_hosts(path: str, np: int, read_text: Callable[[str], str]) -> tuple[list[Host] | None, list[Issue]]:
     try:
         text = read_text(path)
-    except OSError as exc:
-        return None, [Issue(("hostfile",), f"cannot read the hostfile: {exc.strerror or exc}", path,
-                            fix="fix the path (relative to the spec file)")]
+    except OSError as exc:  # NotText included: it names the line and says to save the file as UTF-8
+        fix = exc.fix if isinstance(exc, textfile.NotText) else "fix the path (relative to the spec file)"
+        return None, [Issue(("hostfile",), f"cannot read the hostfile: {exc.strerror or exc}", path, fix=fix)]
     try:
         hosts = parse_hostfile(text, origin=path)
         check_np(hosts, np, path)
@@ -322,7 +356,7 @@ def load_spec(text: str, origin: str, *, base_dir: str | Path | None = None, ove
     issues = cross_checks(spec) + (file_issues(spec) if check_files else [])
     hosts: list[Host] | None = None
     if not issues and spec.hostfile is not None:
-        hosts, issues = _hostfile_hosts(spec.hostfile, spec.np, read_text or (lambda p: Path(p).read_text()))
+        hosts, issues = _hostfile_hosts(spec.hostfile, spec.np, read_text or textfile.read_text)
     if issues:
         raise SpecError(origin, issues, lines, override_at)
     if hosts is not None:
@@ -332,12 +366,20 @@ def load_spec(text: str, origin: str, *, base_dir: str | Path | None = None, ove
     return spec
 
 
+def read_spec_text(path: str | Path) -> str:
+    """A spec file's text, or a SpecError: cannot read it, or not UTF-8 (then with the line of the bad byte)."""
+    try:
+        return textfile.read_text(path)
+    except OSError as exc:
+        not_text = isinstance(exc, textfile.NotText)
+        line = exc.line if not_text else 0
+        raise SpecError(str(path), [Issue((), f"cannot read the spec: {exc.strerror or exc}",
+                                          fix=exc.fix if not_text else "check the path")],
+                        {(): line} if line else None) from None
+
+
 def load_spec_file(path: str | Path, overrides: Sequence[str] = (), check_files: bool = True) -> JobSpec:
     """Read and validate a job spec file (relative paths inside it are relative to its folder)."""
-    try:
-        text = Path(path).read_text()
-    except OSError as exc:
-        raise SpecError(str(path), [Issue((), f"cannot read the spec: {exc.strerror or exc}",
-                                          fix="check the path")]) from None
+    text = read_spec_text(path)
     return load_spec(text, str(path), base_dir=Path(path).resolve().parent, overrides=overrides,
                      check_files=check_files)

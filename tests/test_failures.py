@@ -103,9 +103,11 @@ def test_after_a_gloo_peer_timeout_the_unreachable_host_is_named_before_the_firs
 
 def test_elastic_jobs_ignore_the_exits_of_ranks_that_were_replaced():
     t = FailureTracker((), elastic=True)
-    for line in ["Process 2 exit with status code 137.", "Exit code: 1"]:
+    for line in ["Process 2 exit with status code 137.", "Process name: localhost[1]", "Exit code: 1"]:
         t.feed(line)
     assert t.first == RankFailure(None, code=1)
+    # elastic names the failed worker by host and local rank (ranks are renumbered on every reset)
+    assert t.report(None) == ["hvdtrain: a rank (worker localhost[1]: host[local rank]) exited with code 1"]
 
 
 def test_gloo_process_name_without_the_exit_line_still_names_the_rank():

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from hvdtrain.console import OutputRouter
 from hvdtrain.failures import RankFailure
 from hvdtrain.jobspec import Logs
-from hvdtrain.launch import OutputRouter
 from hvdtrain.plan import MPI_REMOTE_ENV
 from tests.harness import BIN, REPO, expect_ok, run_bounded
 
@@ -99,6 +99,7 @@ def route(lines: list[str], logs: Logs) -> tuple[OutputRouter, str, str]:
 def test_router_normalises_prefixes_filters_console_and_writes_rank_logs(tmp_path):
     lines = ["[0]<stdout>:gloo zero", "[1,1]<stdout>:mpi one", "[1,1]<stderr>:oops[1,1]<stderr>:",
              "launcher says hi", "Process name: [[1,1],1]", "  Exit code:    3", "Exit code: 9"]
+    (tmp_path / "logs").mkdir()
     router, out, err = route(lines, Logs(dir=str(tmp_path / "logs"), console_ranks=[0]))
     assert out == "[0]<stdout>:gloo zero\nlauncher says hi\nProcess name: [[1,1],1]\n  Exit code:    3\nExit code: 9\n"
     assert err == ""  # rank 1 is not echoed

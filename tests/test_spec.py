@@ -9,7 +9,8 @@ import sys
 import pytest
 
 from hvdtrain.jobspec import JobSpec
-from hvdtrain.spec import SpecError, load_spec
+from hvdtrain.spec import SpecError, load_spec, load_spec_file
+from hvdtrain.textfile import NotText, decode
 
 MINIMAL = "script: train.py\nnp: 2\n"
 
@@ -193,18 +194,27 @@ def test_hostfile_errors_point_at_the_spec_and_quote_the_hostfile_line(hostfile,
         "got: [{'script': 't.py'}]",
         'fix: start from jobs/quickstart.yaml; `hvdtrain schema` lists every key',
     ], id='list'),
-    pytest.param('script: t.py\nnp: 2\nargs: [--flag, yes]\n', (), [
-        'job.yaml:3: args[1]: YAML read this as a boolean (yes/no/true/false/on/off); quote it, e.g. "true"',
-        'got: True',
-        'allowed: Arguments for the script, a list of strings (numbers are taken as written); each reaches'
-         ' the script as one literal argv element.',
-        'fix: change args[1] to an allowed value',
-    ], id='args_bool'),
+    pytest.param('script: t.py\nnp: 2\nenv:\n  EMPTY:\n', (), [
+        'job.yaml:4: env.EMPTY: the value is empty (YAML reads `NAME:` with nothing after it, `~` and `null` as no'
+         ' value); write "" for an empty string, or remove it',
+        'got: None',
+        'allowed: Environment variables (NAME: value) set for every rank; unquoted values are taken as written,'
+         ' like args.',
+        'fix: change env.EMPTY to an allowed value',
+    ], id='env_null'),
+    pytest.param('script: t.py\nnp: 100000\n', (), [
+        'job.yaml:2: np: with no hosts or hostfile every rank runs on this machine, and a host has at most 4096'
+         ' slots',
+        'got: 100000',
+        'allowed: 1..4096 on one host',
+        'fix: lower np, or set hosts (or a hostfile) to spread the ranks over several machines',
+    ], id='np_one_host'),
     pytest.param('script: t.py\nnp: 2\nenv:\n  OK: 1\n  BAD-NAME: x\n', (), [
         'job.yaml:5: env.BAD-NAME: invalid variable name: use letters, digits and _, not starting with a'
          ' digit',
         "got: 'BAD-NAME'",
-        'allowed: Environment variables (NAME: value) set for every rank.',
+        'allowed: Environment variables (NAME: value) set for every rank; unquoted values are taken as written,'
+         ' like args.',
         'fix: change env.BAD-NAME to an allowed value',
     ], id='env_name'),
     pytest.param("script: t.py\nnp: 2\nextra_args: [--verbose, '--hosts=a:2']\n", (), [
@@ -277,6 +287,66 @@ def test_overrides_set_nested_keys_and_are_validated_like_the_file():
         4, 2.5, {"A": "1"}, ["--x", "1"], "mpi")
     spec = load_spec(MINIMAL + "hosts: a:2\n", "job.yaml", overrides=["hosts=null", "np=1"])
     assert spec.hosts == "localhost:1"
+
+
+AS_WRITTEN = ["1:30", "0x1F", "0o17", "0.10", "1_000", "yes", "off", "2024-01-01", ".inf", "-.5", "1e3", "+12"]
+
+
+def test_args_env_and_extra_args_take_unquoted_values_as_written():
+    # YAML 1.1 would read these as 90, 31, 15, 0.1, 1000, True, False, a date, inf, -0.5, '1e3' and 12.
+    flow = ", ".join(AS_WRITTEN)
+    env = "".join(f"\n  V{i}: {v}" for i, v in enumerate(AS_WRITTEN))
+    text = f"script: t.py\nnp: 2\nargs: [{flow}, '0x1F']\nextra_args: [{flow}]\nenv:{env}\n"
+    spec = load_spec(text, "job.yaml", base_dir="/jobs")
+    assert spec.args == [*AS_WRITTEN, "0x1F"]
+    assert spec.extra_args == AS_WRITTEN
+    assert spec.env == {f"V{i}": v for i, v in enumerate(AS_WRITTEN)}
+    assert spec.np == 2  # other keys keep their types
+
+
+def test_overrides_take_args_and_env_values_as_written():
+    spec = load_spec(MINIMAL, "job.yaml", base_dir="/jobs",
+                     overrides=["args=[--at, 1:30, 0x1F]", "env.MASK=0o17", "env.FLAG=yes", "args.2=0.10"])
+    assert spec.args == ["--at", "1:30", "0.10"]
+    assert spec.env == {"MASK": "0o17", "FLAG": "yes"}
+
+
+@pytest.mark.parametrize(("data", "expected"), [
+    ("caf\xe9: 1\n".encode("latin-1"), "not UTF-8 text: byte 0xE9 at line 1, column 4 is not UTF-8"),
+    ("np: 2\nscript: t.py\n".encode("utf-16"), "not UTF-8 text: it is UTF-16 text (it starts with a UTF-16"),
+    ("np: 2\n".encode("utf-32"), "not UTF-8 text: it is UTF-32 text"),
+    ("np: 2\nx: 3\n".encode("utf-16-le"), "not UTF-8 text: a NUL byte at line 1, column 2"),
+    (b"np: 2\n\x7fELF\x02\x01\x01\x00", "not UTF-8 text: a NUL byte at line 2, column 8"),
+])
+def test_decode_names_the_encoding_problem_and_its_line(data, expected):
+    with pytest.raises(NotText) as err:
+        decode(data)
+    assert str(err.value.strerror).startswith(expected)
+    assert err.value.fix.startswith("save it as UTF-8") or err.value.fix.startswith("use a text file")
+
+
+def test_decode_accepts_utf8_with_or_without_a_byte_order_mark():
+    assert decode("np: 2 # café\n".encode()) == decode("\ufeffnp: 2 # café\n".encode()) == "np: 2 # café\n"
+
+
+def test_a_spec_or_hostfile_that_is_not_utf8_is_one_error_with_its_line(tmp_path):
+    job = tmp_path / "job.yaml"
+    job.write_bytes("script: t.py\nnp: 2\nenv: {NAME: caf\xe9}\n".encode("latin-1"))
+    with pytest.raises(SpecError) as err:
+        load_spec_file(job, check_files=False)
+    assert str(err.value).splitlines()[1:] == [
+        f"{job}:3: (top level): cannot read the spec: not UTF-8 text: byte 0xE9 at line 3, column 16 is not UTF-8"
+        " (Latin-1 or another encoding, or a binary file?)",
+        "  fix: save it as UTF-8, e.g. iconv -f LATIN1 -t UTF-8 FILE > FILE.utf8 if it is Latin-1"]
+    (tmp_path / "hosts.txt").write_text("localhost slots=2\n", encoding="utf-16")
+    job.write_text("script: t.py\nnp: 2\nhostfile: hosts.txt\n")
+    with pytest.raises(SpecError) as err:
+        load_spec_file(job, check_files=False)
+    assert str(err.value).splitlines()[1:] == [
+        f"{job}:3: hostfile: cannot read the hostfile: not UTF-8 text: it is UTF-16 text (it starts with a UTF-16"
+        " byte-order mark)",
+        f"  got: '{tmp_path}/hosts.txt'",
+        "  fix: save it as UTF-8, e.g. iconv -f UTF-16 -t UTF-8 FILE > FILE.utf8"]
 
 
 def test_files_are_checked_on_request(tmp_path):

@@ -18,6 +18,7 @@ from hvdtrain.hosts import parse_hosts
 from hvdtrain.jobspec import JobSpec
 from hvdtrain.plan import build_plan
 from hvdtrain.spec import load_spec
+from hvdtrain.textfile import read_text
 
 # Where the images in docker/ keep the checkout and its venv, and the sshd port they listen on.
 IMAGE_ROOT = "/opt/hvdtrain"
@@ -138,7 +139,7 @@ def _local_reader(local_dir: Path, remote_dir: str) -> Callable[[str], str]:
     back to the path itself (an absolute path in the spec)."""
     def read(path: str) -> str:
         local = local_dir / posixpath.relpath(path, remote_dir)
-        return local.read_text() if local.is_file() else Path(path).read_text()
+        return read_text(local if local.is_file() else path)
     return read
 
 
@@ -147,16 +148,12 @@ def load_for_cluster(path: str | Path, remote_dir: str, overrides: Sequence[str]
 
     Files are not checked here: they live on the cluster. The hostfile, if any, is read from this machine.
     """
-    from hvdtrain.spec import Issue, SpecError
+    from hvdtrain.spec import read_spec_text
 
     if not remote_dir.startswith("/"):
         raise RenderError(f"--remote-dir {remote_dir!r} must be an absolute path on the cluster "
                           f"(default {DEFAULT_REMOTE_DIR}, where the images keep jobs/)")
-    try:
-        text = Path(path).read_text()
-    except OSError as exc:
-        raise SpecError(str(path), [Issue((), f"cannot read the spec: {exc.strerror or exc}",
-                                          fix="check the path")]) from None
+    text = read_spec_text(path)
     reader = _local_reader(Path(path).resolve().parent, remote_dir)
     return load_spec(text, str(path), base_dir=remote_dir, overrides=overrides, read_text=reader,
                      check_files=False)

@@ -1,0 +1,135 @@
+"""What a job prints: horovodrun's merged output split into rank lines and launcher lines, echoed to the console
+(rank-prefixed) and written to per-rank log files, with horovodrun's own Python tracebacks kept off the console.
+
+NOTE [console]: the console shows the ranks' output, horovodrun's short status lines and hvdtrain's verdict; the
+log files (logs.dir) get every line. What the console leaves out:
+  - horovodrun's traceback when it reports the job ending the way hvdtrain's summary already says (a rank exited
+    non-zero: `RuntimeError: Horovod detected that one or more processes exited ...`, MPI's `mpirun failed with
+    exit code`, elastic's `Job has been shutdown`), or when hvdtrain itself stopped the job (a KeyboardInterrupt
+    after a forwarded SIGINT). Any other traceback is echoed whole: it is the only account of what went wrong.
+  - the shell's `Terminated`/`Killed` line for a rank that was stopped because the job was ending.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+from typing import IO
+
+from hvdtrain.failures import FailureTracker
+from hvdtrain.jobspec import Logs
+
+# Gloo: `[0]<stdout>:text`; MPI (--tag-output): `[1,0]<stdout>:text`. Both become `[0]<stdout>:text`.
+RANK_LINE = re.compile(r"^\[(?:\d+,)?(\d+)\]<(stdout|stderr)>:(.*)$", re.DOTALL)
+# mpirun --tag-output tags every chunk it reads, so a line a rank wrote in several writes (Python's traceback
+# writes `RuntimeError`, `: `, the message) carries tags inside it: `RuntimeError[1,1]<stderr>:: [1,1]<stderr>:msg`.
+MPI_TAG = re.compile(r"\[\d+,\d+\]<(?:stdout|stderr|stddiag)>:")
+TRACEBACK = "Traceback (most recent call last):"
+JOB_ENDED = ("RuntimeError: Horovod detected that one or more processes exited with non-zero status",
+             "RuntimeError: mpirun failed with exit code", "RuntimeError: Job has been shutdown")
+STOPPED = ("KeyboardInterrupt", "SystemExit")
+MESSAGE_TAIL = re.compile(r"^\s*(?:Process name:.*|Exit code:.*)?$")  # the rest of JOB_ENDED's message
+SHELL_NOTICES = ("Terminated", "Killed")
+
+
+class LauncherLines:
+    """Which of horovodrun's own lines reach the console (see NOTE [console]); `feed` returns the lines to echo now.
+
+    A traceback's frames are held until its exception line says whether the whole traceback is shown.
+    """
+
+    def __init__(self) -> None:
+        self.held: list[str] = []
+        self.hiding = False  # after a hidden exception line: the rest of its message is hidden too
+        self.stopping = False  # hvdtrain forwarded a stop signal: an interrupted horovodrun is expected
+
+    def feed(self, line: str) -> list[str]:
+        if self.held:
+            if line.startswith((" ", "\t")):
+                self.held.append(line)
+                return []
+            held, self.held = [*self.held, line], []
+            self.hiding = line.startswith(JOB_ENDED) or (self.stopping and line.startswith(STOPPED))
+            return [] if self.hiding else held
+        if self.hiding and MESSAGE_TAIL.match(line):
+            return []
+        self.hiding = False
+        if line == TRACEBACK:
+            self.held = [line]
+            return []
+        return [line]
+
+    def flush(self) -> list[str]:
+        """At the end of the output: a traceback cut off before its exception line is shown as it is."""
+        held, self.held = self.held, []
+        return held
+
+
+class OutputRouter:
+    """Splits horovodrun's merged output into rank lines and launcher lines; echoes and writes per-rank logs.
+
+    `logs.dir` must exist (the launcher creates it).
+    """
+
+    def __init__(self, logs: Logs, stdout: IO[str], stderr: IO[str], failures: FailureTracker | None = None) -> None:
+        self.logs, self.stdout, self.stderr = logs, stdout, stderr
+        self.files: dict[str, IO[str]] = {}
+        self.failures = failures or FailureTracker()  # the first failing rank, from the launcher's lines
+        self.launcher = LauncherLines()
+        self.console_ok = True  # False once the console is gone (e.g. `| head`): keep draining, stop echoing
+
+    def _file(self, name: str) -> IO[str] | None:
+        if not self.logs.dir:
+            return None
+        if name not in self.files:
+            self.files[name] = open(Path(self.logs.dir) / name, "w", buffering=1)  # noqa: SIM115 (closed in close())
+        return self.files[name]
+
+    def _stamp(self) -> str:
+        return time.strftime("%Y-%m-%d %H:%M:%S ") if self.logs.timestamp else ""
+
+    def line(self, text: str) -> None:
+        m = RANK_LINE.match(text)
+        if m is None:
+            self.failures.feed(text)
+            self._emit(None, self._file("launcher.log"), "", self._stamp() + text)
+            for shown in self.launcher.feed(text):
+                self._emit(self.stdout, None, self._stamp() + shown, "")
+            return
+        rank, stream, body = int(m.group(1)), m.group(2), m.group(3)
+        body = MPI_TAG.sub("", body)
+        self.failures.rank_line(rank, body)
+        echo = self.logs.console_ranks is None or rank in self.logs.console_ranks
+        ending = self.launcher.stopping or self.failures.first is not None
+        if ending and body.strip() in SHELL_NOTICES:
+            echo = False
+        console = (self.stderr if stream == "stderr" else self.stdout) if echo else None
+        stamp = self._stamp()
+        self._emit(console, self._file(f"rank.{rank}.log"), f"{stamp}[{rank}]<{stream}>:{body}", stamp + body)
+
+    def _emit(self, console: IO[str] | None, file: IO[str] | None, console_text: str, file_text: str) -> None:
+        if console is not None and self.console_ok:
+            try:
+                console.write(console_text + "\n")
+                console.flush()
+            except (OSError, ValueError):  # EPIPE (`| head`), EIO (the terminal closed), ValueError: stream closed
+                self.console_ok = False
+        if file is not None:
+            file.write(file_text + "\n")
+
+    def note(self, text: str) -> None:
+        """hvdtrain's own verdict: to stderr and to launcher.log."""
+        self._emit(self.stderr, self._file("launcher.log"), text, text)
+
+    def close(self) -> None:
+        for shown in self.launcher.flush():
+            self._emit(self.stdout, None, self._stamp() + shown, "")
+        for f in self.files.values():
+            f.close()
+
+
+def pump(stream: IO[bytes], router: OutputRouter) -> None:
+    """The output reader thread: every line of horovodrun's merged stdout/stderr, to the router."""
+    for raw in stream:
+        router.line(raw.decode("utf-8", errors="replace").rstrip("\r\n"))

@@ -1,0 +1,169 @@
+"""What the console shows (NOTE [console] in hvdtrain/console.py): hvdtrain's summary, not horovodrun's traceback.
+
+- in-process: the router fed the lines real horovodrun runs printed (Gloo's rank failure, an interrupted start);
+  what reaches the console, what reaches launcher.log.
+- real jobs (Gloo and MPI): a failing rank, Ctrl-C mid-run, Ctrl-C while horovodrun starts, Ctrl-C before anything
+  starts. The console has hvdtrain's account and no Python traceback of the launcher; the log keeps horovodrun's.
+"""
+
+from __future__ import annotations
+
+import io
+import signal
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+
+from hvdtrain.console import OutputRouter
+from hvdtrain.failures import RankFailure
+from hvdtrain.jobspec import Logs
+from tests.harness import BIN, REPO, kill_launcher_when, run_bounded, wait_gone
+
+HVDTRAIN = str(BIN / "hvdtrain")
+FAIL_RANK = str(REPO / "tests" / "scripts" / "fail_rank.py")
+FRAMES = [
+    "Traceback (most recent call last):",
+    '  File "/venv/bin/horovodrun", line 8, in <module>',
+    "    sys.exit(run_commandline())",
+    "             ^^^^^^^^^^^^^^^^^",
+    '  File "/venv/lib/python3.11/site-packages/horovod/runner/gloo_run.py", line 284, in launch_gloo',
+    "    raise RuntimeError('Horovod detected that one or more processes exited with non-zero '",
+]
+GLOO_FAILURE = [  # what horovodrun printed when rank 1 of 2 exited with code 3 (Gloo)
+    "Process 1 exit with status code 3.", "Terminating remaining workers after failure of Process 1.",
+    "[0]<stderr>:Terminated", "Process 0 exit with status code 143.", *FRAMES,
+    "RuntimeError: Horovod detected that one or more processes exited with non-zero status, thus causing the job "
+    "to be terminated. The first process to do so was:", "Process name: 1", "Exit code: 3", "",
+]
+INTERRUPTED_START = [  # horovodrun given SIGINT while it imported its modules
+    "Traceback (most recent call last):", '  File "/venv/bin/horovodrun", line 5, in <module>',
+    "    from horovod.runner.launch import run_commandline", "KeyboardInterrupt",
+]
+OTHER_ERROR = [*FRAMES[:3], "RuntimeError: could not connect to some hosts via ssh"]
+
+
+def route(lines: list[str], logs: Logs, *, stopping: bool = False) -> tuple[OutputRouter, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    router = OutputRouter(logs, out, err)
+    router.launcher.stopping = stopping
+    for line in lines:
+        router.line(line)
+    router.close()
+    return router, out.getvalue(), err.getvalue()
+
+
+def test_horovodrun_traceback_for_a_failed_rank_is_kept_off_the_console_and_in_the_log(tmp_path):
+    router, out, err = route(GLOO_FAILURE, Logs(dir=str(tmp_path)))
+    assert out.splitlines() == ["Process 1 exit with status code 3.",
+                                "Terminating remaining workers after failure of Process 1.",
+                                "Process 0 exit with status code 143."]
+    assert err == ""  # rank 0's `Terminated` (the shell's, the job was ending) is only in its log
+    assert (tmp_path / "launcher.log").read_text().splitlines() == [
+        line for line in GLOO_FAILURE if not line.startswith("[0]")]
+    assert (tmp_path / "rank.0.log").read_text() == "Terminated\n"
+    assert router.failures.first == RankFailure(1, code=3)
+    assert router.failures.report(None) == ["hvdtrain: rank 1 exited with code 3 (the first rank to fail)"]
+
+
+def test_an_interrupted_horovodrun_is_hidden_only_when_hvdtrain_stopped_it():
+    _, out, _ = route(INTERRUPTED_START, Logs(), stopping=True)
+    assert out == ""
+    _, out, _ = route(INTERRUPTED_START, Logs())  # nobody asked it to stop: the traceback is the only account
+    assert out.splitlines() == INTERRUPTED_START
+
+
+def test_any_other_launcher_traceback_is_shown_whole_and_a_cut_off_one_too():
+    _, out, _ = route([*OTHER_ERROR, "after"], Logs())
+    assert out.splitlines() == [*OTHER_ERROR, "after"]
+    _, out, _ = route(FRAMES[:3], Logs())  # the output ended inside the traceback
+    assert out.splitlines() == FRAMES[:3]
+    _, out, err = route(["[1]<stderr>:Terminated"], Logs())  # no failure, no stop: a rank's own line
+    assert err == "[1]<stderr>:Terminated\n"
+
+
+# ---------------------------------------------------------------- real jobs
+
+WAIT = """
+import os, sys, time
+import horovod.torch as hvd
+hvd.init()
+open(os.path.join(sys.argv[1], f"ready.{hvd.rank()}"), "w").close()
+time.sleep(300)
+"""
+
+
+def write_job(tmp_path: Path, controller: str, script: str = "job.py", **keys: object) -> Path:
+    (tmp_path / "job.py").write_text(WAIT)
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump({"script": script, "np": 2, "controller": controller, "args": [str(tmp_path)],
+                                   "env": {"TF_CPP_MIN_LOG_LEVEL": "2"}, **keys}))
+    return job
+
+
+def launcher_tracebacks(output: str) -> list[str]:
+    """Traceback lines that are not a rank's own (rank lines carry `[N]<stderr>:`, hvdtrain's quotes `  | `)."""
+    return [line for line in output.splitlines() if line.startswith(("Traceback", "KeyboardInterrupt"))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("controller", ["gloo", "mpi"])
+def test_a_failing_rank_shows_hvdtrains_summary_and_no_launcher_traceback(controller, tmp_path):
+    job = write_job(tmp_path, controller, script=FAIL_RANK, logs={"dir": "logs"})
+    res = run_bounded([HVDTRAIN, "run", str(job)], timeout=180)
+    assert res.returncode == 3, res.describe()
+    assert "hvdtrain: rank 1 on host localhost exited with code 3 (the first rank to fail)" in res.output
+    assert f"hvdtrain: its output: {tmp_path / 'logs' / 'rank.1.log'}" in res.output
+    assert launcher_tracebacks(res.output) == [], res.describe()
+    if controller == "gloo":  # MPI: horovodrun execs mpirun, which prints no traceback
+        assert "Traceback (most recent call last):" in (tmp_path / "logs" / "launcher.log").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("controller", ["gloo", "mpi"])
+def test_ctrl_c_mid_run_says_what_hvdtrain_did(controller, tmp_path):
+    job = write_job(tmp_path, controller)
+    ready = lambda: all((tmp_path / f"ready.{r}").exists() for r in range(2))  # noqa: E731
+    killed = kill_launcher_when([HVDTRAIN, "run", str(job)], ready, signal.SIGINT, timeout=120)
+    assert killed.ready, killed.output
+    assert killed.returncode == 130, killed.output
+    lines = killed.output.splitlines()
+    assert "hvdtrain: SIGINT received: stopping every rank (Ctrl-C again to kill them at once)" in lines
+    assert lines[-1] == "hvdtrain: the job was stopped by SIGINT; exit code 130", killed.output
+    assert launcher_tracebacks(killed.output) == [], killed.output
+    assert "Traceback" not in killed.output and "Terminated" not in killed.output, killed.output
+    assert wait_gone(killed.processes, 20) == []
+
+
+def _horovodrun_of(tmp_path: Path):
+    def started() -> bool:
+        for p in psutil.process_iter(["cmdline"]):
+            cmd = " ".join(p.info["cmdline"] or [])
+            if "horovodrun" in cmd and str(tmp_path) in cmd and "hvdtrain.rank" in cmd:
+                return True
+        return False
+    return started
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_horovodrun_starts_shows_no_traceback(tmp_path):
+    job = write_job(tmp_path, "gloo")
+    killed = kill_launcher_when([HVDTRAIN, "run", str(job)], _horovodrun_of(tmp_path), signal.SIGINT, timeout=120)
+    assert killed.ready and killed.returncode == 130, killed.output
+    assert "hvdtrain: the job was stopped by SIGINT; exit code 130" in killed.output
+    assert launcher_tracebacks(killed.output) == [] and "Traceback" not in killed.output, killed.output
+    assert wait_gone(killed.processes, 20) == []
+
+
+def test_ctrl_c_before_the_job_starts_is_one_line(tmp_path):
+    # The spec's interpreter hangs when hvdtrain probes it, so SIGINT lands in hvdtrain's own checks.
+    slow = tmp_path / "slow-python"
+    slow.write_text(f"#!/bin/sh\necho $$ > {tmp_path}/probe.pid\nexec sleep 120\n")
+    slow.chmod(0o755)
+    job = write_job(tmp_path, "gloo", python=str(slow))
+    probe = tmp_path / "probe.pid"
+    killed = kill_launcher_when([HVDTRAIN, "run", str(job)], probe.exists, signal.SIGINT, timeout=60)
+    assert killed.ready and killed.returncode == 130, killed.output
+    assert killed.output.splitlines() == ["hvdtrain: interrupted (SIGINT); no job was started"]
+    assert wait_gone(killed.processes, 10) == []  # the probe (sleep) was killed with hvdtrain's checks
