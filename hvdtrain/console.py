@@ -6,8 +6,12 @@ log files (logs.dir) get every line. What the console leaves out:
   - horovodrun's traceback when it reports the job ending the way hvdtrain's summary already says (a rank exited
     non-zero: `RuntimeError: Horovod detected that one or more processes exited ...`, MPI's `mpirun failed with
     exit code`, elastic's `Job has been shutdown`), or when hvdtrain itself stopped the job (a KeyboardInterrupt
-    after a forwarded SIGINT). Any other traceback is echoed whole: it is the only account of what went wrong.
+    after a forwarded SIGINT, and Python's `Exception ignored in ...` report then). Any other traceback is echoed
+    whole: it is the only account of what went wrong.
+    Chained tracebacks after a hidden one are decided the same way, each on its own exception line.
   - the shell's `Terminated`/`Killed` line for a rank that was stopped because the job was ending.
+Without logs.dir the hidden traceback is kept nowhere, but its exception line is: when no rank failure explains
+the job's end, hvdtrain prints it after its own verdict (`LauncherLines.hidden`).
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ JOB_ENDED = ("RuntimeError: Horovod detected that one or more processes exited w
              "RuntimeError: mpirun failed with exit code", "RuntimeError: Job has been shutdown")
 STOPPED = ("KeyboardInterrupt", "SystemExit")
 MESSAGE_TAIL = re.compile(r"^\s*(?:Process name:.*|Exit code:.*)?$")  # the rest of JOB_ENDED's message
+CHAINED = ("During handling of the above exception", "The above exception was the direct cause")
+IGNORED = "Exception ignored in"  # Python's report of an exception at interpreter exit (a KeyboardInterrupt)
 SHELL_NOTICES = ("Terminated", "Killed")
 
 
@@ -42,6 +48,7 @@ class LauncherLines:
     def __init__(self) -> None:
         self.held: list[str] = []
         self.hiding = False  # after a hidden exception line: the rest of its message is hidden too
+        self.hidden: list[str] = []  # hidden exception lines and their messages (horovodrun's own account)
         self.stopping = False  # hvdtrain forwarded a stop signal: an interrupted horovodrun is expected
 
     def feed(self, line: str) -> list[str]:
@@ -51,10 +58,16 @@ class LauncherLines:
                 return []
             held, self.held = [*self.held, line], []
             self.hiding = line.startswith(JOB_ENDED) or (self.stopping and line.startswith(STOPPED))
+            if self.hiding:
+                self.hidden.append(line)
             return [] if self.hiding else held
-        if self.hiding and MESSAGE_TAIL.match(line):
+        if self.hiding and (MESSAGE_TAIL.match(line) or line.startswith(CHAINED)):
+            if line.strip():
+                self.hidden.append(line)
             return []
         self.hiding = False
+        if self.stopping and line.startswith(IGNORED):
+            return []
         if line == TRACEBACK:
             self.held = [line]
             return []

@@ -32,7 +32,7 @@ from importlib import metadata
 
 from hvdtrain.doctor import Check
 from hvdtrain.hosts import Host, HostError, is_loopback, parse_hostfile, parse_hosts
-from hvdtrain.textfile import NotText, read_text
+from hvdtrain.textfile import fix_for, read_text
 
 CONNECT_TIMEOUT_S = 5
 CALL_TIMEOUT_S = 40  # ssh connect + the remote interpreter's start on a busy host
@@ -78,8 +78,8 @@ def load_hosts(hosts: str | None, hostfile: str | None) -> list[Host]:
         try:
             text = read_text(hostfile)
         except OSError as exc:  # NotText too: the file is not UTF-8 (line and fix in the message)
-            fix = f"; {exc.fix}" if isinstance(exc, NotText) else ""
-            raise HostError(f"{hostfile}: cannot read the hostfile: {exc.strerror or exc}{fix}") from None
+            raise HostError(f"{hostfile}: cannot read the hostfile: {exc.strerror or exc}; "
+                            f"{fix_for(exc, 'check the path')}") from None
         return parse_hostfile(text, origin=hostfile)
     return parse_hosts(hosts or "", origin="--hosts")
 

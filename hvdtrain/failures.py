@@ -132,7 +132,7 @@ class FailureTracker:
             lines.append(f"hvdtrain: its output: {Path(log_dir) / f'rank.{rank}.log'}")
         elif tail := self.tails.get(rank):
             lines.append(f"hvdtrain: its last {len(tail)} line(s) (set logs.dir in the spec to keep every rank's "
-                         "output):")
+                         "output and horovodrun's):")
             lines += [f"  | {t}" for t in tail]
         return [*lost, *lines]
 

@@ -41,8 +41,8 @@ def _numbers_to_str(value: Any) -> Any:
     """args and env values are strings. A spec's YAML gives them as written (hvdtrain.spec.as_written); a spec built
     in Python may hold numbers: take them as str()."""
     if value is None:
-        raise ValueError("the value is empty (YAML reads `NAME:` with nothing after it, `~` and `null` as no value); "
-                         "write \"\" for an empty string, or remove it")
+        raise ValueError("the value is empty (YAML reads nothing after the colon or dash, `~` and `null` as no "
+                         "value); write \"\" for an empty string, or remove it")
     if isinstance(value, bool):
         raise ValueError("YAML read this as a boolean (yes/no/true/false/on/off); quote it, e.g. \"true\"")
     if isinstance(value, int | float):

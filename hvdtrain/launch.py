@@ -165,7 +165,8 @@ class _Job:
         except OSError as exc:
             raise LaunchError(f"cannot start {plan.argv[0]}: {exc.strerror or exc}") from None
         # A handler that ran before `self.proc` was set could not forward its signal: do it here, with the signals
-        # blocked so that a handler cannot forward the same signal twice.
+        # blocked so that a handler cannot forward the same signal twice (no other thread exists yet to take them:
+        # the output reader starts after this).
         signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         try:
             self.proc = proc
@@ -219,9 +220,9 @@ class _Job:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGTERM if signum == signal.SIGHUP else signum)
 
-    def tell(self, timed_out: bool, timeout_s: float | None) -> None:
-        """Say on the console what the signals received so far do (once each)."""
-        for signum in self.signals[self.told:]:
+    def tell(self, timed_out: bool, timeout_s: float | None, upto: int | None = None) -> None:
+        """Say on the console what the signals received so far (the first `upto`) do, once each."""
+        for signum in self.signals[self.told:upto]:
             self.told += 1
             name = signal.Signals(signum).name
             if self.told > 1:
@@ -288,11 +289,11 @@ def run_plan(plan: LaunchPlan, logs: Logs, *, timeout_s: float | None = None, ss
 
 def _supervise(plan: LaunchPlan, job: _Job, timeout_s: float | None, ssh: Ssh) -> int:
     router = job.router
-    router.line(f"hvdtrain: starting {shlex.join(plan.argv)}")
     if job.signum is not None:
         router.note(f"hvdtrain: {signal.Signals(job.signum).name} received before the job started; nothing was "
                     "started")
         return 128 + job.signum
+    router.line(f"hvdtrain: starting {shlex.join(plan.argv)}")
     proc = job.start(plan)
     reader = threading.Thread(target=pump, args=(proc.stdout, router), daemon=True)
     reader.start()
@@ -310,13 +311,16 @@ def _supervise(plan: LaunchPlan, job: _Job, timeout_s: float | None, ssh: Ssh) -
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=POLL_S)
     finally:
+        # The job has ended: a signal from now on (during the cleanup below) neither changes its verdict nor is
+        # announced as stopping it.
+        stopped_by, settled = job.signum, len(job.signals)
         job.sweep()
         job.release_guard()
         reader.join(timeout=10)
-    job.tell(timed_out, timeout_s)
-    if proc.returncode != 0 and router.failures.peer_timed_out and job.signum is None:
+    job.tell(timed_out, timeout_s, upto=settled)
+    if proc.returncode != 0 and router.failures.peer_timed_out and stopped_by is None:
         _find_lost_hosts(router.failures, plan, ssh)
-    return _exit_code(proc.returncode, router, job.signum, timed_out)
+    return _exit_code(proc.returncode, router, stopped_by, timed_out)
 
 
 def _find_lost_hosts(failures: FailureTracker, plan: LaunchPlan, ssh: Ssh) -> None:
@@ -341,10 +345,9 @@ def _exit_code(returncode: int, router: OutputRouter, signum: int | None, timed_
         return 128 - returncode
     failure = router.failures.first
     if returncode != 0:
-        where = f" and in {Path(router.logs.dir) / 'launcher.log'}" if router.logs.dir else ""
+        said = router.launcher.hidden  # horovodrun's own account, when its traceback was kept off the console
         for line in router.failures.report(router.logs.dir) or [
-                f"hvdtrain: horovodrun exited with code {returncode} and no rank reported a failure (horovodrun's "
-                f"own output is above{where})"]:
+                f"hvdtrain: horovodrun exited with code {returncode} and no rank reported a failure", *said]:
             router.note(line)
     if returncode != 0 and failure is not None:
         if failure.code:

@@ -42,7 +42,7 @@ MODELED_FLAGS = {
 # taken as the user wrote it. YAML 1.1 would read `1:30` as 90, `0x1F` as 31, `0.10` as 0.1, `yes` as true and
 # `2024-01-01` as a date.
 AS_WRITTEN = ("args", "env", "extra_args")
-_STR_TAG, _NULL_TAG = "tag:yaml.org,2002:str", "tag:yaml.org,2002:null"
+_STR_TAG, _NULL_TAG, _MERGE_TAG = "tag:yaml.org,2002:str", "tag:yaml.org,2002:null", "tag:yaml.org,2002:merge"
 
 
 @dataclass(frozen=True)
@@ -130,10 +130,26 @@ def as_written(value: Any, node: yaml.Node | None, path: KeyPath = ()) -> Any:
         return [as_written(v, n, (*path, i)) for i, (v, n) in enumerate(zip(value, node.value, strict=True))]
     if isinstance(node, yaml.MappingNode) and isinstance(value, dict):
         value = dict(value)
-        for key_node, value_node in node.value:
-            if key_node.tag == _STR_TAG and key_node.value in value:
-                value[key_node.value] = as_written(value[key_node.value], value_node, (*path, key_node.value))
+        for key, value_node in _entries(node).items():
+            if key in value:
+                value[key] = as_written(value[key], value_node, (*path, key))
     return value
+
+
+def _entries(node: yaml.MappingNode) -> dict[str, yaml.Node]:
+    """A mapping's string keys -> the node of the value YAML keeps: merged `<<: *base` entries first (an earlier
+    one in `<<: [*a, *b]` wins), then the keys written in the mapping itself (they win over merged ones)."""
+    entries: dict[str, yaml.Node] = {}
+    for key_node, value_node in node.value:
+        if key_node.tag == _MERGE_TAG:
+            merged = value_node.value if isinstance(value_node, yaml.SequenceNode) else [value_node]
+            for source in reversed(merged):
+                if isinstance(source, yaml.MappingNode):
+                    entries.update(_entries(source))
+    for key_node, value_node in node.value:
+        if key_node.tag == _STR_TAG:
+            entries[key_node.value] = value_node
+    return entries
 
 
 def parse_yaml(text: str, origin: str) -> tuple[dict, dict[KeyPath, int]]:
@@ -329,8 +345,8 @@ def _hostfile_hosts(path: str, np: int, read_text: Callable[[str], str]) -> tupl
     try:
         text = read_text(path)
     except OSError as exc:  # NotText included: it names the line and says to save the file as UTF-8
-        fix = exc.fix if isinstance(exc, textfile.NotText) else "fix the path (relative to the spec file)"
-        return None, [Issue(("hostfile",), f"cannot read the hostfile: {exc.strerror or exc}", path, fix=fix)]
+        return None, [Issue(("hostfile",), f"cannot read the hostfile: {exc.strerror or exc}", path,
+                            fix=textfile.fix_for(exc, "fix the path (relative to the spec file)"))]
     try:
         hosts = parse_hostfile(text, origin=path)
         check_np(hosts, np, path)
@@ -371,10 +387,9 @@ def read_spec_text(path: str | Path) -> str:
     try:
         return textfile.read_text(path)
     except OSError as exc:
-        not_text = isinstance(exc, textfile.NotText)
-        line = exc.line if not_text else 0
+        line = exc.line if isinstance(exc, textfile.NotText) else 0
         raise SpecError(str(path), [Issue((), f"cannot read the spec: {exc.strerror or exc}",
-                                          fix=exc.fix if not_text else "check the path")],
+                                          fix=textfile.fix_for(exc, "check the path"))],
                         {(): line} if line else None) from None
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import io
 import os
 import select
 import signal
@@ -234,3 +235,16 @@ def leaked_segments(owner_pids: set[int]) -> list[str]:
         if pid in owner_pids or not psutil.pid_exists(pid):
             leaked.append(entry.name)
     return leaked
+
+
+def route(lines: Sequence[str], logs, *, stopping: bool = False):
+    """Feed lines to an OutputRouter as horovodrun's output would; (router, console stdout, console stderr)."""
+    from hvdtrain.console import OutputRouter
+
+    out, err = io.StringIO(), io.StringIO()
+    router = OutputRouter(logs, out, err)
+    router.launcher.stopping = stopping
+    for line in lines:
+        router.line(line)
+    router.close()
+    return router, out.getvalue(), err.getvalue()

@@ -19,7 +19,8 @@ import yaml
 from hvdtrain.console import OutputRouter
 from hvdtrain.failures import RankFailure
 from hvdtrain.jobspec import Logs
-from tests.harness import BIN, REPO, kill_launcher_when, run_bounded, wait_gone
+from hvdtrain.launch import _exit_code
+from tests.harness import BIN, REPO, kill_launcher_when, route, run_bounded, wait_gone
 
 HVDTRAIN = str(BIN / "hvdtrain")
 FAIL_RANK = str(REPO / "tests" / "scripts" / "fail_rank.py")
@@ -44,16 +45,6 @@ INTERRUPTED_START = [  # horovodrun given SIGINT while it imported its modules
 OTHER_ERROR = [*FRAMES[:3], "RuntimeError: could not connect to some hosts via ssh"]
 
 
-def route(lines: list[str], logs: Logs, *, stopping: bool = False) -> tuple[OutputRouter, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    router = OutputRouter(logs, out, err)
-    router.launcher.stopping = stopping
-    for line in lines:
-        router.line(line)
-    router.close()
-    return router, out.getvalue(), err.getvalue()
-
-
 def test_horovodrun_traceback_for_a_failed_rank_is_kept_off_the_console_and_in_the_log(tmp_path):
     router, out, err = route(GLOO_FAILURE, Logs(dir=str(tmp_path)))
     assert out.splitlines() == ["Process 1 exit with status code 3.",
@@ -72,6 +63,27 @@ def test_an_interrupted_horovodrun_is_hidden_only_when_hvdtrain_stopped_it():
     assert out == ""
     _, out, _ = route(INTERRUPTED_START, Logs())  # nobody asked it to stop: the traceback is the only account
     assert out.splitlines() == INTERRUPTED_START
+
+
+def test_chained_tracebacks_and_exit_reports_of_a_stopped_horovodrun_are_hidden_too():
+    chained = [*INTERRUPTED_START, "", "During handling of the above exception, another exception occurred:", "",
+               *INTERRUPTED_START]
+    ignored = ["Exception ignored in: <module 'threading' from '/usr/lib/python3.11/threading.py'>",
+               *INTERRUPTED_START[:2], "KeyboardInterrupt: "]
+    _, out, _ = route([*chained, *ignored, "still shown"], Logs(), stopping=True)
+    assert out.splitlines() == ["still shown"]
+
+
+def test_horovodruns_hidden_account_is_printed_when_no_rank_failure_explains_the_end():
+    elastic = [*FRAMES[:3], "RuntimeError: Job has been shutdown, see above error messages for details."]
+    out, err = io.StringIO(), io.StringIO()
+    router = OutputRouter(Logs(), out, err)
+    for line in elastic:
+        router.line(line)
+    assert out.getvalue() == "" and router.failures.first is None
+    assert _exit_code(1, router, None, False) == 1
+    assert err.getvalue().splitlines() == ["hvdtrain: horovodrun exited with code 1 and no rank reported a failure",
+                                           elastic[-1]]
 
 
 def test_any_other_launcher_traceback_is_shown_whole_and_a_cut_off_one_too():

@@ -4,7 +4,6 @@ code, and SIGTERM/SIGINT forwarding that leaves no rank behind."""
 
 from __future__ import annotations
 
-import io
 import json
 import shlex
 import signal
@@ -15,11 +14,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hvdtrain.console import OutputRouter
 from hvdtrain.failures import RankFailure
 from hvdtrain.jobspec import Logs
 from hvdtrain.plan import MPI_REMOTE_ENV
-from tests.harness import BIN, REPO, expect_ok, run_bounded
+from tests.harness import BIN, REPO, expect_ok, route, run_bounded
 
 HVDTRAIN = str(BIN / "hvdtrain")
 HOROVODRUN = str(BIN / "horovodrun")
@@ -86,15 +84,6 @@ print("REPORT " + json.dumps({"code": code, "elapsed": elapsed, "ranks": len(pid
 
 
 # ---------------------------------------------------------------- output router (in-process)
-
-def route(lines: list[str], logs: Logs) -> tuple[OutputRouter, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    router = OutputRouter(logs, stdout=out, stderr=err)
-    for line in lines:
-        router.line(line)
-    router.close()
-    return router, out.getvalue(), err.getvalue()
-
 
 def test_router_normalises_prefixes_filters_console_and_writes_rank_logs(tmp_path):
     lines = ["[0]<stdout>:gloo zero", "[1,1]<stdout>:mpi one", "[1,1]<stderr>:oops[1,1]<stderr>:",

@@ -195,8 +195,8 @@ def test_hostfile_errors_point_at_the_spec_and_quote_the_hostfile_line(hostfile,
         'fix: start from jobs/quickstart.yaml; `hvdtrain schema` lists every key',
     ], id='list'),
     pytest.param('script: t.py\nnp: 2\nenv:\n  EMPTY:\n', (), [
-        'job.yaml:4: env.EMPTY: the value is empty (YAML reads `NAME:` with nothing after it, `~` and `null` as no'
-         ' value); write "" for an empty string, or remove it',
+        'job.yaml:4: env.EMPTY: the value is empty (YAML reads nothing after the colon or dash, `~` and `null` as'
+         ' no value); write "" for an empty string, or remove it',
         'got: None',
         'allowed: Environment variables (NAME: value) set for every rank; unquoted values are taken as written,'
          ' like args.',
@@ -304,6 +304,18 @@ def test_args_env_and_extra_args_take_unquoted_values_as_written():
     assert spec.np == 2  # other keys keep their types
 
 
+def test_values_merged_into_env_are_taken_as_written_and_the_written_keys_win():
+    text = """script: t.py
+np: 2
+env:
+  <<: [{MASK: 0x1F, T: 1:30, Q: "x", W: 0o7}, {MASK: 5, Z: 0x2}]
+  B: 0x1F
+  W: "quoted"
+"""
+    spec = load_spec(text, "job.yaml", base_dir="/jobs")  # YAML alone: MASK 31, T 90, Z 2, B 31
+    assert spec.env == {"MASK": "0x1F", "T": "1:30", "Q": "x", "W": "quoted", "Z": "0x2", "B": "0x1F"}
+
+
 def test_overrides_take_args_and_env_values_as_written():
     spec = load_spec(MINIMAL, "job.yaml", base_dir="/jobs",
                      overrides=["args=[--at, 1:30, 0x1F]", "env.MASK=0o17", "env.FLAG=yes", "args.2=0.10"])
@@ -337,7 +349,7 @@ def test_a_spec_or_hostfile_that_is_not_utf8_is_one_error_with_its_line(tmp_path
     assert str(err.value).splitlines()[1:] == [
         f"{job}:3: (top level): cannot read the spec: not UTF-8 text: byte 0xE9 at line 3, column 16 is not UTF-8"
         " (Latin-1 or another encoding, or a binary file?)",
-        "  fix: save it as UTF-8, e.g. iconv -f LATIN1 -t UTF-8 FILE > FILE.utf8 if it is Latin-1"]
+        f"  fix: save it as UTF-8, e.g. iconv -f LATIN1 -t UTF-8 {job} > {job}.utf8 if it is Latin-1"]
     (tmp_path / "hosts.txt").write_text("localhost slots=2\n", encoding="utf-16")
     job.write_text("script: t.py\nnp: 2\nhostfile: hosts.txt\n")
     with pytest.raises(SpecError) as err:
@@ -346,7 +358,7 @@ def test_a_spec_or_hostfile_that_is_not_utf8_is_one_error_with_its_line(tmp_path
         f"{job}:3: hostfile: cannot read the hostfile: not UTF-8 text: it is UTF-16 text (it starts with a UTF-16"
         " byte-order mark)",
         f"  got: '{tmp_path}/hosts.txt'",
-        "  fix: save it as UTF-8, e.g. iconv -f UTF-16 -t UTF-8 FILE > FILE.utf8"]
+        f"  fix: save it as UTF-8, e.g. iconv -f UTF-16 -t UTF-8 {tmp_path}/hosts.txt > {tmp_path}/hosts.txt.utf8"]
 
 
 def test_files_are_checked_on_request(tmp_path):
