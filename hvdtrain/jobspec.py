@@ -24,6 +24,7 @@ from pydantic import (
     field_validator,
 )
 
+from hvdtrain.flags import Flag, flag_field
 from hvdtrain.hosts import hosts_arg, parse_hosts
 
 LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")
@@ -85,47 +86,53 @@ def _shell_safe(value: str | None) -> str | None:
 class Ssh(_Model):
     """How horovodrun reaches remote hosts over ssh (it checks every host with ssh before launching)."""
 
-    port: Annotated[int, Field(ge=1, le=65535)] | None = Field(None, description="ssh port on every host, 1..65535.")
-    identity_file: str | None = Field(
-        None, description=f"Private key file for ssh (relative to the spec file); {SHELL_SAFE_ALLOWED}.")
+    port: Annotated[int, Field(ge=1, le=65535)] | None = flag_field(
+        Flag("--ssh-port", aliases=("-p",)), "ssh port on every host, 1..65535.")
+    identity_file: str | None = flag_field(
+        Flag("--ssh-identity-file", aliases=("-i",)),
+        f"Private key file for ssh (relative to the spec file); {SHELL_SAFE_ALLOWED}.")
 
     _resolve = field_validator("identity_file")(lambda v, info: _shell_safe(resolve_path(v, info)))
+
+
+def _switch(name: str) -> Flag:
+    return Flag(f"--{name}", off=f"--no-{name}")
 
 
 class HorovodKnobs(_Model):
     """Horovod runtime knobs, each mapped to the horovodrun flag of the same meaning. Unset means Horovod's default."""
 
-    fusion_threshold_mb: NonNegInt | None = Field(
-        None, description="--fusion-threshold-mb: tensor fusion buffer in MB, an integer >= 0 (0 disables fusion).")
-    cycle_time_ms: Annotated[float, Field(gt=0)] | None = Field(
-        None, description="--cycle-time-ms: delay between fusion cycles in ms, a number > 0.")
-    cache_capacity: NonNegInt | None = Field(
-        None, description="--cache-capacity: tensor names cached for coordination, an integer >= 0.")
-    hierarchical_allreduce: bool | None = Field(
-        None, description="--hierarchical-allreduce (true) / --no-hierarchical-allreduce (false).")
-    hierarchical_allgather: bool | None = Field(
-        None, description="--hierarchical-allgather (true) / --no-hierarchical-allgather (false).")
-    autotune: bool | None = Field(None, description="--autotune (true) / --no-autotune (false).")
-    autotune_log_file: str | None = Field(
-        None, description="--autotune-log-file: CSV of autotune trials (relative to the spec file); "
-                          "needs autotune: true.")
-    timeline_file: str | None = Field(
-        None, description="--timeline-filename: JSON timeline of Horovod events (relative to the spec file).")
-    timeline_mark_cycles: bool | None = Field(
-        None, description="--timeline-mark-cycles (true) / --no-timeline-mark-cycles (false).")
-    stall_check: bool | None = Field(None, description="--stall-check (true) / --no-stall-check (false).")
-    stall_check_warning_s: PosInt | None = Field(
-        None, description="--stall-check-warning-time-seconds: an integer >= 1.")
-    stall_check_shutdown_s: NonNegInt | None = Field(
-        None, description="--stall-check-shutdown-time-seconds: an integer >= 0 (0: never shut down).")
-    log_level: Literal["TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL"] | None = Field(
-        None, description=f"--log-level of Horovod's backend: one of {', '.join(LOG_LEVELS)}.")
-    gloo_timeout_s: PosInt | None = Field(None, description="--gloo-timeout-seconds: an integer >= 1.")
-    start_timeout_s: PosInt | None = Field(
-        None, description="--start-timeout: seconds horovodrun may take to check hosts and start ranks, >= 1.")
-    num_nccl_streams: PosInt | None = Field(None, description="--num-nccl-streams: an integer >= 1.")
-    tcp_only: bool = Field(False, description="--tcp: use only TCP for communication (true/false).")
-    verbose: bool = Field(False, description="--verbose: horovodrun prints what it does (true/false).")
+    fusion_threshold_mb: NonNegInt | None = flag_field(
+        Flag("--fusion-threshold-mb"), "tensor fusion buffer in MB, an integer >= 0 (0 disables fusion).")
+    cycle_time_ms: Annotated[float, Field(gt=0)] | None = flag_field(
+        Flag("--cycle-time-ms"), "delay between fusion cycles in ms, a number > 0.")
+    cache_capacity: NonNegInt | None = flag_field(
+        Flag("--cache-capacity"), "tensor names cached for coordination, an integer >= 0.")
+    hierarchical_allreduce: bool | None = flag_field(
+        _switch("hierarchical-allreduce"), "allreduce within hosts, then across them.")
+    hierarchical_allgather: bool | None = flag_field(
+        _switch("hierarchical-allgather"), "allgather within hosts, then across them.")
+    autotune: bool | None = flag_field(_switch("autotune"), "let Horovod tune fusion and cycle time while training.")
+    autotune_log_file: str | None = flag_field(
+        Flag("--autotune-log-file"), "CSV of autotune trials (relative to the spec file); needs autotune: true.")
+    timeline_file: str | None = flag_field(
+        Flag("--timeline-filename"), "JSON timeline of Horovod events (relative to the spec file).")
+    timeline_mark_cycles: bool | None = flag_field(
+        _switch("timeline-mark-cycles"), "mark fusion cycles in the timeline.")
+    stall_check: bool | None = flag_field(
+        Flag("--stall-check", off="--no-stall-check"), "warn when ranks stall in a collective.")
+    stall_check_warning_s: PosInt | None = flag_field(
+        Flag("--stall-check-warning-time-seconds"), "an integer >= 1.")
+    stall_check_shutdown_s: NonNegInt | None = flag_field(
+        Flag("--stall-check-shutdown-time-seconds"), "an integer >= 0 (0: never shut down).")
+    log_level: Literal["TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL"] | None = flag_field(
+        Flag("--log-level"), f"Horovod's backend log level: one of {', '.join(LOG_LEVELS)}.")
+    gloo_timeout_s: PosInt | None = flag_field(Flag("--gloo-timeout-seconds"), "an integer >= 1.")
+    start_timeout_s: PosInt | None = flag_field(
+        Flag("--start-timeout"), "seconds horovodrun may take to check hosts and start ranks, >= 1.")
+    num_nccl_streams: PosInt | None = flag_field(Flag("--num-nccl-streams"), "an integer >= 1.")
+    tcp_only: bool = flag_field(Flag("--tcp"), "use only TCP for communication (true/false).", False)
+    verbose: bool = flag_field(Flag("--verbose"), "horovodrun prints what it does (true/false).", False)
 
     _resolve = field_validator("autotune_log_file", "timeline_file")(resolve_path)
 
@@ -133,21 +140,23 @@ class HorovodKnobs(_Model):
 class Elastic(_Model):
     """Elastic training (Gloo only): hosts come from a discovery script and the job rescales between min/max np."""
 
-    discovery_script: str = Field(
-        description="--host-discovery-script: executable that prints one 'host:slots' per line (relative to the "
-                    f"spec file); {SHELL_SAFE_ALLOWED}.")
-    min_np: PosInt | None = Field(None, description="--min-np: fewest ranks to keep training, 1..np (default: np).")
-    max_np: PosInt | None = Field(
-        None, description="--max-np: most ranks, >= np (default: np; horovodrun itself would leave it unbounded).")
-    slots_per_host: PosInt | None = Field(
-        None, description="--slots-per-host: slots on hosts the discovery script prints without ':slots', >= 1.")
-    reset_limit: NonNegInt | None = Field(None, description="--reset-limit: most rescales before failing, >= 0.")
-    timeout_s: PosInt | None = Field(
-        None, description="--elastic-timeout: seconds to wait for hosts after a rescale, >= 1 (Horovod: 600).")
-    blacklist_cooldown_s: list[Annotated[int, Field(ge=1, le=3600)]] | None = Field(
-        None, description="--blacklist-cooldown-range: [MIN, MAX] seconds, 1 <= MIN <= MAX <= 3600: a host "
-                          "blacklisted for a failed rank may rejoin after ~MIN × 2^failures s (at most MAX) if "
-                          "discovery lists it; unset: it never rejoins.")
+    discovery_script: str = flag_field(
+        Flag("--host-discovery-script"), "executable that prints one 'host:slots' per line (relative to the "
+                                         f"spec file); {SHELL_SAFE_ALLOWED}.", ...)
+    min_np: PosInt | None = flag_field(
+        Flag("--min-np", aliases=("--min-num-proc",)), "fewest ranks to keep training, 1..np (default: np).")
+    max_np: PosInt | None = flag_field(
+        Flag("--max-np", aliases=("--max-num-proc",)),
+        "most ranks, >= np (default: np; horovodrun itself would leave it unbounded).")
+    slots_per_host: PosInt | None = flag_field(
+        Flag("--slots-per-host"), "slots on hosts the discovery script prints without ':slots', >= 1.")
+    reset_limit: NonNegInt | None = flag_field(Flag("--reset-limit"), "most rescales before failing, >= 0.")
+    timeout_s: PosInt | None = flag_field(
+        Flag("--elastic-timeout"), "seconds to wait for hosts after a rescale, >= 1 (Horovod: 600).")
+    blacklist_cooldown_s: list[Annotated[int, Field(ge=1, le=3600)]] | None = flag_field(
+        Flag("--blacklist-cooldown-range"), "[MIN, MAX] seconds, 1 <= MIN <= MAX <= 3600: a host blacklisted for "
+                                            "a failed rank may rejoin after ~MIN × 2^failures s (at most MAX) if "
+                                            "discovery lists it; unset: it never rejoins.")
 
     _resolve = field_validator("discovery_script")(lambda v, info: _shell_safe(resolve_path(v, info)))
 
@@ -184,21 +193,24 @@ class JobSpec(_Model):
         default_factory=lambda: sys.executable,
         description="Interpreter that runs the script (default: the one running hvdtrain); a name is looked up "
                     "on PATH, a path containing '/' is relative to the spec file.")
-    np: PosInt = Field(description="Number of ranks (processes) to start, an integer >= 1.")
-    hosts: HostsValue | None = Field(
-        None, description="Hosts and slots: 'a:4,b:4' or a list of 'host:slots' (default: localhost:<np>); "
-                          "not together with hostfile.")
-    hostfile: str | None = Field(
-        None, description="Hostfile path (relative to the spec file) with 'host slots=N' or 'host:N' lines, "
-                          "# comments allowed; not together with hosts.")
-    controller: Literal["gloo", "mpi"] | None = Field(
-        None, description="'gloo' or 'mpi' (default: what Horovod was built with, Gloo preferred).")
+    np: PosInt = flag_field(Flag("-np", aliases=("--num-proc",)), "Number of ranks (processes) to start, an "
+                                                                   "integer >= 1.", ..., lead=False)
+    hosts: HostsValue | None = flag_field(
+        Flag("-H", aliases=("--hosts",)), "Hosts and slots: 'a:4,b:4' or a list of 'host:slots' (default: "
+                                          "localhost:<np>); not together with hostfile.", lead=False)
+    hostfile: str | None = flag_field(
+        Flag("--hostfile", aliases=("-hostfile",)), "Hostfile path (relative to the spec file) with 'host "
+        "slots=N' or 'host:N' lines, # comments allowed; not together with hosts.", lead=False)
+    controller: Literal["gloo", "mpi"] | None = flag_field(
+        Flag("--gloo", aliases=("--mpi",)),
+        "'gloo' or 'mpi' (default: what Horovod was built with, Gloo preferred).", lead=False)
     env: dict[EnvName, Text] = Field(
         default_factory=dict, description="Environment variables (NAME: value) set for every rank; unquoted values are "
                                           "taken as written, like args.")
     ssh: Ssh = Field(default_factory=Ssh, description="ssh settings: port, identity_file.")
-    network_interfaces: list[str] = Field(
-        default_factory=list, description="--network-interfaces: NIC names to use, e.g. [eth0, ib0].")
+    network_interfaces: list[str] = flag_field(
+        Flag("--network-interfaces", aliases=("--network-interface",)), "NIC names to use, e.g. [eth0, ib0].",
+        default_factory=list)
     horovod: HorovodKnobs = Field(default_factory=HorovodKnobs, description="Horovod runtime knobs.")
     elastic: Elastic | None = Field(None, description="Elastic training settings (Gloo only).")
     logs: Logs = Field(default_factory=Logs, description="Console echo and per-rank log files.")

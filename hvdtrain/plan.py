@@ -10,32 +10,14 @@ from __future__ import annotations
 
 import shlex
 from dataclasses import dataclass, field
+from typing import Any
 
+from pydantic import BaseModel
+
+from hvdtrain.flags import model_flags
 from hvdtrain.hosts import is_loopback, parse_hosts, rank_hosts
-from hvdtrain.jobspec import HorovodKnobs, JobSpec
+from hvdtrain.jobspec import JobSpec
 
-# (spec key in `horovod`, horovodrun flag) for knobs that take a value.
-VALUE_FLAGS = (
-    ("fusion_threshold_mb", "--fusion-threshold-mb"),
-    ("cycle_time_ms", "--cycle-time-ms"),
-    ("cache_capacity", "--cache-capacity"),
-    ("autotune_log_file", "--autotune-log-file"),
-    ("timeline_file", "--timeline-filename"),
-    ("stall_check_warning_s", "--stall-check-warning-time-seconds"),
-    ("stall_check_shutdown_s", "--stall-check-shutdown-time-seconds"),
-    ("log_level", "--log-level"),
-    ("gloo_timeout_s", "--gloo-timeout-seconds"),
-    ("start_timeout_s", "--start-timeout"),
-    ("num_nccl_streams", "--num-nccl-streams"),
-)
-# (spec key, flag when true, flag when false) for tri-state switches (None: leave Horovod's default).
-SWITCH_FLAGS = (
-    ("hierarchical_allreduce", "--hierarchical-allreduce", "--no-hierarchical-allreduce"),
-    ("hierarchical_allgather", "--hierarchical-allgather", "--no-hierarchical-allgather"),
-    ("autotune", "--autotune", "--no-autotune"),
-    ("timeline_mark_cycles", "--timeline-mark-cycles", "--no-timeline-mark-cycles"),
-    ("stall_check", "--stall-check", "--no-stall-check"),
-)
 CONTROLLERS = ("gloo", "mpi")
 RANK_MODULE = "hvdtrain.rank"
 # Open MPI's out-of-band TCP keepalive, for MPI jobs with remote hosts. With Open MPI's defaults a host whose link
@@ -62,24 +44,11 @@ class LaunchPlan:
         return "\n".join(lines)
 
 
-def _fmt(value: object) -> str:
-    return f"{value:g}" if isinstance(value, float) else str(value)
-
-
-def knob_args(knobs: HorovodKnobs) -> list[str]:
+def _flag_args(model: BaseModel, **values: Any) -> list[str]:
+    """The flags of `model`'s keys, in declaration order (hvdtrain.flags); `values` replace keys' values."""
     args: list[str] = []
-    for key, flag in VALUE_FLAGS:
-        value = getattr(knobs, key)
-        if value is not None:
-            args += [flag, _fmt(value)]
-    for key, on, off in SWITCH_FLAGS:
-        value = getattr(knobs, key)
-        if value is not None:
-            args.append(on if value else off)
-    if knobs.tcp_only:
-        args.append("--tcp")
-    if knobs.verbose:
-        args.append("--verbose")
+    for key, flag in model_flags(type(model)).items():
+        args += flag.args(values[key] if key in values else getattr(model, key))
     return args
 
 
@@ -87,35 +56,24 @@ def elastic_args(spec: JobSpec) -> list[str]:
     el = spec.elastic
     if el is None:
         return []
-    args = ["--host-discovery-script", el.discovery_script,
-            "--min-np", str(el.min_np or spec.np), "--max-np", str(el.max_np or spec.np)]
-    for value, flag in ((el.slots_per_host, "--slots-per-host"), (el.reset_limit, "--reset-limit"),
-                        (el.timeout_s, "--elastic-timeout")):
-        if value is not None:
-            args += [flag, str(value)]
-    if el.blacklist_cooldown_s is not None:
-        args += ["--blacklist-cooldown-range", *map(str, el.blacklist_cooldown_s)]
-    return args
+    return _flag_args(el, min_np=el.min_np or spec.np, max_np=el.max_np or spec.np)
 
 
 def build_plan(spec: JobSpec, *, controller: str, horovodrun: str = "horovodrun") -> LaunchPlan:
     """The horovodrun argv and env for a loaded spec. `controller` is spec.controller or the detected default."""
     if controller not in CONTROLLERS:
         raise ValueError(f"controller must be one of {CONTROLLERS}, got {controller!r}")
-    argv = [horovodrun, "-np", str(spec.np)]
+    top = model_flags(JobSpec)
+    argv = [horovodrun, *top["np"].args(spec.np)]
     ranks: tuple[str, ...] = ()
     if spec.elastic is None:
         hosts = spec.hosts or f"localhost:{spec.np}"
-        argv += ["-H", hosts]
+        argv += top["hosts"].args(hosts)
         ranks = tuple(rank_hosts(parse_hosts(hosts), spec.np))
     argv.append(f"--{controller}")
     if spec.network_interfaces:
-        argv += ["--network-interfaces", ",".join(spec.network_interfaces)]
-    if spec.ssh.port is not None:
-        argv += ["--ssh-port", str(spec.ssh.port)]
-    if spec.ssh.identity_file is not None:
-        argv += ["--ssh-identity-file", spec.ssh.identity_file]
-    argv += knob_args(spec.horovod) + elastic_args(spec) + list(spec.extra_args)
+        argv += top["network_interfaces"].args(",".join(spec.network_interfaces))
+    argv += _flag_args(spec.ssh) + _flag_args(spec.horovod) + elastic_args(spec) + list(spec.extra_args)
     # Each rank runs under hvdtrain's supervisor (NOTE [no orphans] in hvdtrain/rank.py): it ends the rank when
     # the job's launcher side is gone, which nothing else does for a Gloo rank on another host.
     argv += [spec.python, "-m", RANK_MODULE, spec.script, *spec.args]

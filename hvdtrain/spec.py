@@ -18,24 +18,15 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from hvdtrain import textfile
+from hvdtrain.flags import NOT_IN_EXTRA_ARGS, all_flags, option_of
 from hvdtrain.hosts import MAX_SLOTS, Host, HostError, check_np, parse_hostfile, parse_hosts
 from hvdtrain.jobspec import JobSpec
 
 KeyPath = tuple[str | int, ...]
 _NO_VALUE = object()
-# horovodrun flags the spec models; extra_args must not set them behind the spec's back.
-MODELED_FLAGS = {
-    "-np": "np", "--num-proc": "np", "-H": "hosts", "--hosts": "hosts", "-hostfile": "hostfile",
-    "--hostfile": "hostfile", "--gloo": "controller", "--mpi": "controller", "-p": "ssh.port",
-    "--ssh-port": "ssh.port", "-i": "ssh.identity_file", "--ssh-identity-file": "ssh.identity_file",
-    "--network-interfaces": "network_interfaces", "--min-np": "elastic.min_np", "--max-np": "elastic.max_np",
-    "--host-discovery-script": "elastic.discovery_script", "--slots-per-host": "elastic.slots_per_host",
-    "--reset-limit": "elastic.reset_limit", "--elastic-timeout": "elastic.timeout_s",
-    "--blacklist-cooldown-range": "elastic.blacklist_cooldown_s",
-    "--fusion-threshold-mb": "horovod.fusion_threshold_mb", "--cycle-time-ms": "horovod.cycle_time_ms",
-    "--timeline-filename": "horovod.timeline_file", "--log-level": "horovod.log_level",
-    "--autotune": "horovod.autotune", "--config-file": "the spec itself", "--output-filename": "logs.dir",
-}
+# Each horovodrun option a spec key sets (in every spelling) -> the key; extra_args must not set them behind the
+# spec's back (hvdtrain.flags).
+MODELED_FLAGS = {spelling: key for key, flag in all_flags(JobSpec) for spelling in flag.spellings}
 
 
 # Keys whose values are passed on as text (argv elements, environment values): a plain (unquoted) scalar there is
@@ -310,14 +301,27 @@ def cross_checks(spec: JobSpec) -> list[Issue]:
             if rank >= spec.np:
                 issues.append(Issue(("logs", "console_ranks", i), f"there is no rank {rank} with np = {spec.np}",
                                     rank, f"0..{spec.np - 1}", "remove it or raise np"))
-    for i, arg in enumerate(spec.extra_args):
-        key = MODELED_FLAGS.get(arg.split("=", 1)[0])
-        if key:
-            issues.append(Issue(("extra_args", i), f"{arg.split('=', 1)[0]} is what the spec key {key} sets", arg,
-                                fix=f"remove it from extra_args and set {key} instead"))
+    issues += _extra_args_issues(spec.extra_args)
     if spec.horovod.autotune_log_file and not spec.horovod.autotune:
         issues.append(Issue(("horovod", "autotune_log_file"), "Horovod writes the autotune log only when "
                             "autotuning", spec.horovod.autotune_log_file, fix="also set horovod.autotune: true"))
+    return issues
+
+
+def _extra_args_issues(extra_args: Sequence[str]) -> list[Issue]:
+    """extra_args may not set what a spec key sets, in any spelling horovodrun accepts."""
+    issues = []
+    for i, arg in enumerate(extra_args):
+        option = option_of(arg)
+        if option in MODELED_FLAGS:
+            key = MODELED_FLAGS[option]
+            said = option if arg.split("=", 1)[0] == option else f"{option} (as horovodrun reads it)"
+            issues.append(Issue(("extra_args", i), f"{said} is what the spec key {key} sets", arg,
+                                fix=f"remove it from extra_args and set {key} instead"))
+        elif option in NOT_IN_EXTRA_ARGS:
+            why, fix = NOT_IN_EXTRA_ARGS[option]
+            issues.append(Issue(("extra_args", i), f"{option} is not for extra_args: {why}", arg,
+                                fix=f"remove it from extra_args; {fix}"))
     return issues
 
 

@@ -57,11 +57,11 @@ extra_args: [--disable-cache]
         "horovodrun", "-np", "4", "-H", "a:2,b:2", "--mpi", "--network-interfaces", "eth0,ib0",
         "--ssh-port", "2222", "--ssh-identity-file", "/jobs/keys/id",
         "--fusion-threshold-mb", "0", "--cycle-time-ms", "2.5", "--cache-capacity", "2048",
-        "--autotune-log-file", "/jobs/at.csv", "--timeline-filename", "/jobs/tl.json",
+        "--hierarchical-allreduce", "--no-hierarchical-allgather", "--autotune", "--autotune-log-file",
+        "/jobs/at.csv", "--timeline-filename", "/jobs/tl.json", "--no-timeline-mark-cycles", "--no-stall-check",
         "--stall-check-warning-time-seconds", "30", "--stall-check-shutdown-time-seconds", "60",
         "--log-level", "DEBUG", "--gloo-timeout-seconds", "90", "--start-timeout", "45", "--num-nccl-streams", "2",
-        "--hierarchical-allreduce", "--no-hierarchical-allgather", "--autotune", "--no-timeline-mark-cycles",
-        "--no-stall-check", "--tcp", "--verbose", "--disable-cache",
+        "--tcp", "--verbose", "--disable-cache",
         PY, "-m", "hvdtrain.rank", "/jobs/train.py", "--lr", "0.1", "$(touch /tmp/x)", "a b",
     ]
     assert plan.env == {"OMP_NUM_THREADS": "1", "X": "$(id)", **MPI_REMOTE_ENV}  # MPI with remote hosts

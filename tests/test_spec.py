@@ -217,7 +217,7 @@ def test_hostfile_errors_point_at_the_spec_and_quote_the_hostfile_line(hostfile,
          ' like args.',
         'fix: change env.BAD-NAME to an allowed value',
     ], id='env_name'),
-    pytest.param("script: t.py\nnp: 2\nextra_args: [--verbose, '--hosts=a:2']\n", (), [
+    pytest.param("script: t.py\nnp: 2\nextra_args: [--disable-cache, '--hosts=a:2']\n", (), [
         'job.yaml:3: extra_args[1]: --hosts is what the spec key hosts sets',
         "got: '--hosts=a:2'",
         'fix: remove it from extra_args and set hosts instead',
@@ -231,8 +231,8 @@ def test_hostfile_errors_point_at_the_spec_and_quote_the_hostfile_line(hostfile,
         'job.yaml:3: ssh.identity_file: horovodrun passes this path to a shell unquoted; it may only'
          ' contain letters, digits and _ . / + @ % = : , ~ - (no spaces or shell characters)',
         "got: 'my key'",
-        'allowed: Private key file for ssh (relative to the spec file); letters, digits and _ . / + @ % = :'
-         ' , ~ - (no spaces or shell characters).',
+        'allowed: --ssh-identity-file: Private key file for ssh (relative to the spec file); letters, digits'
+         ' and _ . / + @ % = : , ~ - (no spaces or shell characters).',
         'fix: change ssh.identity_file to an allowed value',
     ], id='unsafe_path'),
     pytest.param('script: t.py\nnp: 2\nlogs: {console_ranks: [0, 2]}\n', (), [
