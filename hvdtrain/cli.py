@@ -8,9 +8,8 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from hvdtrain import __version__
+from hvdtrain import __version__, exitcodes
 
-EXIT_INVALID_INPUT = 2
 REQUIRABLE = ("mpi", "nccl", "tensorflow")
 
 
@@ -36,7 +35,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     if args.hosts is None and args.hostfile is None and (args.ssh_port or args.ssh_identity_file):
         print("hvdtrain doctor: error: --ssh-port/--ssh-identity-file need --hosts or --hostfile (the hosts to "
               "check over ssh)", file=sys.stderr)
-        return EXIT_INVALID_INPUT
+        return exitcodes.INVALID_INPUT
     if args.hosts is not None or args.hostfile is not None:
         from hvdtrain.doctor_hosts import host_checks, load_hosts
 
@@ -146,7 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _main(argv)
     except KeyboardInterrupt:  # Ctrl-C before a job started (from then on run_plan handles it: NOTE [shutdown])
         print("hvdtrain: interrupted (SIGINT); no job was started", file=sys.stderr)
-        return 128 + signal.SIGINT
+        return exitcodes.SIGNALLED + signal.SIGINT
 
 
 def _main(argv: Sequence[str] | None) -> int:
@@ -160,10 +159,10 @@ def _main(argv: Sequence[str] | None) -> int:
         return args.func(args)
     except (SpecError, HostError) as exc:
         print(exc, file=sys.stderr)
-        return EXIT_INVALID_INPUT
+        return exitcodes.INVALID_INPUT
     except LaunchError as exc:
         print(f"hvdtrain: error: {exc}", file=sys.stderr)
-        return EXIT_INVALID_INPUT
+        return exitcodes.INVALID_INPUT
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import psutil
 
+from hvdtrain import exitcodes
 from hvdtrain.console import OutputRouter, pump
 from hvdtrain.failures import FailureTracker
 from hvdtrain.jobspec import Logs, Ssh
@@ -292,7 +293,7 @@ def _supervise(plan: LaunchPlan, job: _Job, timeout_s: float | None, ssh: Ssh) -
     if job.signum is not None:
         router.note(f"hvdtrain: {signal.Signals(job.signum).name} received before the job started; nothing was "
                     "started")
-        return 128 + job.signum
+        return exitcodes.SIGNALLED + job.signum
     router.line(f"hvdtrain: starting {shlex.join(plan.argv)}")
     proc = job.start(plan)
     reader = threading.Thread(target=pump, args=(proc.stdout, router), daemon=True)
@@ -337,12 +338,13 @@ def _exit_code(returncode: int, router: OutputRouter, signum: int | None, timed_
     """The job's exit code: the first failing rank's (128 + N when signal N killed it)."""
     if timed_out:
         router.note("hvdtrain: job timed out and was stopped")
-        return 124
+        return exitcodes.TIMED_OUT
     if signum is not None:
-        router.note(f"hvdtrain: the job was stopped by {signal.Signals(signum).name}; exit code {128 + signum}")
-        return 128 + signum
+        code = exitcodes.SIGNALLED + signum
+        router.note(f"hvdtrain: the job was stopped by {signal.Signals(signum).name}; exit code {code}")
+        return code
     if returncode < 0:
-        return 128 - returncode
+        return exitcodes.SIGNALLED - returncode
     failure = router.failures.first
     if returncode != 0:
         said = router.launcher.hidden  # horovodrun's own account, when its traceback was kept off the console
@@ -353,5 +355,5 @@ def _exit_code(returncode: int, router: OutputRouter, signum: int | None, timed_
         if failure.code:
             return failure.code
         if failure.signum:
-            return 128 + failure.signum
+            return exitcodes.SIGNALLED + failure.signum
     return returncode

@@ -21,7 +21,7 @@ from hvdtrain.jobspec import JobSpec
 CONTROLLERS = ("gloo", "mpi")
 RANK_MODULE = "hvdtrain.rank"
 # Open MPI's out-of-band TCP keepalive, for MPI jobs with remote hosts. With Open MPI's defaults a host whose link
-# is cut leaves mpirun waiting for many minutes (seen: > 270 s, every process still alive); with these it aborts
+# is cut leaves mpirun waiting for many minutes, every process still alive; with these it aborts
 # the job ~16 s after the host stops answering. horovodrun passes OMPI_MCA_* to mpirun and every orted; a value
 # set in the spec's env wins.
 MPI_REMOTE_ENV = {"OMPI_MCA_oob_tcp_keepalive_time": "10", "OMPI_MCA_oob_tcp_keepalive_intvl": "2",
@@ -36,6 +36,7 @@ class LaunchPlan:
     env: dict[str, str] = field(default_factory=dict)
     rank_hosts: tuple[str, ...] = ()  # host of each rank (Horovod fills hosts' slots in order); () when elastic
     elastic: bool = False
+    hosts_at: int | None = None  # index in argv of the -H value (renderers put the cluster's hosts there)
 
     def describe(self) -> str:
         """Dry-run text: the command (shell-quoted for display only) and the environment it adds."""
@@ -66,9 +67,11 @@ def build_plan(spec: JobSpec, *, controller: str, horovodrun: str = "horovodrun"
     top = model_flags(JobSpec)
     argv = [horovodrun, *top["np"].args(spec.np)]
     ranks: tuple[str, ...] = ()
+    hosts_at = None
     if spec.elastic is None:
         hosts = spec.hosts or f"localhost:{spec.np}"
         argv += top["hosts"].args(hosts)
+        hosts_at = len(argv) - 1
         ranks = tuple(rank_hosts(parse_hosts(hosts), spec.np))
     argv.append(f"--{controller}")
     if spec.network_interfaces:
@@ -80,4 +83,4 @@ def build_plan(spec: JobSpec, *, controller: str, horovodrun: str = "horovodrun"
     env = dict(spec.env)
     if controller == "mpi" and any(not is_loopback(h) for h in ranks):
         env = {**MPI_REMOTE_ENV, **env}
-    return LaunchPlan(argv=argv, env=env, rank_hosts=ranks, elastic=spec.elastic is not None)
+    return LaunchPlan(argv=argv, env=env, rank_hosts=ranks, elastic=spec.elastic is not None, hosts_at=hosts_at)

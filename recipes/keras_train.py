@@ -48,6 +48,7 @@ from hvdtrain import tfkeras
 from hvdtrain.data import ShardSampler, expected_batches
 from hvdtrain.train import checkpoint, datasets, divergence, rundir
 from hvdtrain.train.config import parse_config
+from hvdtrain.train.entry import exit_with
 from hvdtrain.train.lr import scaled_epochs
 from hvdtrain.train.metrics import SUMMARY_NAME, History, build_summary, write_summary
 
@@ -433,4 +434,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    datasets.exit_with(main, __file__)  # bad data: exit 2, divergence: exit 3, with the message, no traceback
+    exit_with(main, __file__)  # bad data: exit 2, divergence: exit 3, with the message, no traceback

@@ -66,9 +66,11 @@ from pytorch_train import (
     torch_read,
 )
 
+from hvdtrain.atomic import atomic_write
 from hvdtrain.data import StallMeter
 from hvdtrain.train import checkpoint, datasets, divergence, rundir
 from hvdtrain.train.config import parse_config
+from hvdtrain.train.entry import exit_with
 from hvdtrain.train.metrics import SUMMARY_NAME, History, MetricSums, build_summary, combine_stall, write_summary
 
 EVENTS_NAME = "elastic.jsonl"
@@ -104,10 +106,8 @@ def write_worker_file(run_dir: Path, rank: int, size: int) -> None:
     host, slot = os.environ.get("HOROVOD_HOSTNAME", "localhost"), hvd.local_rank()
     path = run_dir / "workers" / f"{host}.{slot}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"pid": os.getpid(), "host": host, "slot": slot, "rank": rank, "size": size,
-                               "time": time.time()}))
-    os.replace(tmp, path)
+    record = {"pid": os.getpid(), "host": host, "slot": slot, "rank": rank, "size": size, "time": time.time()}
+    atomic_write(path, lambda f: f.write(json.dumps(record).encode()))
 
 
 def event(t: ElasticTrainer, kind: str, state: hvd.elastic.TorchState) -> None:
@@ -330,4 +330,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    datasets.exit_with(main, __file__)  # bad data: exit 2, divergence: exit 3, with the message, no traceback
+    exit_with(main, __file__)  # bad data: exit 2, divergence: exit 3, with the message, no traceback

@@ -54,6 +54,7 @@ from torch import nn
 from hvdtrain.data import DevicePrefetcher, ShardSampler, ShmLoader, StallMeter
 from hvdtrain.train import checkpoint, datasets, divergence, rundir
 from hvdtrain.train.config import parse_config
+from hvdtrain.train.entry import exit_with
 from hvdtrain.train.lr import LRSchedule, scaled_epochs
 from hvdtrain.train.metrics import SUMMARY_NAME, History, MetricSums, build_summary, combine_stall, write_summary
 from hvdtrain.train.progress import progress_bar
@@ -474,4 +475,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    datasets.exit_with(main, __file__)  # bad data: exit 2, divergence: exit 3, with the message, no traceback
+    exit_with(main, __file__)  # bad data: exit 2, divergence: exit 3, with the message, no traceback

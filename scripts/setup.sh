@@ -30,8 +30,8 @@ STAMP="$VENV/hvdtrain-horovod.stamp"
 # Frameworks Horovod is built for: torch always; tensorflow unless HVDTRAIN_FRAMEWORKS=torch.
 FRAMEWORKS="${HVDTRAIN_FRAMEWORKS:-torch,tensorflow}"
 case "$FRAMEWORKS" in
-  torch) EXTRAS="torch,mpi,dev"; HVD_MODULES="horovod.torch" ;;
-  torch,tensorflow|tensorflow,torch) EXTRAS="torch,tensorflow,mpi,dev"; HVD_MODULES="horovod.torch, horovod.tensorflow" ;;
+  torch) EXTRAS="torch,dev"; HVD_MODULES="horovod.torch" ;;
+  torch,tensorflow|tensorflow,torch) EXTRAS="torch,tensorflow,dev"; HVD_MODULES="horovod.torch, horovod.tensorflow" ;;
   *) echo "hvdtrain setup: HVDTRAIN_FRAMEWORKS='$FRAMEWORKS' is not allowed; use 'torch' or 'torch,tensorflow'" >&2
      exit 2 ;;
 esac
@@ -90,7 +90,8 @@ make_venv() {
 pip_packages() {
   step pip "hvdtrain + torch 2.13.0 + pinned dependencies (scripts/constraints.txt)"
   local pip=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
-  "${pip[@]}" install -c "$CONSTRAINTS" pip setuptools wheel cmake
+  # Horovod's setup.py imports packaging; it builds without isolation (against this venv's torch).
+  "${pip[@]}" install -c "$CONSTRAINTS" pip setuptools wheel cmake packaging
   "${pip[@]}" install -c "$CONSTRAINTS" -e "$ROOT[$EXTRAS]"
   echo "    torch $("$VENV/bin/python" -c 'import torch; print(torch.__version__)')," \
        "tensorflow $("$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("tensorflow"))' \

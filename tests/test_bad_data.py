@@ -21,8 +21,10 @@ import numpy as np
 import pytest
 import yaml
 
+from hvdtrain import exitcodes
 from hvdtrain.train import checkpoint, datasets, divergence
-from hvdtrain.train.datasets import DatasetError, exit_with, load
+from hvdtrain.train.datasets import DatasetError, load
+from hvdtrain.train.entry import exit_with
 from tests.harness import REPO, JobResult, horovodrun, run_bounded
 
 PYTORCH = REPO / "recipes" / "pytorch_train.py"
@@ -250,7 +252,7 @@ def test_exit_with_maps_divergence_to_exit_3_and_bad_data_to_exit_2(capsys):
 
     with pytest.raises(SystemExit) as e:
         exit_with(diverged, "/r/recipe.py")
-    assert e.value.code == divergence.EXIT_CODE == 3
+    assert e.value.code == exitcodes.DIVERGED == 3
     assert capsys.readouterr().err.startswith("recipe.py: error: training diverged at epoch 1, step 5/10: the "
                                               "averaged gradients hold NaN/Inf (this rank's loss at that step: nan)")
 
@@ -282,7 +284,7 @@ def huge_sample_dataset(root: Path) -> Path:
 
 def assert_stopped_together(result: JobResult, script: str, run_dir: Path) -> None:
     """Exit 3; every rank names the same epoch and step; no checkpoint, no summary; no traceback from a rank."""
-    assert job_exit_code(result) == divergence.EXIT_CODE, result.describe()
+    assert job_exit_code(result) == exitcodes.DIVERGED, result.describe()
     errors = errors_by_rank(result, script)
     assert sorted(errors) == [0, 1], result.describe()
     where = {re.match(r"training diverged at epoch (\d+), step \d+(/\d+)?: ", e).group(0) for e in errors.values()}

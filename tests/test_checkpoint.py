@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from hvdtrain.atomic import atomic_write
 from hvdtrain.train import checkpoint as ckpt
 from hvdtrain.train.metrics import write_summary
 
@@ -62,7 +63,7 @@ def test_a_failed_write_leaves_the_previous_checkpoint_intact_and_no_temp_file(t
         raise OSError("disk full")
 
     with pytest.raises(OSError, match="disk full"):
-        ckpt.atomic_write(tmp_path / "ckpt-epoch0001.pt", lambda f: crash_midway(None, f))
+        atomic_write(tmp_path / "ckpt-epoch0001.pt", lambda f: crash_midway(None, f))
     with pytest.raises(OSError, match="disk full"):
         ckpt.save(tmp_path, 2, state(2.0), crash_midway, keep=3)
     assert names(tmp_path) == ["ckpt-epoch0001.pt"]

@@ -351,7 +351,7 @@ def test_stall_statistics_are_averaged_over_ranks():
 
 
 def test_exit_with_turns_a_dataset_error_into_exit_2_and_passes_other_codes(capsys):
-    from hvdtrain.train.datasets import exit_with
+    from hvdtrain.train.entry import exit_with
 
     def bad() -> int:
         raise DatasetError("/data/x.npz: missing array(s) x")

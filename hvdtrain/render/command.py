@@ -10,9 +10,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from hvdtrain import exitcodes
 from hvdtrain.render.common import DEFAULT_PYTHON, DEFAULT_REMOTE_DIR, DEFAULT_SSH_PORT, ClusterOptions, RenderError
-
-EXIT_INVALID_INPUT = 2
 
 
 def _common_args(p: argparse.ArgumentParser) -> None:
@@ -83,7 +82,7 @@ def cmd_render(args: argparse.Namespace) -> int:
         text = render_file(args.target, args.job, cluster, _target_options(args), args.override)
     except RenderError as exc:
         print(f"hvdtrain render: error: {exc}", file=sys.stderr)
-        return EXIT_INVALID_INPUT
+        return exitcodes.INVALID_INPUT
     if args.output:
         Path(args.output).write_text(text)
         print(f"hvdtrain render: wrote {args.output}", file=sys.stderr)

@@ -26,7 +26,6 @@ DEFAULT_REMOTE_DIR = f"{IMAGE_ROOT}/jobs"
 DEFAULT_PYTHON = f"{IMAGE_ROOT}/.venv/bin/python"
 DEFAULT_SSH_PORT = 2222
 DNS_LABEL = re.compile(r"[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?")
-HOSTS_PLACEHOLDER = "hvdtrain-render-placeholder:1"
 
 
 class RenderError(ValueError):
@@ -113,9 +112,11 @@ def horovodrun_argv(spec: JobSpec, opts: ClusterOptions, horovodrun: str) -> tup
     if not 1 <= port <= 65535:
         raise RenderError(f"--ssh-port {port} is not a port: use 1..65535 (the images' sshd listens on 2222)")
     ssh = spec.ssh.model_copy(update={"port": port})
-    cluster = spec.model_copy(update={"hosts": HOSTS_PLACEHOLDER, "python": python, "ssh": ssh, "elastic": None})
-    argv = build_plan(cluster, controller=spec.controller or opts.controller, horovodrun=horovodrun).argv
-    return argv, argv.index(HOSTS_PLACEHOLDER)
+    cluster = spec.model_copy(update={"hosts": None, "hostfile": None, "python": python, "ssh": ssh,
+                                      "elastic": None})
+    plan = build_plan(cluster, controller=spec.controller or opts.controller, horovodrun=horovodrun)
+    assert plan.hosts_at is not None  # build_plan's invariant (not input): a plan that is not elastic has -H
+    return plan.argv, plan.hosts_at
 
 
 def horovodrun_path(spec: JobSpec, opts: ClusterOptions) -> str:

@@ -24,16 +24,16 @@ import io
 import os
 import re
 import struct
-import tempfile
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from hvdtrain.atomic import TMP_MARK, atomic_write
+
 PREFIX = "ckpt-epoch"
 _NAME = re.compile(rf"^{PREFIX}(\d{{4,}})\.pt$")
-_TMP_MARK = ".tmp-"
 MAGIC = b"HVDCKPT1"
 _HEADER = struct.Struct("<8sQ32s")  # magic, payload length, sha256(payload)
 
@@ -55,40 +55,6 @@ def checkpoint_path(directory: Path | str, epoch: int) -> Path:
     if not isinstance(epoch, int) or epoch < 1:
         raise ValueError(f"epoch must be an int >= 1 (epochs completed), got {epoch!r}")
     return Path(directory) / f"{PREFIX}{epoch:04d}.pt"
-
-
-def atomic_write(path: Path | str, write: Callable[[BinaryIO], None]) -> Path:
-    """Write a file atomically: temp file in the same directory, fsync, os.replace, fsync the directory."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}{_TMP_MARK}")
-    try:
-        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; give the file the usual permissions
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(path.parent)
-    return path
-
-
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def list_checkpoints(directory: Path | str) -> list[tuple[int, Path]]:
@@ -180,7 +146,7 @@ def prune(directory: Path | str, *, keep: int) -> list[Path]:
     """Delete all but the newest `keep` checkpoints and any stale temp files; return what was deleted."""
     directory = Path(directory)
     removed = [p for _, p in list_checkpoints(directory)[:-keep]]
-    removed += [p for p in directory.glob(f".{PREFIX}*{_TMP_MARK}*") if p.is_file()]
+    removed += [p for p in directory.glob(f".{PREFIX}*{TMP_MARK}*") if p.is_file()]
     for p in removed:
         with contextlib.suppress(FileNotFoundError):
             p.unlink()

@@ -9,13 +9,10 @@
 
 from __future__ import annotations
 
-import sys
 import zipfile
 import zlib
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn
 
 import numpy as np
 
@@ -25,21 +22,6 @@ SYNTHETIC = "synthetic"
 
 class DatasetError(ValueError):
     """A dataset argument or file is not usable; the message names the file and what was expected."""
-
-
-def exit_with(main: Callable[[], int], script: str) -> NoReturn:
-    """A recipe's entry point: exit with main()'s code. Errors every rank meets alike exit with one message and
-    no traceback: bad data or a run directory another job holds (before any training): 2; training that diverged
-    (NaN/Inf, hvdtrain.train.divergence): 3."""
-    from hvdtrain.train.divergence import EXIT_CODE, TrainingDiverged
-    from hvdtrain.train.rundir import RunDirBusy
-
-    try:
-        code = main()
-    except (DatasetError, RunDirBusy, TrainingDiverged) as e:
-        print(f"{Path(script).name}: error: {e}", file=sys.stderr, flush=True)
-        code = EXIT_CODE if isinstance(e, TrainingDiverged) else 2
-    sys.exit(code)
 
 
 @dataclass(frozen=True)

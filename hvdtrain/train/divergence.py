@@ -17,7 +17,6 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-EXIT_CODE = 3  # a recipe that stops on divergence exits 3 (2 is bad input, 1 an unexpected error)
 OPT_OUT = "--no-check-finite"
 ADVICE = (f"no checkpoint was written for this epoch. Lower the LR (--base-lr, --warmup-epochs), check the data, or "
           f"pass {OPT_OUT} to train on regardless")

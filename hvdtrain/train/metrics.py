@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from hvdtrain.train.checkpoint import atomic_write
+from hvdtrain.atomic import atomic_write
 
 SumFn = Callable[[np.ndarray], np.ndarray]
 SUMMARY_NAME = "summary.json"

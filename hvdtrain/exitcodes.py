@@ -1,0 +1,7 @@
+"""The exit codes of `hvdtrain` and of the recipes beyond 0 (done) and 1 (an unexpected error, with its traceback);
+the README's table lists them all."""
+
+INVALID_INPUT = 2  # bad input (spec, hostfile, CLI, data, a busy run directory), reported before anything starts
+DIVERGED = 3  # training went NaN/Inf (hvdtrain.train.divergence)
+TIMED_OUT = 124  # hvdtrain run --timeout ran out (as timeout(1))
+SIGNALLED = 128  # + the signal's number: the job was stopped by that signal (SIGINT: 130)

@@ -1,0 +1,24 @@
+"""A recipe's entry point: `exit_with(main, __file__)` as the last line of the script."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import NoReturn
+
+from hvdtrain import exitcodes
+from hvdtrain.train.datasets import DatasetError
+from hvdtrain.train.divergence import TrainingDiverged
+from hvdtrain.train.rundir import RunDirBusy
+
+
+def exit_with(main: Callable[[], int], script: str) -> NoReturn:
+    """Exit with main()'s code. Errors every rank meets alike exit with one message and no traceback: bad data or a
+    run directory another job holds (before any training): 2; training that diverged (NaN/Inf): 3."""
+    try:
+        code = main()
+    except (DatasetError, RunDirBusy, TrainingDiverged) as e:
+        print(f"{Path(script).name}: error: {e}", file=sys.stderr, flush=True)
+        code = exitcodes.DIVERGED if isinstance(e, TrainingDiverged) else exitcodes.INVALID_INPUT
+    sys.exit(code)
