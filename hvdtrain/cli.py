@@ -68,7 +68,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from hvdtrain.plan import build_plan
 
     spec = _load(args)
-    controller = spec.controller or default_controller(spec.python)
+    controller = spec.controller or default_controller(spec.python, save=not args.dry_run)  # a dry run writes nothing
     plan = build_plan(spec, controller=controller, horovodrun=find_horovodrun())
     if args.dry_run:
         print(plan.describe())

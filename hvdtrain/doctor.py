@@ -1,8 +1,8 @@
 """`hvdtrain doctor`: what this machine can run, and how to fix what it cannot.
 
 Each check is a plain function returning a `Check`; `run_checks` collects them and `format_report` renders them.
-Horovod is probed in a subprocess so that a broken build (an extension that fails to load, a torch ABI mismatch)
-is reported as a failed check instead of crashing the doctor.
+Horovod is probed in a subprocess (hvdtrain.probe) so that a broken build (an extension that fails to load, a torch
+ABI mismatch) is reported as a failed check instead of crashing the doctor.
 """
 
 from __future__ import annotations
@@ -15,36 +15,12 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from hvdtrain import probe
+from hvdtrain.probe import Facts
+
 SETUP_FIX = "run scripts/setup.sh from the hvdtrain checkout (it rebuilds Horovod when torch or TF changed)"
 TF_FIX = ("install TensorFlow into the venv (.venv/bin/pip install -c scripts/constraints.txt tensorflow-cpu "
           "tf-keras), then run scripts/setup.sh: it rebuilds Horovod with TensorFlow ops")
-PROBE_TIMEOUT_S = 120
-
-# Runs in a child interpreter: prints one JSON object describing the Horovod build.
-_HOROVOD_PROBE = r"""
-import json, importlib, importlib.util, pathlib, sys
-out = {"errors": {}}
-try:
-    from importlib.metadata import version
-    out["horovod"] = version("horovod")
-    import horovod
-    root = pathlib.Path(horovod.__file__).parent
-    out["torch_ext"] = bool(list((root / "torch").glob("mpi_lib_v2*.so")))
-    out["tf_ext"] = bool(list((root / "tensorflow").glob("mpi_lib*.so")))
-except Exception as e:  # the probe reports every failure as data
-    out["errors"]["horovod"] = f"{type(e).__name__}: {e}"
-for fw in ("torch", "tensorflow"):
-    if not out.get("torch_ext" if fw == "torch" else "tf_ext"):
-        continue
-    try:
-        hvd = importlib.import_module(f"horovod.{fw}")
-        out[fw] = {k: bool(getattr(hvd, k)()) for k in
-                   ("gloo_built", "mpi_built", "nccl_built", "cuda_built", "rocm_built", "ccl_built", "ddl_built")}
-    except Exception as e:
-        out["errors"][fw] = f"{type(e).__name__}: {e}"
-print(json.dumps(out))
-"""
-
 
 @dataclass(frozen=True)
 class Check:
@@ -53,20 +29,6 @@ class Check:
     detail: str
     fix: str = ""
     required: bool = True
-
-
-def probe_horovod(python: str = sys.executable) -> dict:
-    """Describe the Horovod build as seen by `python` (a dict with an `errors` map)."""
-    try:
-        proc = subprocess.run([python, "-c", _HOROVOD_PROBE], capture_output=True, text=True,
-                              timeout=PROBE_TIMEOUT_S, check=False)
-    except subprocess.TimeoutExpired:
-        return {"errors": {"horovod": f"importing horovod took over {PROBE_TIMEOUT_S} s"}}
-    lines = proc.stdout.strip().splitlines()
-    try:
-        return json.loads(lines[-1])
-    except (IndexError, json.JSONDecodeError):
-        return {"errors": {"horovod": f"probe failed (exit {proc.returncode}): {proc.stderr.strip()[-500:]}"}}
 
 
 def _first_line(argv: list[str]) -> str | None:
@@ -80,26 +42,25 @@ def _first_line(argv: list[str]) -> str | None:
     return text.splitlines()[0] if text else None
 
 
-def framework_checks(build: dict, require: set[str]) -> list[Check]:
+def framework_checks(build: Facts, require: set[str]) -> list[Check]:
     checks = []
-    for fw, label, ext_key in (("torch", "PyTorch ops", "torch_ext"), ("tensorflow", "TensorFlow ops", "tf_ext")):
-        flags = build.get(fw)
-        err = build["errors"].get(fw)
-        ok = isinstance(flags, dict)
+    for fw, label in (("torch", "PyTorch ops"), ("tensorflow", "TensorFlow ops")):
+        err = build.errors.get(fw)
+        ok = fw in build.built
         if ok:
             detail = "built and importable"
         elif err:
             detail = f"extension present but import failed: {err}"
         else:
-            detail = "not built" if build.get(ext_key) is False else "unknown"
+            detail = "not built" if build.extensions.get(fw) is None else "unknown"
         fix = SETUP_FIX if fw == "torch" or err else TF_FIX
         checks.append(Check(label, ok, detail, fix, required=(fw == "torch" or fw in require)))
     return checks
 
 
-def controller_checks(build: dict, require: set[str]) -> list[Check]:
-    flags = build.get("torch") or build.get("tensorflow") or {}
-    gloo, mpi, nccl = flags.get("gloo_built", False), flags.get("mpi_built", False), flags.get("nccl_built", False)
+def controller_checks(build: Facts, require: set[str]) -> list[Check]:
+    flags = build.controllers()
+    gloo, mpi, nccl = flags.get("gloo", False), flags.get("mpi", False), flags.get("nccl", False)
     mpirun = _first_line(["mpirun", "--version"])
     checks = [
         Check("Gloo controller", gloo, "built" if gloo else "not built", SETUP_FIX),
@@ -159,9 +120,9 @@ def keras_check(probe: dict, require: set[str]) -> Check:
 def probe_keras(python: str = sys.executable) -> dict:
     try:
         proc = subprocess.run([python, "-c", _KERAS_PROBE], capture_output=True, text=True,
-                              timeout=PROBE_TIMEOUT_S, check=False)
+                              timeout=probe.PROBE_TIMEOUT_S, check=False)
     except subprocess.TimeoutExpired:
-        return {"tensorflow": True, "error": f"importing tensorflow took over {PROBE_TIMEOUT_S} s"}
+        return {"tensorflow": True, "error": f"importing tensorflow took over {probe.PROBE_TIMEOUT_S} s"}
     try:
         return json.loads(proc.stdout.strip().splitlines()[-1])
     except (IndexError, json.JSONDecodeError):
@@ -170,12 +131,12 @@ def probe_keras(python: str = sys.executable) -> dict:
 
 def run_checks(require: set[str] = frozenset()) -> list[Check]:
     """All checks for this machine. `require` adds 'mpi', 'nccl' or 'tensorflow' to what must pass."""
-    build = probe_horovod()
-    hvd_err = build["errors"].get("horovod")
+    build = probe.run(sys.executable, "all")
+    hvd_err = build.errors.get("horovod")
     checks = [
         Check("Python", sys.version_info[:2] == (3, 11), sys.version.split()[0], "use Python 3.11"),
-        Check("Horovod", hvd_err is None and "horovod" in build,
-              build.get("horovod", "") if hvd_err is None else f"not usable: {hvd_err}", SETUP_FIX),
+        Check("Horovod", hvd_err is None and build.horovod is not None,
+              build.horovod or "not installed" if hvd_err is None else f"not usable: {hvd_err}", SETUP_FIX),
         Check("horovodrun", shutil.which("horovodrun") is not None or (Path(sys.executable).parent /
               "horovodrun").exists(), "on PATH" if shutil.which("horovodrun") else "next to python",
               "activate the venv: source .venv/bin/activate"),
@@ -183,7 +144,7 @@ def run_checks(require: set[str] = frozenset()) -> list[Check]:
     if hvd_err is None:
         checks += framework_checks(build, require)
         checks += controller_checks(build, require)
-        if build.get("tf_ext") or "tensorflow" in require:
+        if build.extensions.get("tensorflow") or "tensorflow" in require:
             checks.append(keras_check(probe_keras(), require))
     return checks + torch_checks()
 

@@ -8,7 +8,6 @@ Also the two look-ups a plan needs from this machine: the default controller and
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shlex
 import shutil
@@ -21,84 +20,37 @@ from pathlib import Path
 
 import psutil
 
-from hvdtrain import exitcodes
+from hvdtrain import exitcodes, probe
 from hvdtrain.console import OutputRouter, pump
 from hvdtrain.failures import FailureTracker
 from hvdtrain.jobspec import Logs, Ssh
 from hvdtrain.lifeline import DONE, die_with_parent
 from hvdtrain.plan import RANK_MODULE, LaunchPlan
 
-PROBE_TIMEOUT_S = 120
 GRACE_S = 20.0  # horovodrun itself gives ranks 5 s after SIGTERM, then 5 s more before SIGKILL
 POLL_S = 0.5
 GUARD_MODULE = "hvdtrain.lifeline"  # `python -m hvdtrain.lifeline PGID`: see NOTE [no orphans]
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # each stops the whole job; exit 128 + N
 SNAPSHOT_S = 2.0  # a process-tree walk costs ~10 ms of CPU: not every poll, the ranks need the cores
-_PROBE = r"""
-import json, importlib, pathlib
-for fw in ("torch", "tensorflow"):
-    try:
-        hvd = importlib.import_module("horovod." + fw)
-    except Exception:
-        continue
-    ext = sorted(pathlib.Path(hvd.__file__).parent.glob("mpi_lib*.so"))
-    print(json.dumps({"gloo": bool(hvd.gloo_built()), "mpi": bool(hvd.mpi_built()), "ext": str(ext[0])}))
-    break
-"""
 
 
 class LaunchError(RuntimeError):
     """The job cannot be started on this machine (no horovodrun, Horovod not importable); exit code 2."""
 
 
-def cache_dir() -> Path:
-    base = os.environ.get("HVDTRAIN_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "hvdtrain")
-    return Path(base)
-
-
-def _ext_stamp(ext: str) -> list[int] | None:
-    try:
-        st = os.stat(ext)
-    except OSError:
-        return None
-    return [st.st_mtime_ns, st.st_size]
-
-
-def probe_controllers(python: str) -> dict:
-    """Which controllers `python`'s Horovod was built with. Cached per interpreter until the extension changes."""
-    cache = cache_dir() / "controllers.json"
-    try:
-        entries = json.loads(cache.read_text())
-    except (OSError, ValueError):
-        entries = {}
-    hit = entries.get(python)
-    if isinstance(hit, dict) and hit.get("stamp") and _ext_stamp(hit.get("ext", "")) == hit["stamp"]:
-        return hit
-    try:
-        proc = subprocess.run([python, "-c", _PROBE], capture_output=True, text=True, timeout=PROBE_TIMEOUT_S,
-                              check=False, stdin=subprocess.DEVNULL)
-        found = json.loads(proc.stdout.strip().splitlines()[-1])
-    except (OSError, subprocess.TimeoutExpired, IndexError, ValueError) as exc:
-        raise LaunchError(f"cannot import Horovod with {python} ({type(exc).__name__}: {exc}); "
-                          "run `hvdtrain doctor`, or set controller: gloo|mpi in the spec") from None
-    found["stamp"] = _ext_stamp(found["ext"])
-    entries[python] = found
-    with contextlib.suppress(OSError):
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(entries, indent=1))
-        os.replace(tmp, cache)
-    return found
-
-
-def default_controller(python: str) -> str:
-    """Gloo when Horovod has it (it also runs elastic jobs), else MPI."""
-    built = probe_controllers(python)
+def default_controller(python: str, *, save: bool = True) -> str:
+    """Gloo when `python`'s Horovod has it (it also runs elastic jobs), else MPI (hvdtrain.probe; `save=False`
+    writes no cache)."""
+    build = probe.horovod_build(python, save=save)
+    built = build.controllers()
     if built.get("gloo"):
         return "gloo"
     if built.get("mpi"):
         return "mpi"
+    if not build.built:
+        why = "; ".join(f"{part}: {error}" for part, error in build.errors.items()) or "no framework's ops are built"
+        raise LaunchError(f"cannot import Horovod with {python} ({why}); run `hvdtrain doctor`, or set "
+                          "controller: gloo|mpi in the spec")
     raise LaunchError(f"Horovod under {python} was built with neither Gloo nor MPI; rerun scripts/setup.sh")
 
 
@@ -106,7 +58,7 @@ def check_rank_module(python: str) -> None:
     """Every rank runs `python -m hvdtrain.rank`: say so before starting anything if `python` lacks hvdtrain."""
     try:
         proc = subprocess.run([python, "-c", f"import {RANK_MODULE}"], capture_output=True, text=True,
-                              timeout=PROBE_TIMEOUT_S, check=False, stdin=subprocess.DEVNULL)
+                              timeout=probe.PROBE_TIMEOUT_S, check=False, stdin=subprocess.DEVNULL)
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise LaunchError(f"cannot run the job's interpreter {python}: {exc}") from None
     if proc.returncode != 0:
@@ -326,7 +278,7 @@ def _supervise(plan: LaunchPlan, job: _Job, timeout_s: float | None, ssh: Ssh) -
 
 def _find_lost_hosts(failures: FailureTracker, plan: LaunchPlan, ssh: Ssh) -> None:
     """Gloo does not say which peer it timed out on: ask ssh which of the job's remote hosts is gone (bounded)."""
-    from hvdtrain.doctor_hosts import is_local, local_addresses, unreachable_hosts
+    from hvdtrain.ssh import is_local, local_addresses, unreachable_hosts
 
     here = local_addresses()
     remote = sorted({h for h in plan.rank_hosts if not is_local(h, here)})

@@ -8,27 +8,26 @@ import json
 import platform
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
-from hvdtrain import cli, doctor_hosts
+from hvdtrain import cli, doctor_hosts, ssh
 from hvdtrain.doctor import format_report
 from hvdtrain.doctor_hosts import (
-    MARKER,
     Probe,
     common_interfaces,
     host_checks,
     interpret,
-    is_local,
     load_hosts,
     nic_checks,
-    ssh_argv,
-    unreachable_hosts,
     version_checks,
 )
 from hvdtrain.hosts import Host, HostError
+from hvdtrain.probe import MARKER, Facts
+from hvdtrain.ssh import is_local, ssh_argv, unreachable_hosts
 
-HERE = {"python": "3.11.7", "executable": "/opt/venv/bin/python", "horovod": "0.28.1", "torch": "2.13.0+cpu"}
+HERE = Facts(python="3.11.7", executable="/opt/venv/bin/python", horovod="0.28.1", torch="2.13.0+cpu")
 PY = "/opt/venv/bin/python"
 
 
@@ -67,22 +66,22 @@ def test_nic_checks_fail_listing_each_hosts_names_when_none_is_common_or_no_host
 
 
 def test_version_checks_same_versions_pass():
-    checks = by_name(version_checks(Probe("h1", facts=dict(HERE)), HERE))
+    checks = by_name(version_checks(Probe("h1", facts=HERE), HERE))
     assert checks["h1: Python"].ok and checks["h1: Python"].detail == "3.11.7"
     assert checks["h1: Horovod"].ok and checks["h1: Horovod"].detail == "0.28.1"
 
 
 def test_version_checks_patch_level_warns_minor_and_horovod_fail():
-    checks = by_name(version_checks(Probe("h1", facts={**HERE, "python": "3.11.9"}), HERE))
+    checks = by_name(version_checks(Probe("h1", facts=replace(HERE, python="3.11.9")), HERE))
     assert (checks["h1: Python"].ok, checks["h1: Python"].required) == (False, False)  # [warn]
     assert checks["h1: Python"].detail == "3.11.9 (here: 3.11.7)"
-    checks = by_name(version_checks(Probe("h1", facts={**HERE, "python": "3.12.1", "horovod": "0.28.0",
-                                                       "torch": "2.5.0"}), HERE))
+    checks = by_name(version_checks(Probe("h1", facts=replace(HERE, python="3.12.1", horovod="0.28.0",
+                                                                     torch="2.5.0")), HERE))
     assert (checks["h1: Python"].ok, checks["h1: Python"].required) == (False, True)  # [FAIL]
     assert not checks["h1: Horovod"].ok
     assert checks["h1: Horovod"].detail == "0.28.0 (here: 0.28.1); torch 2.5.0 (here: 2.13.0+cpu)"
     assert "scripts/setup.sh on h1" in checks["h1: Horovod"].fix
-    checks = by_name(version_checks(Probe("h1", facts={**HERE, "horovod": None}), HERE))
+    checks = by_name(version_checks(Probe("h1", facts=replace(HERE, horovod=None)), HERE))
     assert not checks["h1: Horovod"].ok and checks["h1: Horovod"].detail.startswith("not installed")
 
 
@@ -100,13 +99,13 @@ def test_interpret_names_why_ssh_failed_and_how_to_fix_it(stderr, error, fix):
     probe = interpret("h1", 255, "", stderr, PY, port=2222)
     assert error in probe.error and probe.error.startswith("unreachable: ")
     assert fix in probe.fix
-    assert not probe.facts
+    assert probe.facts == Facts()
 
 
 def test_interpret_reads_the_marked_line_among_other_output():
     facts = {"python": "3.11.7", "horovod": "0.28.1", "nics": ["eth0"]}
     stdout = f"Welcome to h1!\n{MARKER}{json.dumps(facts)}\n"
-    assert interpret("h1", 0, stdout, "", PY) == Probe("h1", facts=facts)
+    assert interpret("h1", 0, stdout, "", PY) == Probe("h1", facts=Facts.from_json(facts))
 
 
 @pytest.mark.parametrize(("code", "stdout", "stderr", "error"), [
@@ -148,12 +147,12 @@ def test_load_hosts_uses_the_projects_parsers(tmp_path):
 
 def test_host_checks_skip_versions_of_unreachable_hosts_and_intersect_nics_of_the_others(monkeypatch):
     answers = {
-        "a": Probe("a", facts={**HERE, "nics": ["eth0", "ib0"]}, seconds=0.4),
-        "b": Probe("b", facts={**HERE, "python": "3.11.9", "nics": ["ib0"]}, seconds=0.5),
+        "a": Probe("a", facts=replace(HERE, nics=["eth0", "ib0"]), seconds=0.4),
+        "b": Probe("b", facts=replace(HERE, python="3.11.9", nics=["ib0"]), seconds=0.5),
         "c": Probe("c", error="unreachable: ssh: connect to host c port 22: No route to host", fix="check c"),
     }
     monkeypatch.setattr(doctor_hosts, "probe_host", lambda name, *a: answers[name])
-    monkeypatch.setattr(doctor_hosts, "local_facts", lambda python=PY: dict(HERE))
+    monkeypatch.setattr(doctor_hosts, "local_facts", lambda python=PY: HERE)
     monkeypatch.setattr(doctor_hosts, "_local_nic_addrs", lambda: {"ib0": ["10.0.0.1"], "docker0": []})
     checks = host_checks([Host("a", 1), Host("b", 1), Host("c", 1)], port=22)
     assert [c.name for c in checks] == ["a: ssh", "a: Python", "a: Horovod", "b: ssh", "b: Python", "b: Horovod",
@@ -170,26 +169,26 @@ def test_host_checks_skip_versions_of_unreachable_hosts_and_intersect_nics_of_th
 def test_unreachable_hosts_lists_only_hosts_where_ssh_itself_failed(monkeypatch):
     def fake_run(argv, **kwargs):
         host = argv[-2]
-        assert kwargs["timeout"] == doctor_hosts.CALL_TIMEOUT_S and "BatchMode=yes" in argv
+        assert kwargs["timeout"] == ssh.CALL_TIMEOUT_S and "BatchMode=yes" in argv
         if host == "slow":
             raise subprocess.TimeoutExpired(argv, kwargs["timeout"])
         code, err = {"up": (0, ""), "down": (255, "ssh: connect to host down port 22: No route to host"),
                      "odd": (1, "true: oops")}[host]
         return subprocess.CompletedProcess(argv, code, "", err)
 
-    monkeypatch.setattr(doctor_hosts.subprocess, "run", fake_run)
+    monkeypatch.setattr(ssh.subprocess, "run", fake_run)
     assert unreachable_hosts(["up", "down", "odd", "slow"]) == {
         "down": "unreachable: ssh: connect to host down port 22: No route to host",
-        "slow": f"no answer within {doctor_hosts.CALL_TIMEOUT_S} s"}
+        "slow": f"no answer within {ssh.CALL_TIMEOUT_S} s"}
     assert unreachable_hosts([]) == {}
 
 
 def test_the_probe_runs_locally_without_ssh():
     probe = doctor_hosts.probe_host("localhost", sys.executable, None, None, local=True)
     assert not probe.error, probe
-    assert probe.local and probe.facts["python"] == platform.python_version()
-    assert probe.facts["executable"] == sys.executable
-    assert isinstance(probe.facts["nics"], list) and "lo" not in probe.facts["nics"]
+    assert probe.local and probe.facts.python == platform.python_version()
+    assert probe.facts.executable == sys.executable
+    assert isinstance(probe.facts.nics, list) and "lo" not in probe.facts.nics
 
 
 def test_cli_rejects_bad_hosts_with_exit_2_before_any_check(capsys):

@@ -30,7 +30,7 @@ import psutil
 import pytest
 import yaml
 
-from hvdtrain.doctor_hosts import unreachable_hosts
+from hvdtrain.ssh import unreachable_hosts
 from tests import netns
 from tests.harness import BIN, REPO, JobResult, expect_ok, kill_launcher_when, run_bounded, wait_gone
 
