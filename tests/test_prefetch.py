@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from hvdtrain.data import DevicePrefetcher, ShmLoader, TorchLoader, to_torch
+from hvdtrain.data import DevicePrefetcher, ShardSampler, ShmLoader, TorchLoader, to_torch
 from tests import loader_fixtures as fx
 
 pytestmark = pytest.mark.timeout(120)
@@ -65,8 +65,8 @@ class _FakeLoader:
     def __len__(self) -> int:
         return self.n
 
-    def state_dict(self) -> dict:
-        return {"epoch": 0, "batches_consumed": self.yielded}
+    def state_dict(self, unconsumed: int = 0) -> dict:
+        return {"epoch": 0, "batches_consumed": self.yielded - unconsumed}
 
 
 def _fake_cuda(monkeypatch, log: list) -> None:
@@ -107,6 +107,26 @@ def test_cuda_path_break_and_restart(monkeypatch) -> None:
         if int(batch[0]) == 1:
             break
     assert [int(b[0]) for b in pf] == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("wrap", [False, True])
+def test_cuda_path_state_of_a_real_loader_leaves_out_the_batch_in_flight(monkeypatch, wrap: bool) -> None:
+    """The prefetcher asks the loader for its state minus the batches fetched ahead; resuming from it yields the
+    batch that was in flight again (3 batches of 4 of 10 samples: the last is partial, samples_consumed capped)."""
+    monkeypatch.setattr(DevicePrefetcher, "_issue", lambda self, host, slot: (to_torch(host, copy=True), None))
+    monkeypatch.setattr(DevicePrefetcher, "_hand_off", lambda self, dev, ev: dev)
+    n, bs = 10, 4
+    with ShmLoader(fx.IndexDataset(n), rank=0, size=1, batch_size=bs, num_workers=2, shuffle=False) as ld:
+        pf = DevicePrefetcher(TorchLoader(ld) if wrap else ld, "cuda:0")
+        trained = ShardSampler(n, 0, 1, shuffle=False, batch_size=bs)
+        for _, y in pf:
+            trained.advance(1)
+            assert pf.state_dict() == trained.state_dict(), y.tolist()
+        assert pf.state_dict()["samples_consumed"] == n
+        _, y = next(iter(pf))
+        assert y.tolist() == [0, 1, 2, 3] and pf.state_dict()["batches_consumed"] == 1  # batch 1 is in flight
+        pf.load_state_dict(pf.state_dict())
+        assert [y.tolist() for _, y in pf] == [[4, 5, 6, 7], [8, 9]]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the real stream/pinned path needs a GPU")

@@ -106,6 +106,25 @@ def test_resume_state_is_exact_at_the_end_and_capped() -> None:
     assert s.batches_consumed == 3 and len(s) == 0 and list(s) == [] and s.samples_consumed == 10
 
 
+@pytest.mark.parametrize("even", [True, False])
+@pytest.mark.parametrize("n,size,bs", [(10, 1, 4), (10, 4, 1), (103, 3, 5), (12, 2, 3)])
+def test_state_with_unconsumed_batches_is_the_state_they_were_taken_at(n: int, size: int, bs: int,
+                                                                       even: bool) -> None:
+    """state_dict(unconsumed=k) (a prefetcher's look-ahead) equals the state saved k batches earlier, the
+    capped last batch of a padded epoch included."""
+    s = ShardSampler(n, size - 1, size, seed=4, batch_size=bs, even=even)
+    s.set_epoch(1)
+    states = [s.state_dict()]
+    for _ in range(s.shard_batches):
+        s.advance(1)
+        states.append(s.state_dict())
+    for k in range(len(states)):
+        assert s.state_dict(unconsumed=k) == states[-1 - k]
+    for bad in (-1, len(states), 1.0, True):
+        with pytest.raises(ValueError, match="unconsumed"):
+            s.state_dict(unconsumed=bad)
+
+
 @pytest.mark.parametrize("old,new", [(4, 3), (2, 5), (3, 1), (1, 4)])
 def test_elastic_reshard_sees_every_sample_once(old: int, new: int) -> None:
     n, bs, consumed_batches = 120, 5, 2

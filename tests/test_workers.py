@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import signal
 import subprocess
 import sys
 import time
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +23,9 @@ from hvdtrain.data import (
     WorkerDiedError,
     WorkerError,
     derive_seed,
+    shm,
 )
+from hvdtrain.data.protocol import Batch, EpochDone, FreeSlot, GrowSlot, StartEpoch, Stop, WorkerFailed
 from tests import harness
 from tests import loader_fixtures as fx
 
@@ -145,6 +149,9 @@ def test_batches_per_epoch_cuts_an_endless_generator_and_resume_skips() -> None:
         next(it), next(it)
         state = ld.state_dict()
         assert state == {"epoch": 1, "batches_consumed": 2}
+        assert ld.state_dict(unconsumed=2) == {"epoch": 1, "batches_consumed": 0}
+        with pytest.raises(ValueError, match="unconsumed"):
+            ld.state_dict(unconsumed=3)
         ld.load_state_dict(state)
         assert len(ld) == 3
         assert [(int(x[0, 0]), *y.tolist()) for x, y in ld] == [(0, 1, 1), (1, 1, 1), (0, 1, 2)]
@@ -320,6 +327,20 @@ def test_workers_do_not_rerun_the_training_script(tmp_path: Path, import_main: s
     assert result.returncode == 0, result.describe()
     assert "BATCHES [[0, 1, 4], [9, 16, 25]]" in result.output, result.describe()
     assert result.output.count("MAIN-MODULE-RUN") == runs, result.describe()
+
+
+def test_protocol_messages_are_small_and_survive_pickling() -> None:
+    """What crosses a worker pipe: typed messages, told apart by type, with no array data in them."""
+    layout, _ = shm.plan_layout({"x": np.zeros((256, 3, 32, 32), np.float32), "y": np.zeros(256, np.int64)})
+    messages = [FreeSlot(0, None, 0), FreeSlot(3, "hvdtrain_1_abcdef012345", 4096),
+                StartEpoch(2, 5, ShardSampler(10, 0, 1, batch_size=2).state_dict()), StartEpoch(2, 5, None), Stop(),
+                Batch(2, 7, 3, layout), GrowSlot(3, 1 << 20), EpochDone(2, 8), WorkerFailed(2, 7, "Traceback ...")]
+    for msg in messages:
+        wire = ForkingPickler.dumps(msg)  # what Connection.send writes
+        back = pickle.loads(wire)
+        assert back == msg and type(back) is type(msg)
+        assert len(wire) < 600, (msg, len(wire))
+    assert EpochDone(2, 7) != WorkerFailed(2, 7, "") and GrowSlot(1, 2) != (1, 2)
 
 
 def test_sweep_removes_only_old_segments_of_dead_creators(tmp_path) -> None:

@@ -2,9 +2,9 @@
 
 NOTE [shutdown]
 Who owns what, and how everything ends — normally, on an exception, on interpreter exit and after a crash:
-- The trainer creates every shared-memory segment (`hvdtrain_<trainer pid>_<token>`, created on a worker's "grow"
-  request, since only the worker knows a batch's size) and sends its name; the worker attaches as soon as it
-  reads that message and unlinks the name at once (shm.attach_segment). From then on the segment has no /dev/shm
+- The trainer creates every shared-memory segment (`hvdtrain_<trainer pid>_<token>`, created on a worker's GrowSlot
+  request, since only the worker knows a batch's size) and sends its name (FreeSlot); the worker attaches as soon
+  as it reads that message and unlinks the name at once (shm.attach_segment). From then on the segment has no /dev/shm
   entry: both mappings stay valid and the memory is freed when the last process unmaps it, so a later SIGKILL of
   anyone leaks nothing. A name therefore exists only between `create_segment` and the worker reading the pipe —
   and the worker still reads it after the trainer has died, since the message is already in its socket buffer.
@@ -15,10 +15,10 @@ Who owns what, and how everything ends — normally, on an exception, on interpr
   `shutdown` exactly once: from `close()`, from `__exit__`, when the loader is garbage-collected, or at interpreter
   exit. `close()` is therefore idempotent. (At exit, multiprocessing's own atexit hook may run first and
   terminate the daemon workers; shutdown copes with dead workers, and the segments are ours to unlink either way.)
-- shutdown: send ("stop",), unlink and unmap our segments, join each worker for a grace period, then SIGTERM, then
+- shutdown: send Stop(), unlink and unmap our segments, join each worker for a grace period, then SIGTERM, then
   SIGKILL. A worker blocked in user code stops at its next pipe check; one stuck for longer is killed.
 - A worker ignores SIGINT (Ctrl-C reaches the whole process group; the trainer handles it). It ends when it
-  reads "stop", when the pipe reports EOF (the trainer is gone: checked at least every
+  reads Stop(), when the pipe reports EOF (the trainer is gone: checked at least every
   `poll_s` while it waits and between batches), or when a segment it must attach was already unlinked.
 - The trainer never blocks without a deadline: it waits on the worker pipes *and* the process sentinels with
   `multiprocessing.connection.wait(timeout=poll_s)`, so a dead worker is reported at once (WorkerDiedError, and
@@ -41,6 +41,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from hvdtrain.data import shm
+from hvdtrain.data.protocol import Stop
 
 
 class LoaderError(RuntimeError):
@@ -70,7 +71,7 @@ class Resources:
     def shutdown(self, grace_s: float = 2.0) -> None:
         for conn in self.conns:
             with contextlib.suppress(OSError):
-                conn.send(("stop",))
+                conn.send(Stop())
         for seg in self.segments.values():
             shm.release_segment(seg, unlink=True)
         self.segments.clear()

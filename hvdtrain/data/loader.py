@@ -1,22 +1,22 @@
 """ShmLoader: persistent producer processes hand batches to the trainer through shared memory, without pickling.
 
-Process and segment lifetimes, errors and shutdown: NOTE [shutdown] in lifecycle.py.
+The producer side is workers.py, the messages between the two protocol.py, one pass over an epoch (receiving and
+ordering the batches) epoch.py. Process and segment lifetimes, errors and shutdown: NOTE [shutdown] in lifecycle.py.
 """
 
 from __future__ import annotations
 
 import contextlib
 import multiprocessing as mp
-import time
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
-from multiprocessing.connection import wait
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from hvdtrain.data import shm
+from hvdtrain.data.epoch import EpochIterator, Key
 from hvdtrain.data.lending import Lender
 from hvdtrain.data.lifecycle import (
     LoaderError,
@@ -27,8 +27,11 @@ from hvdtrain.data.lifecycle import (
     describe_exit,
     main_module_hidden,
 )
-from hvdtrain.data.sharding import ShardSampler, check_positive, check_rank
+from hvdtrain.data.protocol import Batch, EpochMessage, FreeSlot, StartEpoch, ToWorker
+from hvdtrain.data.sharding import ShardSampler, check_positive, check_rank, check_unconsumed
 from hvdtrain.data.workers import WorkerConfig, worker_main
+
+__all__ = ["LoaderError", "LoaderTimeoutError", "ShmLoader", "WorkerDiedError", "WorkerError"]  # errors: lifecycle.py
 
 START_METHODS = ("spawn", "forkserver")
 
@@ -107,8 +110,8 @@ class ShmLoader:
         self.batches_per_epoch, self.ordered = batches_per_epoch, ordered
         self.dataset, self.collate, self.fetch, self.generator = dataset, collate, fetch, generator
         self.epoch = 0
-        self._gen = 0
-        self._consumed = 0  # batches yielded in the current epoch (generator mode; the sampler counts otherwise)
+        self._gen = 0  # numbers the iterations: StartEpoch and every EpochMessage carry it
+        self._consumed = 0  # generator mode's resume position: batches of this epoch consumed (else the sampler's)
         self._resume_pending = False
         self._completed_epoch: int | None = None
         self._spw = prefetch + 1  # slots per worker: prefetch ahead + the one the step holds
@@ -120,7 +123,9 @@ class ShmLoader:
                 loader._give_back(slot, quiet=True)
 
         self._lender = Lender(self._spw, give_back)
-        self._stash: dict[tuple[int, int], tuple[Any, ...]] = {}
+        # The current iteration's messages received ahead of their turn: its EpochIterator's `stash`, kept here so
+        # that the next iteration gives their slots back even if that iterator is gone.
+        self._unclaimed: dict[Key, EpochMessage] = {}
         self._res = Resources()
         self._finalizer = weakref.finalize(self, _shut_down, self._res, self._lender)
         self._closed = False
@@ -150,7 +155,7 @@ class ShmLoader:
             self._res.procs.append(proc)
             theirs.close()
             for slot in range(w * self._spw, (w + 1) * self._spw):
-                mine.send(("slot", slot, None, 0))
+                mine.send(FreeSlot(slot, None, 0))
 
     # ---- public API ----------------------------------------------------------------------------------------
 
@@ -163,11 +168,15 @@ class ShmLoader:
         if self.sampler is not None:
             self.sampler.set_epoch(epoch)
 
-    def state_dict(self) -> dict[str, Any]:
-        """Epoch and batches consumed (= yielded to the trainer) so far in it."""
+    def state_dict(self, unconsumed: int = 0) -> dict[str, Any]:
+        """Epoch and batches consumed (= yielded to the trainer) so far in it (dataset mode: the sampler's state).
+
+        `unconsumed=k`: the state before the last `k` batches yielded, for a caller that has taken `k` batches it
+        has not trained on yet (DevicePrefetcher's look-ahead); resuming from it yields those `k` again.
+        ValueError unless 0 <= k <= batches consumed."""
         if self.sampler is not None:
-            return self.sampler.state_dict()
-        return {"epoch": self.epoch, "batches_consumed": self._consumed}
+            return self.sampler.state_dict(unconsumed=unconsumed)
+        return {"epoch": self.epoch, "batches_consumed": self._consumed - check_unconsumed(unconsumed, self._consumed)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """The next iteration resumes after the consumed batches (generator mode: they are produced and skipped)."""
@@ -185,7 +194,7 @@ class ShmLoader:
             raise TypeError("a generator ShmLoader has no length unless batches_per_epoch is given")
         return self.batches_per_epoch - (self._consumed if self._resume_pending else 0)
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> EpochIterator:
         self._check_open()
         if (self._completed_epoch == self.epoch and not self._resume_pending and self.sampler is not None
                 and self.sampler.shuffle):
@@ -198,20 +207,22 @@ class ShmLoader:
             self.sampler.rewind()
         self._consumed, self._resume_pending = 0, False
         state = None if self.sampler is None else self.sampler.state_dict()
+        it = EpochIterator(self, self._gen, skip)
         with self._lender.talking():
-            for msg in self._stash.values():
-                if msg[0] == "batch":
-                    self._give_back(msg[3])
-            self._stash.clear()
+            for msg in self._unclaimed.values():  # received by the previous iteration, never yielded
+                if isinstance(msg, Batch):
+                    self._give_back(msg.slot)
+            self._unclaimed.clear()
+            self._unclaimed = it.stash
             for w in range(self.num_workers):
-                self._send(w, ("epoch", self._gen, self.epoch, state))
-        return _EpochIterator(self, self._gen, skip)
+                self._send(w, StartEpoch(self._gen, self.epoch, state))
+        return it
 
     def close(self) -> None:
         """Stop the workers and free every segment (idempotent; see NOTE [shutdown])."""
         self._closed = True
         self._lender.close()
-        self._stash.clear()
+        self._unclaimed.clear()
         self._finalizer()
 
     def __enter__(self) -> ShmLoader:
@@ -230,16 +241,17 @@ class ShmLoader:
         if self._closed:
             raise LoaderError("this ShmLoader is closed")
 
-    def _send(self, w: int, msg: tuple[Any, ...]) -> None:
+    def _send(self, w: int, msg: ToWorker) -> None:
         try:
             self._res.conns[w].send(msg)
         except OSError:
             self._fail_dead(w, "when the trainer wrote to it")
 
     def _give_back(self, slot: int, *, quiet: bool = False) -> None:
-        """Hand `slot` back to its worker. quiet: a dead worker is left for `_receive` to report (its sentinel)."""
+        """Hand `slot` back to its worker. quiet: a dead worker is left for the epoch iterator's wait to report (its
+        sentinel)."""
         seg = self._res.segments.get(slot)
-        w, msg = slot // self._spw, ("slot", slot, seg.name if seg else None, seg.size if seg else 0)
+        w, msg = slot // self._spw, FreeSlot(slot, seg.name if seg else None, seg.size if seg else 0)
         if not quiet:
             self._send(w, msg)
             return
@@ -261,125 +273,15 @@ class ShmLoader:
         self.close()
         raise WorkerDiedError(msg)
 
-    def _on_message(self, w: int, msg: tuple[Any, ...]) -> None:
-        kind = msg[0]
-        if kind == "grow":
-            self._grow(msg[1], msg[2])
-        elif msg[1] == self._gen:
-            self._stash[(w, msg[2])] = msg
-        elif kind == "batch":  # from an abandoned iteration: the slot goes straight back
-            self._give_back(msg[3])
-
-    def _drain(self, w: int, what: str) -> None:
-        conn = self._res.conns[w]
-        try:
-            while conn.poll(0):
-                self._on_message(w, conn.recv())
-        except (EOFError, OSError):
-            self._fail_dead(w, f"while the trainer waited for {what}")
-
-    def _receive(self, key: tuple[int, int] | None, what: str) -> tuple[tuple[int, int], tuple[Any, ...]]:
-        """Wait (with a deadline, watching every worker) until message `key` = (worker, seq) — or with key=None
-        any message of the current iteration — has arrived; returns (key, message)."""
-        for w in [key[0]] if key is not None else range(self.num_workers):
-            self._drain(w, what)  # fast path: it is usually there already
-        deadline = time.monotonic() + self.timeout
-        conns, procs = self._res.conns, self._res.procs
-        sentinels = {p.sentinel: w for w, p in enumerate(procs)}
-        while (key not in self._stash) if key is not None else not self._stash:
-            self._lender.flush()  # batches released by other threads: NOTE [batch lifetime] (d)
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise LoaderTimeoutError(f"no {what} from the data workers of rank {self.rank} within "
-                                         f"{self.timeout:g} s (epoch {self.epoch}); the workers are alive")
-            ready = wait([*conns, *sentinels], timeout=min(left, self.poll_s))
-            for w, conn in enumerate(conns):
-                if conn in ready:
-                    self._drain(w, what)
-            for sentinel, w in sentinels.items():
-                if sentinel in ready:
-                    self._fail_dead(w, f"while the trainer waited for {what}")
-        key = key if key is not None else next(iter(self._stash))  # arrival order
-        return key, self._stash.pop(key)
+    def _count_consumed(self) -> None:
+        """One more batch of this epoch consumed (yielded, or produced and skipped when resuming)."""
+        if self.sampler is not None:
+            self.sampler.advance(1)
+        else:
+            self._consumed += 1
 
 
 def _shut_down(res: Resources, lender: Lender) -> None:
     """The loader's finalizer (close(), GC or interpreter exit): batches released later go nowhere."""
     lender.close()
     res.shutdown()
-
-
-class _EpochIterator:
-    """One pass over an epoch: round robin over the workers, each worker's batches in its order."""
-
-    def __init__(self, loader: ShmLoader, gen: int, skip: int) -> None:
-        self.loader, self.gen, self.skip = loader, gen, skip
-        self.active = list(range(loader.num_workers))
-        self.next_seq = [0] * loader.num_workers
-        self.pos = 0
-        self.done = False
-
-    def __iter__(self) -> _EpochIterator:
-        return self
-
-    def __next__(self) -> Any:
-        ld = self.loader
-        if self.done:
-            raise StopIteration
-        if ld._closed or ld._gen != self.gen:
-            raise LoaderError("this iterator is stale: the loader was closed or iterated again")
-        with ld._lender.talking():
-            return self._next_batch()
-
-    def _next_batch(self) -> Any:
-        ld = self.loader
-        ld._lender.flush()
-        while True:
-            limit = ld.batches_per_epoch
-            if not self.active or (limit is not None and ld._consumed >= limit):
-                return self._finish()
-            key = (self.active[self.pos], self.next_seq[self.active[self.pos]]) if ld.ordered else None
-            try:
-                (w, _), msg = ld._receive(key, f"batch {key[1]} of worker {key[0]}" if key else "a batch")
-            except LoaderError:
-                self.done = True
-                raise
-            if msg[0] == "error":
-                self.done = True
-                raise WorkerError(f"data worker {w} of rank {ld.rank} failed in epoch {ld.epoch} at its batch "
-                                  f"{msg[2]}:\n{msg[3]}")
-            self._advance(w, ended=msg[0] == "end")
-            if msg[0] == "end":
-                continue
-            ld._consumed += 1
-            if ld.sampler is not None:
-                ld.sampler.advance(1)
-            if self.skip > 0:
-                self.skip -= 1
-                ld._give_back(msg[3])
-                continue
-            try:
-                batch, lent = ld._lender.lend(ld._res.segments[msg[3]], msg[3], msg[4])
-            except BaseException:  # e.g. KeyboardInterrupt mid-hand-off: the slot must not be lost
-                if not ld._lender.tracks(msg[3]):
-                    ld._give_back(msg[3], quiet=True)
-                raise
-            if not lent:  # handed out as a copy: NOTE [batch lifetime] (c)
-                ld._give_back(msg[3])
-            return batch
-
-    def _advance(self, w: int, ended: bool) -> None:
-        """Move the round robin on: past worker w, or dropping w when it has no more batches."""
-        if ended:
-            self.active.remove(w)
-        else:
-            self.next_seq[w] += 1
-        if self.active and self.loader.ordered:
-            self.pos = self.pos % len(self.active) if ended else (self.pos + 1) % len(self.active)
-
-    def _finish(self) -> Any:
-        self.done = True
-        ld = self.loader
-        ld._completed_epoch = ld.epoch
-        raise StopIteration
-

@@ -52,7 +52,9 @@ class DevicePrefetcher:
     (CPU): a pass-through without look-ahead; its tensors view the loader's slot and keep it for as long as they
     live (NOTE [batch lifetime] in lending.py), so collecting `y` without `.clone()` is correct.
     Yields the last batch, yields nothing for an empty loader, and starts afresh on every `iter()` (per epoch).
-    `state_dict()` reports the batches handed to the caller, not those fetched ahead.
+    `state_dict()` reports the batches handed to the caller, not those fetched ahead: it asks the loader for
+    `state_dict(unconsumed=k)` with the `k` batches in flight (ShmLoader and TorchLoader take it; another loader
+    needs it only where batches are fetched ahead, on CUDA).
     """
 
     def __init__(self, loader: Any, device: torch.device | str) -> None:
@@ -143,12 +145,9 @@ class DevicePrefetcher:
         self.loader.set_epoch(epoch)
 
     def state_dict(self) -> dict[str, Any]:
-        state = dict(self.loader.state_dict())
-        if "batches_consumed" in state:
-            state["batches_consumed"] -= self._ahead
-        if "samples_consumed" in state:  # ShardSampler state: keep the derived global count consistent
-            state["samples_consumed"] -= self._ahead * state["batch_size"] * state["size"]
-        return state
+        if self._ahead == 0:  # nothing in flight: any loader's plain state_dict() will do
+            return dict(self.loader.state_dict())
+        return dict(self.loader.state_dict(unconsumed=self._ahead))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.loader.load_state_dict(state)

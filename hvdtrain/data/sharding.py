@@ -30,6 +30,13 @@ def check_positive(name: str, value: int) -> None:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
 
 
+def check_unconsumed(unconsumed: int, consumed: int) -> int:
+    """`unconsumed` if it is an integer in [0, consumed] (batches to take back from a resume state), else ValueError."""
+    if not isinstance(unconsumed, int) or isinstance(unconsumed, bool) or not 0 <= unconsumed <= consumed:
+        raise ValueError(f"unconsumed must be an integer in [0, batches_consumed={consumed}], got {unconsumed!r}")
+    return unconsumed
+
+
 def expected_batches(num_samples: int, size: int, batch_size: int, drop_last: bool = False) -> int:
     """Batches per rank in a full epoch of a dataset ShmLoader / ShardSampler (the same on every rank)."""
     per_rank = num_samples // size if drop_last else math.ceil(num_samples / size)
@@ -50,7 +57,8 @@ class ShardSampler:
     - `shuffle=True` draws the order from `(seed, epoch)`: call `set_epoch(e)` every epoch, or every epoch repeats
       epoch 0's order.
     - `batch_size` only gives resume state its unit: `state_dict()` records the epoch and the number of *consumed*
-      batches (count them with `advance()` when a batch has been trained on, not when it was fetched);
+      batches (count them with `advance()` when a batch has been trained on, not when it was fetched; or, having
+      counted fetched batches, subtract the `k` not trained on yet with `state_dict(unconsumed=k)`);
       `load_state_dict()` resumes after them. A state saved with another world size or batch size is re-sharded:
       the samples consumed globally are skipped and the remainder is split among the new ranks.
     - `__iter__` / `indices()` give the indices not yet consumed in the current epoch; `__len__` counts them.
@@ -148,12 +156,21 @@ class ShardSampler:
     def samples_consumed(self) -> int:
         """Samples of this epoch's global order consumed by all ranks together (a prefix of the order: the
         padding repeats are not counted, so a finished padded epoch reports `num_samples`)."""
-        cap = self.num_samples if not self.even else min(self.offset + self.shard_size * self.size, self.num_samples)
-        return min(self.offset + self.batches_consumed * self.batch_size * self.size, cap)
+        return self._samples_after(self.batches_consumed)
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "batches_consumed": self.batches_consumed, "batch_size": self.batch_size,
-                "size": self.size, "offset": self.offset, "samples_consumed": self.samples_consumed,
+    def _samples_after(self, batches: int) -> int:
+        """`samples_consumed` once every rank has consumed `batches` batches of its shard."""
+        cap = self.num_samples if not self.even else min(self.offset + self.shard_size * self.size, self.num_samples)
+        return min(self.offset + batches * self.batch_size * self.size, cap)
+
+    def state_dict(self, unconsumed: int = 0) -> dict[str, Any]:
+        """The resume state: epoch, batches consumed, and what re-sharding needs (`load_state_dict`).
+
+        `unconsumed=k`: the state as it was `k` batches ago, for a caller that has taken `k` batches past the last
+        one trained on (a device prefetcher's look-ahead); ValueError unless 0 <= k <= batches consumed."""
+        batches = self.batches_consumed - check_unconsumed(unconsumed, self.batches_consumed)
+        return {"epoch": self.epoch, "batches_consumed": batches, "batch_size": self.batch_size,
+                "size": self.size, "offset": self.offset, "samples_consumed": self._samples_after(batches),
                 "num_samples": self.num_samples, "seed": self.seed, "shuffle": self.shuffle}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:

@@ -52,8 +52,11 @@ class TorchLoader:
     def set_epoch(self, epoch: int) -> None:
         self.loader.set_epoch(epoch)
 
-    def state_dict(self) -> dict[str, Any]:
-        return self.loader.state_dict()
+    def state_dict(self, unconsumed: int = 0) -> dict[str, Any]:
+        """The wrapped loader's state; `unconsumed=k` as in `ShmLoader.state_dict` (passed on only when k > 0)."""
+        if unconsumed == 0:
+            return self.loader.state_dict()
+        return self.loader.state_dict(unconsumed=unconsumed)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.loader.load_state_dict(state)

@@ -1,15 +1,6 @@
 """The producer process: runs the user's dataset/collate or generator and writes batches into shared memory.
 
-Protocol (one duplex pipe per worker; only small tuples cross it, never array data):
-
-    trainer -> worker   ("slot", slot_id, segment name or None, capacity)   a free slot, now the worker's
-                        ("epoch", generation, epoch, sampler state or None)  produce this epoch (aborts the current)
-                        ("stop",)
-    worker -> trainer   ("batch", generation, seq, slot_id, Layout)          batch `seq` of this worker is in slot
-                        ("grow", slot_id, nbytes)                            slot too small: send it back bigger
-                        ("end", generation, seq)                             no more batches (seq = how many)
-                        ("error", generation, seq, traceback text)
-
+It speaks the protocol of protocol.py over one duplex pipe (only small messages cross it, never array data).
 Back-pressure: a worker owns `prefetch + 1` slots; with all of them full or held it waits (polling the pipe with a
 timeout) until the trainer hands one back (NOTE [batch lifetime] in lending.py). See NOTE [shutdown] in
 lifecycle.py for how the worker ends.
@@ -30,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from hvdtrain.data import shm
+from hvdtrain.data.protocol import Batch, EpochDone, FreeSlot, FromWorker, GrowSlot, StartEpoch, Stop, WorkerFailed
 from hvdtrain.data.sharding import ShardSampler
 
 
@@ -118,11 +110,11 @@ def worker_main(conn: Connection, payload: bytes) -> None:
 class _Worker:
     def __init__(self, conn: Connection, cfg: WorkerConfig) -> None:
         self.conn, self.cfg = conn, cfg
-        self.capacity: dict[int, tuple[str | None, int]] = {}  # slot -> (segment name, bytes) as last handed over
+        self.granted: dict[int, FreeSlot] = {}  # slot -> the message that last handed it over (segment, size)
         self.mapped: dict[int, shm.Segment] = {}
         self.free: deque[int] = deque()
         self.growing: set[int] = set()  # slots sent back to be grown, not yet returned
-        self.pending: deque[tuple[Any, ...]] = deque()
+        self.pending: deque[StartEpoch | Stop] = deque()
 
     def pump(self, timeout: float) -> None:
         """Take in whatever the trainer sent within `timeout` s (slots are kept, commands queued)."""
@@ -130,15 +122,17 @@ class _Worker:
             if not self.conn.poll(timeout):
                 return
             while True:
-                msg = self.conn.recv()
-                if msg[0] == "slot":
-                    self.growing.discard(msg[1])
-                    self.capacity[msg[1]] = (msg[2], msg[3])
-                    if msg[2] is not None:
-                        self.map(msg[1])  # attach (and so unlink) a new segment at once: NOTE [shutdown]
-                    self.free.append(msg[1])
-                else:
-                    self.pending.append(msg)
+                match self.conn.recv():
+                    case FreeSlot(slot=slot, segment=segment) as msg:
+                        self.growing.discard(slot)
+                        self.granted[slot] = msg
+                        if segment is not None:
+                            self.map(slot)  # attach (and so unlink) a new segment at once: NOTE [shutdown]
+                        self.free.append(slot)
+                    case StartEpoch() | Stop() as msg:
+                        self.pending.append(msg)
+                    case msg:
+                        raise TypeError(f"unexpected message from the trainer: {msg!r}")
                 if not self.conn.poll(0):
                     return
         except (EOFError, OSError) as exc:
@@ -148,10 +142,11 @@ class _Worker:
         while True:
             while not self.pending:
                 self.pump(self.cfg.poll_s)
-            cmd = self.pending.popleft()
-            if cmd[0] == "stop":
-                return
-            self.run_epoch(gen=cmd[1], epoch=cmd[2], state=cmd[3])
+            match self.pending.popleft():
+                case Stop():
+                    return
+                case StartEpoch(generation=gen, epoch=epoch, sampler_state=state):
+                    self.run_epoch(gen, epoch, state)
 
     def run_epoch(self, gen: int, epoch: int, state: dict[str, Any] | None) -> None:
         global _INFO
@@ -176,11 +171,11 @@ class _Worker:
                 if not self.send_batch(gen, seq, batch):
                     return
                 seq += 1
-            self.send(("end", gen, seq))
+            self.send(EpochDone(gen, seq))
         except TrainerGone:
             raise
         except Exception:
-            self.send(("error", gen, seq, traceback.format_exc()))
+            self.send(WorkerFailed(gen, seq, traceback.format_exc()))
         finally:
             close = getattr(source, "close", None)
             if close is not None:
@@ -203,7 +198,7 @@ class _Worker:
             else:
                 yield collate([cfg.dataset[int(i)] for i in idx])
 
-    def send(self, msg: tuple[Any, ...]) -> None:
+    def send(self, msg: FromWorker) -> None:
         try:
             self.conn.send(msg)
         except OSError as exc:
@@ -215,7 +210,7 @@ class _Worker:
         if slot is None:
             return False
         shm.write_batch(self.mapped[slot].buf, layout, arrays)
-        self.send(("batch", gen, seq, slot, layout))
+        self.send(Batch(gen, seq, slot, layout))
         return True
 
     def acquire(self, nbytes: int) -> int | None:
@@ -224,7 +219,7 @@ class _Worker:
         Slots are grown one at a time, when no free slot is big enough: the extra slot a worker owns for batches
         the user holds (NOTE [batch lifetime]) gets memory only if it is ever needed."""
         while not self.pending:
-            big = [s for s in self.free if self.capacity[s][0] is not None and self.capacity[s][1] >= nbytes]
+            big = [s for s in self.free if self.granted[s].segment is not None and self.granted[s].nbytes >= nbytes]
             if big:
                 self.free.remove(big[0])
                 self.map(big[0])
@@ -232,12 +227,12 @@ class _Worker:
             if self.free and not self.growing:  # every free slot is too small: have one replaced by a bigger one
                 slot = self.free.popleft()
                 self.growing.add(slot)
-                self.send(("grow", slot, nbytes))
+                self.send(GrowSlot(slot, nbytes))
             self.pump(self.cfg.poll_s)
         return None
 
     def map(self, slot: int) -> None:
-        name = self.capacity[slot][0]
+        name = self.granted[slot].segment
         seg = self.mapped.get(slot)
         if seg is not None and seg.name.lstrip("/") == (name or "").lstrip("/"):
             return

@@ -1,0 +1,96 @@
+"""The messages between the trainer and its producer processes (one duplex pipe per worker).
+
+Only these small frozen dataclasses cross a pipe, never array data: a batch's bytes are in a shared-memory slot,
+and its message names the slot and the `shm.Layout` to read it with. Both ends dispatch on the type
+(`match msg: case Batch(seq=seq, slot=slot): ...`).
+
+    trainer -> worker   FreeSlot(slot, segment, nbytes)          a free slot, now the worker's (segment None: no
+                                                                 memory yet; the first batch asks for some)
+                        StartEpoch(generation, epoch, sampler_state)  produce this epoch (aborts the current one)
+                        Stop()
+    worker -> trainer   Batch(generation, seq, slot, layout)     batch `seq` of this worker is in `slot`
+                        GrowSlot(slot, nbytes)                   `slot` is too small: send it back bigger
+                        EpochDone(generation, seq)               no more batches (`seq` = how many there were)
+                        WorkerFailed(generation, seq, traceback) user code raised before batch `seq`
+
+`generation` numbers the trainer's iterations (`iter(loader)`): a message of an abandoned iteration is recognised
+by it, dropped, and its slot given back. Batch, EpochDone and WorkerFailed are the `EpochMessage`s: the trainer
+files them under (worker, seq), so a worker's stream is read in order however they arrive.
+Slot ownership and back-pressure: workers.py and NOTE [batch lifetime] in lending.py; how a worker ends: NOTE
+[shutdown] in lifecycle.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from hvdtrain.data.shm import Layout
+
+# ---- trainer -> worker -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FreeSlot:
+    """Slot `slot` is the worker's to fill: `segment` names its shared memory (None: none yet) of `nbytes`."""
+
+    slot: int
+    segment: str | None
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class StartEpoch:
+    """Produce epoch `epoch` (dataset mode: from `sampler_state`, the trainer's ShardSampler state; else None)."""
+
+    generation: int
+    epoch: int
+    sampler_state: dict[str, Any] | None
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Exit: the loader is closing."""
+
+
+# ---- worker -> trainer -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Batch:
+    """The worker's batch number `seq` of this epoch is in `slot`, laid out as `layout`."""
+
+    generation: int
+    seq: int
+    slot: int
+    layout: Layout
+
+
+@dataclass(frozen=True)
+class GrowSlot:
+    """Free slot `slot` is too small for the next batch: replace its segment by one of at least `nbytes`."""
+
+    slot: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class EpochDone:
+    """The worker has no more batches this epoch; it produced `seq` of them."""
+
+    generation: int
+    seq: int
+
+
+@dataclass(frozen=True)
+class WorkerFailed:
+    """User code raised in the worker after it produced `seq` batches; `traceback` is the formatted traceback."""
+
+    generation: int
+    seq: int
+    traceback: str
+
+
+ToWorker = FreeSlot | StartEpoch | Stop
+FromWorker = Batch | GrowSlot | EpochDone | WorkerFailed
+EpochMessage = Batch | EpochDone | WorkerFailed
