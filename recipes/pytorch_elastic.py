@@ -67,7 +67,7 @@ from pytorch_train import (
 )
 
 from hvdtrain.atomic import atomic_write
-from hvdtrain.data import StallMeter
+from hvdtrain.data import StallMeter, sweep_stale_segments
 from hvdtrain.train import checkpoint, datasets, divergence, rundir
 from hvdtrain.train.config import parse_config
 from hvdtrain.train.entry import exit_with
@@ -319,6 +319,7 @@ def finish(t: ElasticTrainer, state: hvd.elastic.TorchState, trained: bool) -> N
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_config(ElasticConfig, argv, description=__doc__.split("\n\n")[0])
     hvd.init()  # Horovod: join the job; rank/size come from horovodrun's elastic driver.
+    sweep_stale_segments()  # /dev/shm segments a crashed earlier run left (dead creator pid, older than 60 s)
     t, state = setup(cfg)
     try:
         train(state, t)

@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from pytorch_models import MODELS, make_model
 from torch import nn
 
-from hvdtrain.data import DevicePrefetcher, ShardSampler, ShmLoader, StallMeter
+from hvdtrain.data import DevicePrefetcher, ShardSampler, ShmLoader, StallMeter, sweep_stale_segments
 from hvdtrain.train import checkpoint, datasets, divergence, rundir
 from hvdtrain.train.config import parse_config
 from hvdtrain.train.entry import exit_with
@@ -463,6 +463,7 @@ def setup(cfg: Config) -> tuple[Trainer, int]:
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_config(Config, argv, description=__doc__.split("\n\n")[0])
     hvd.init()  # Horovod: join the job; rank/size come from horovodrun (or mpirun).
+    sweep_stale_segments()  # /dev/shm segments a crashed earlier run left (dead creator pid, older than 60 s)
     t, first = setup(cfg)
     try:
         done, samples, seconds = run_epochs(t, first)

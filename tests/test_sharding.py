@@ -271,3 +271,29 @@ def test_shm_loaders_closed_and_rebuilt_for_a_new_world_resume_from_the_committe
     order = ShardSampler(n, 0, 1, seed=3)
     order.set_epoch(1)
     assert rest[0] + rest[1] != [] and set(rest[0] + rest[1]) == set(order.global_order()[24:].tolist())
+
+
+def test_set_epoch_to_a_new_epoch_starts_it_at_zero_consumed_in_generator_mode() -> None:
+    """As in dataset mode (ShardSampler.set_epoch): a state saved right after set_epoch(new) must not skip the new
+    epoch's first batches; setting the same epoch again keeps the position (recipes call it after loading)."""
+    with ShmLoader(generator=fx.endless, rank=0, size=1, num_workers=2, batches_per_epoch=5) as ld:
+        assert len(list(ld)) == 5 and ld.state_dict() == {"epoch": 0, "batches_consumed": 5}
+        ld.set_epoch(0)
+        assert ld.state_dict() == {"epoch": 0, "batches_consumed": 5}
+        ld.set_epoch(1)
+        state = ld.state_dict()  # a checkpoint taken at the start of epoch 1
+        assert state == {"epoch": 1, "batches_consumed": 0}
+        ld.load_state_dict(state)  # resuming from it yields the whole epoch
+        assert len(ld) == 5
+        assert [(int(x[0, 0]), *y.tolist()) for x, y in ld] == [(0, 1, 0), (1, 1, 0), (0, 1, 1), (1, 1, 1), (0, 1, 2)]
+        ld.load_state_dict({"epoch": 1, "batches_consumed": 2})
+        ld.set_epoch(1)  # the same epoch: the loaded position stands
+        assert ld.state_dict() == {"epoch": 1, "batches_consumed": 2} and len(ld) == 3
+        ld.set_epoch(2)  # a new epoch: the loaded position is dropped
+        assert ld.state_dict() == {"epoch": 2, "batches_consumed": 0} and len(ld) == 5
+    with ShmLoader(fx.IndexDataset(10), rank=0, size=1, batch_size=2, num_workers=1) as ld:  # dataset mode: same
+        list(ld)
+        ld.set_epoch(0)
+        assert ld.state_dict()["batches_consumed"] == 5
+        ld.set_epoch(1)
+        assert ld.state_dict()["batches_consumed"] == 0

@@ -24,6 +24,7 @@ from hvdtrain.data import (
     WorkerError,
     derive_seed,
     shm,
+    sweep_stale_segments,
 )
 from hvdtrain.data.protocol import Batch, EpochDone, FreeSlot, GrowSlot, StartEpoch, Stop, WorkerFailed
 from tests import harness
@@ -341,6 +342,24 @@ def test_protocol_messages_are_small_and_survive_pickling() -> None:
         assert back == msg and type(back) is type(msg)
         assert len(wire) < 600, (msg, len(wire))
     assert EpochDone(2, 7) != WorkerFailed(2, 7, "") and GrowSlot(1, 2) != (1, 2)
+
+
+def test_a_loader_leaves_stale_segments_alone_and_the_explicit_sweep_removes_them() -> None:
+    """No hidden side effect: constructing (and using) a loader never deletes other processes' /dev/shm files,
+    not even a stale hvdtrain segment; sweep_stale_segments() removes it."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait(timeout=60)
+    stale = Path(f"/dev/shm/hvdtrain_{dead.pid}_{os.urandom(6).hex()}")
+    try:
+        stale.write_bytes(b"\0" * 64)
+        os.utime(stale, (time.time() - 3600, time.time() - 3600))  # dead creator, an hour old: what a crash leaves
+        with ShmLoader(generator=fx.endless, rank=0, size=1, num_workers=1, batches_per_epoch=2) as ld:
+            assert len(list(ld)) == 2
+        assert stale.exists(), "constructing a loader removed a file it did not create"
+        assert stale.name in sweep_stale_segments()
+        assert not stale.exists()
+    finally:
+        stale.unlink(missing_ok=True)
 
 
 def test_sweep_removes_only_old_segments_of_dead_creators(tmp_path) -> None:

@@ -16,6 +16,7 @@ from hvdtrain.data.loader import (
     WorkerError,
 )
 from hvdtrain.data.sharding import ShardSampler, expected_batches
+from hvdtrain.data.shm import sweep_stale_segments
 from hvdtrain.data.stall import StallMeter
 from hvdtrain.data.workers import WorkerInfo, default_collate, derive_seed, worker_info
 
@@ -40,6 +41,7 @@ __all__ = [
     "default_collate",
     "derive_seed",
     "expected_batches",
+    "sweep_stale_segments",
     "to_tf_dataset",
     "to_torch",
     "worker_info",

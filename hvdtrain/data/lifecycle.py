@@ -10,7 +10,9 @@ Who owns what, and how everything ends — normally, on an exception, on interpr
   and the worker still reads it after the trainer has died, since the message is already in its socket buffer.
   On close the trainer unlinks every name it created (FileNotFoundError = the worker already did); if trainer and
   worker are both killed inside that window, multiprocessing's resource tracker (a separate process, with which
-  the trainer registered the segment) unlinks it when the last of them is gone.
+  the trainer registered the segment) unlinks it when the last of them is gone. Only if that tracker is killed
+  too does a name outlive the job; no loader removes other processes' files on its own: the application calls
+  `sweep_stale_segments()` (shm.py) once at start, and scripts/fresh_state.sh cleans up between runs.
 - Resources live in `Resources`, not in the loader, and `weakref.finalize(loader, resources.shutdown)` calls
   `shutdown` exactly once: from `close()`, from `__exit__`, when the loader is garbage-collected, or at interpreter
   exit. `close()` is therefore idempotent. (At exit, multiprocessing's own atexit hook may run first and

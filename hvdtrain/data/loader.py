@@ -85,7 +85,8 @@ class ShmLoader:
     'fork', which is unsafe once torch has started its threads. `dataset`, `collate`, `fetch` and `generator` are
     sent to the workers with cloudpickle (lambdas, closures and `__main__` objects work; a big in-memory dataset is
     copied once per worker), so workers do not re-import the training script (its torch/horovod imports) unless
-    `import_main=True`.
+    `import_main=True`. The constructor creates and removes only its own segments; segments a crashed run left
+    in /dev/shm are removed by an explicit `sweep_stale_segments()` call at process start.
     """
 
     def __init__(self, dataset: Any = None, *, rank: int, size: int, batch_size: int | None = None,
@@ -133,7 +134,6 @@ class ShmLoader:
                             None if dataset is None else {"num_samples": len(dataset), "shuffle": shuffle,
                                                           "drop_last": drop_last, "batch_size": batch_size,
                                                           "even": even})
-        shm.sweep_stale()  # segments a crashed (SIGKILLed) trainer could not unlink: their creator pid is dead
         try:
             self._start(base, mp.get_context(start_method), import_main)
         except BaseException:
@@ -160,10 +160,12 @@ class ShmLoader:
     # ---- public API ----------------------------------------------------------------------------------------
 
     def set_epoch(self, epoch: int) -> None:
+        """Select the epoch; a different epoch than the current one starts at its beginning (0 batches consumed,
+        a loaded resume state dropped), the same one keeps its position (as `ShardSampler.set_epoch`)."""
         if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
             raise ValueError(f"epoch must be an integer >= 0, got {epoch!r}")
         if epoch != self.epoch:
-            self._resume_pending = False
+            self._consumed, self._resume_pending = 0, False
         self.epoch = epoch
         if self.sampler is not None:
             self.sampler.set_epoch(epoch)

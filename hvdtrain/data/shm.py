@@ -86,8 +86,23 @@ def creator_pid(name: str) -> int | None:
 STALE_AFTER_S = 60.0
 
 
+def sweep_stale_segments() -> list[str]:
+    """Remove the /dev/shm segments that crashed hvdtrain processes left behind; returns the names removed.
+
+    It unlinks only files named `hvdtrain_<pid>_<token>` whose creator pid is not alive (as seen from this PID
+    namespace) *and* that were last modified at least `STALE_AFTER_S` seconds ago; anything else in /dev/shm (a
+    live job's segments, other programs' files, files this user may not remove) is left alone. A trainer SIGKILLed
+    together with its resource tracker can leave such a name behind, holding its memory (NOTE [shutdown] in
+    lifecycle.py), and nothing removes it implicitly: constructing an `ShmLoader` does not. Call this explicitly,
+    once at process start, before creating any loader (the PyTorch recipes do, right after `hvd.init()`);
+    between runs, `scripts/fresh_state.sh` removes such segments too.
+    """
+    return sweep_stale()
+
+
 def sweep_stale(min_age_s: float = STALE_AFTER_S) -> list[str]:
-    """Unlink hvdtrain segments left by a crash: creator pid dead *and* older than `min_age_s`; returns their names.
+    """Unlink hvdtrain segments left by a crash: creator pid dead *and* older than `min_age_s`; returns their names
+    (the implementation of `sweep_stale_segments`).
 
     The age matters: a name lives only until the worker attaches (milliseconds), and a creator in another PID
     namespace sharing /dev/shm (containers with --ipc=host) looks dead from here; a live job's name is never old.
@@ -105,7 +120,7 @@ def sweep_stale(min_age_s: float = STALE_AFTER_S) -> list[str]:
             pass
         except PermissionError:
             continue
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(FileNotFoundError, PermissionError):  # gone meanwhile, or another user's file
             if now - entry.stat().st_mtime >= min_age_s:
                 os.unlink(entry.path)
                 removed.append(entry.name)

@@ -38,7 +38,8 @@ def to_tf_dataset(loader: Any, output_signature: Any = None, *, example: Any = N
     `iter(loader)`: call `loader.set_epoch(epoch)` at every epoch start (in Keras, an `on_epoch_begin` callback).
     Each batch is copied out of its shared-memory slot before it is handed to TF (one memcpy per batch): TF may
     wrap numpy memory without copying, and tf.data asks for the next element — releasing the slot — before the
-    model has read the current one (found by test_tf_adapter). Lists are yielded as tuples.
+    model has read the current one, so a zero-copy batch could be overwritten while in use. Lists are yielded as
+    tuples.
     """
     tf = _tf()
     if output_signature is None:
