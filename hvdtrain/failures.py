@@ -1,9 +1,16 @@
-"""Which rank failed first, on which host, and how — read from horovodrun's and mpirun's own report lines.
+"""Which rank failed, on which host, and how: from the ranks' records, else from horovodrun's and mpirun's lines.
 
-horovodrun (Gloo) prints `Process 1 exit with status code 3.` for each rank that exits non-zero (the first one
-first: it then terminates the others) and, at the end, `Exit code: 3`. mpirun prints `Process name: [[j,1],1]`
-followed by `Exit code: 3`, or `mpirun noticed that process rank 1 with PID 42 on node h1 exited on signal 9`.
-`FailureTracker.feed` takes every launcher line (not the ranks' own output) and keeps the first failure.
+Each rank started by `hvdtrain run` leaves a record (hvdtrain.records: exit code or signal, the exception that
+ended it). `FailureTracker.records` holds them once the job has ended; the report names the rank that caused the
+failure from them: the first failed rank whose exception is not a victim's (ranks that only saw the job shut down
+under them raise HorovodInternalError, or time out waiting for a peer that is gone).
+
+For a rank that left no record (its supervisor was SIGKILLed, its host was lost), the report falls back to the
+launcher's own lines: horovodrun (Gloo) prints `Process 1 exit with status code 3.` for each rank that exits
+non-zero (the first one first: it then terminates the others) and, at the end, `Exit code: 3`; mpirun prints
+`Process name: [[j,1],1]` followed by `Exit code: 3`, or `mpirun noticed that process rank 1 with PID 42 on node h1
+exited on signal 9`. `FailureTracker.feed` takes every launcher line (not the ranks' own output) and keeps the
+first failure; the ranks' own lines only give their last lines (and, without records, the exception they raised).
 """
 
 from __future__ import annotations
@@ -13,6 +20,8 @@ import signal
 from collections import deque
 from dataclasses import dataclass, replace
 from pathlib import Path
+
+from hvdtrain.records import RankRecord
 
 GLOO_EXIT = re.compile(r"^Process (\d+) exit with status code (-?\d+)\.?\s*$")
 MPI_SIGNAL = re.compile(r"process rank (\d+) with PID \d+ on node (\S+) exited on signal (\d+)")
@@ -29,6 +38,7 @@ MPI_LOST_DAEMON = re.compile(r"^\s*Remote daemon:\s*\S+ on node (\S+)\s*$")
 GLOO_TIMEOUT = "Timed out waiting"
 VICTIM = ("HorovodInternalError", "HostsUpdatedInterrupt", "Horovod has been shut down", GLOO_TIMEOUT)
 TAIL_LINES = 15
+TEARDOWN_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # how horovodrun and mpirun stop the other ranks
 
 
 @dataclass(frozen=True)
@@ -48,6 +58,13 @@ class RankFailure:
                 name = f"signal {self.signum}"
             return f"was killed by {name}"
         return f"exited with code {self.code}"
+
+
+def _victim(record: RankRecord) -> bool:
+    """A rank that failed only because the job was coming down: Horovod shut down under it, its collective timed
+    out waiting for a peer that was gone, or horovodrun/mpirun stopped it (SIGTERM, SIGINT, SIGHUP)."""
+    said = f"{record.exception} {record.message}"
+    return record.signum in TEARDOWN_SIGNALS or (record.exception is not None and any(v in said for v in VICTIM))
 
 
 def _from_code(rank: int | None, code: int) -> RankFailure:
@@ -71,13 +88,14 @@ class FailureTracker:
         self.tails: dict[int, deque[str]] = {}
         self.cause: tuple[int, str] | None = None  # the first rank to raise something other than a victim's error
         self.lost_host: str | None = None  # a host mpirun lost contact with
-        self.peer_timed_out = False  # a rank's Gloo operation timed out waiting for a peer
         self.unreachable: dict[str, str] = {}  # filled by the launcher after a timeout: host -> why
+        self.records: list[RankRecord] = []  # the ranks' records, oldest first, once the job has ended
+        self._text_timeout = False  # a rank printed GLOO_TIMEOUT (believed only when no rank left a record)
 
     def rank_line(self, rank: int, text: str) -> None:
         """Remember the last lines each rank printed, and the first real exception any rank raised."""
         self.tails.setdefault(rank, deque(maxlen=TAIL_LINES)).append(text)
-        self.peer_timed_out = self.peer_timed_out or GLOO_TIMEOUT in text
+        self._text_timeout = self._text_timeout or GLOO_TIMEOUT in text
         if self.cause is None and EXCEPTION.match(text) and not any(v in text for v in VICTIM):
             self.cause = (rank, text.strip())
 
@@ -98,15 +116,48 @@ class FailureTracker:
         elif m := EXIT_CODE.match(line):
             self._set(_from_code(self._mpi_rank, int(m.group(1))))
 
+    @property
+    def failed_records(self) -> list[RankRecord]:
+        return [r for r in self.records if r.failed]
+
+    @property
+    def peer_timed_out(self) -> bool:
+        """A rank's Gloo operation timed out waiting for a peer (a lost host or link): from the failed ranks'
+        exceptions when they left records, else from what the ranks printed."""
+        if self.failed_records:
+            return any(GLOO_TIMEOUT in f"{r.message} {r.traceback}" for r in self.failed_records)
+        return self._text_timeout
+
+    def cause_record(self) -> RankRecord | None:
+        """The failed rank that brought the job down: the first whose failure is not a victim's. None when only
+        victims left records and the rank horovodrun saw fail first left none (its supervisor was SIGKILLed, its
+        host lost): the launcher's lines tell more then."""
+        failed = self.failed_records
+        cause = next((r for r in failed if not _victim(r)), None)
+        if cause is None and self.first is not None and self.first.rank not in {r.rank for r in self.records}:
+            return None
+        return cause or (failed[0] if failed else None)
+
+    def exit_failure(self) -> RankFailure | None:
+        """The failure whose exit status the job exits with: the first reported by horovodrun/mpirun, else the
+        cause from the records."""
+        if self.first is not None or (r := self.cause_record()) is None:
+            return self.first
+        return RankFailure(r.rank, code=r.code, signum=r.signum, host=r.host)
+
     def _set(self, failure: RankFailure) -> None:
         r = failure.rank
         if failure.host is None and r is not None and 0 <= r < len(self.rank_hosts):
             failure = replace(failure, host=self.rank_hosts[r])
         self.first = failure
 
-    def _host(self, rank: int) -> str:
+    def _host_name(self, rank: int) -> str | None:
+        """The host as the job names it (hosts/hostfile), or as mpirun reported it."""
         host = self.first.host if self.first and self.first.rank == rank else None
-        host = host or (self.rank_hosts[rank] if 0 <= rank < len(self.rank_hosts) else None)
+        return host or (self.rank_hosts[rank] if 0 <= rank < len(self.rank_hosts) else None)
+
+    def _host(self, rank: int) -> str:
+        host = self._host_name(rank)
         return f" on host {host}" if host else ""
 
     def report(self, log_dir: str | None) -> list[str]:
@@ -116,6 +167,8 @@ class FailureTracker:
         down (the others then fail inside Horovod), that rank is named as the cause.
         """
         lost = self._lost_hosts()
+        if self.cause_record() is not None:
+            return [*lost, *self._record_report(log_dir)]
         f = self.first
         if f is None:
             return lost
@@ -128,13 +181,32 @@ class FailureTracker:
             rank = self.cause[0]
             lines = [f"hvdtrain: rank {rank}{self._host(rank)} raised {self.cause[1]} (the cause); "
                      f"rank {f.rank} {f.how()} first, after Horovod shut down"]
+        return [*lost, *lines, *self._output(rank, log_dir)]
+
+    def _record_report(self, log_dir: str | None) -> list[str]:
+        """The report from the ranks' records: the cause, with its exception when one ended it."""
+        cause = self.cause_record()
+        who = (f"worker {cause.host}[{cause.local_rank}]" if self.elastic or cause.rank is None
+               else f"rank {cause.rank} on host {self._host_name(cause.rank) or cause.host}")
+        how = RankFailure(cause.rank, code=cause.code, signum=cause.signum).how()
+        raised = cause.exception and cause.exception != "SystemExit"
+        if raised:
+            how = f"raised {cause.exception}{f': {cause.message}' if cause.message else ''} and {how}"
+        first = self.first if self.first is not None and self.first.rank not in (None, cause.rank) else None
+        if first is None:
+            line = f"hvdtrain: {who} {how} (the first rank to fail)"
+        else:
+            line = f"hvdtrain: {who} {how} (the cause); rank {first.rank} {first.how()} first, after Horovod shut down"
+        return [line, *([] if cause.rank is None else self._output(cause.rank, log_dir))]
+
+    def _output(self, rank: int, log_dir: str | None) -> list[str]:
         if log_dir:
-            lines.append(f"hvdtrain: its output: {Path(log_dir) / f'rank.{rank}.log'}")
-        elif tail := self.tails.get(rank):
-            lines.append(f"hvdtrain: its last {len(tail)} line(s) (set logs.dir in the spec to keep every rank's "
-                         "output and horovodrun's):")
-            lines += [f"  | {t}" for t in tail]
-        return [*lost, *lines]
+            return [f"hvdtrain: its output: {Path(log_dir) / f'rank.{rank}.log'}"]
+        tail = self.tails.get(rank)
+        if not tail:
+            return []
+        return [f"hvdtrain: its last {len(tail)} line(s) (set logs.dir in the spec to keep every rank's output "
+                "and horovodrun's):", *(f"  | {t}" for t in tail)]
 
     def _lost_hosts(self) -> list[str]:
         """A lost host is the cause whatever rank exited first: say so first."""

@@ -14,13 +14,14 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
 
 import psutil
 
-from hvdtrain import exitcodes, probe
+from hvdtrain import exitcodes, probe, records
 from hvdtrain.console import OutputRouter, pump
 from hvdtrain.failures import FailureTracker
 from hvdtrain.jobspec import Logs, Ssh
@@ -31,6 +32,7 @@ GRACE_S = 20.0  # horovodrun itself gives ranks 5 s after SIGTERM, then 5 s more
 POLL_S = 0.5
 GUARD_MODULE = "hvdtrain.lifeline"  # `python -m hvdtrain.lifeline PGID`: see NOTE [no orphans]
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # each stops the whole job; exit 128 + N
+RECORDS_TMP = "hvdtrain-records-"  # + launcher pid: the ranks' records without logs.dir
 SNAPSHOT_S = 2.0  # a process-tree walk costs ~10 ms of CPU: not every poll, the ranks need the cores
 
 
@@ -110,9 +112,9 @@ class _Job:
     def signum(self) -> int | None:
         return self.signals[-1] if self.signals else None
 
-    def start(self, plan: LaunchPlan) -> subprocess.Popen:
+    def start(self, plan: LaunchPlan, records_env: dict[str, str]) -> subprocess.Popen:
         try:
-            proc = subprocess.Popen(plan.argv, env={**os.environ, **plan.env}, stdin=subprocess.DEVNULL,
+            proc = subprocess.Popen(plan.argv, env={**os.environ, **plan.env, **records_env}, stdin=subprocess.DEVNULL,
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
                                     preexec_fn=die_with_parent(signal.SIGTERM))
         except OSError as exc:
@@ -232,22 +234,44 @@ def run_plan(plan: LaunchPlan, logs: Logs, *, timeout_s: float | None = None, ss
     router = OutputRouter(logs, sys.stdout, sys.stderr, FailureTracker(plan.rank_hosts, elastic=plan.elastic))
     job = _Job(router)
     old = {s: signal.signal(s, job.on_signal) for s in STOP_SIGNALS}
+    where = _records_dir(logs.dir)
     try:
-        return _supervise(plan, job, timeout_s, ssh or Ssh())
+        return _supervise(plan, job, timeout_s, ssh or Ssh(), where)
     finally:
         router.close()
         for s, handler in old.items():
             signal.signal(s, handler)
+        if not logs.dir:
+            shutil.rmtree(where, ignore_errors=True)
 
 
-def _supervise(plan: LaunchPlan, job: _Job, timeout_s: float | None, ssh: Ssh) -> int:
+def _records_dir(logs_dir: str | None) -> Path:
+    """Where the ranks write their records (hvdtrain.records): `<logs.dir>/records`, emptied of an earlier run's,
+    or a temporary directory removed when the job has ended (and, if this launcher was SIGKILLed, by the next)."""
+    if not logs_dir:
+        for old in Path(tempfile.gettempdir()).glob(f"{RECORDS_TMP}*-*"):
+            pid = old.name.removeprefix(RECORDS_TMP).split("-", 1)[0]
+            if pid.isdigit() and not psutil.pid_exists(int(pid)):
+                shutil.rmtree(old, ignore_errors=True)
+        return Path(tempfile.mkdtemp(prefix=f"{RECORDS_TMP}{os.getpid()}-"))
+    where = Path(logs_dir) / "records"
+    try:
+        where.mkdir(exist_ok=True)
+        for old in [*where.glob("rank.*.json"), *where.glob("exception.*.json")]:
+            old.unlink(missing_ok=True)
+    except OSError as exc:
+        raise LaunchError(f"cannot prepare {where} for the ranks' records: {exc.strerror or exc}") from None
+    return where
+
+
+def _supervise(plan: LaunchPlan, job: _Job, timeout_s: float | None, ssh: Ssh, where: Path) -> int:
     router = job.router
     if job.signum is not None:
         router.note(f"hvdtrain: {signal.Signals(job.signum).name} received before the job started; nothing was "
                     "started")
         return exitcodes.SIGNALLED + job.signum
     router.line(f"hvdtrain: starting {shlex.join(plan.argv)}")
-    proc = job.start(plan)
+    proc = job.start(plan, {records.ENV: str(where), **({records.MKDIR_ENV: "1"} if router.logs.dir else {})})
     reader = threading.Thread(target=pump, args=(proc.stdout, router), daemon=True)
     reader.start()
     deadline = time.monotonic() + timeout_s if timeout_s else None
@@ -270,6 +294,7 @@ def _supervise(plan: LaunchPlan, job: _Job, timeout_s: float | None, ssh: Ssh) -
         job.sweep()
         job.release_guard()
         reader.join(timeout=10)
+        router.failures.records = records.read_records(where)
     job.tell(timed_out, timeout_s, upto=settled)
     if proc.returncode != 0 and router.failures.peer_timed_out and stopped_by is None:
         _find_lost_hosts(router.failures, plan, ssh)
@@ -297,7 +322,7 @@ def _exit_code(returncode: int, router: OutputRouter, signum: int | None, timed_
         return code
     if returncode < 0:
         return exitcodes.SIGNALLED - returncode
-    failure = router.failures.first
+    failure = router.failures.exit_failure()
     if returncode != 0:
         said = router.launcher.hidden  # horovodrun's own account, when its traceback was kept off the console
         for line in router.failures.report(router.logs.dir) or [

@@ -1,7 +1,9 @@
 """`python -m hvdtrain.rank SCRIPT [ARGS...]`: how `hvdtrain run` starts each rank, so that no rank outlives its job.
 
-It runs `python SCRIPT ARGS...` as its child (the script sees exactly what it would see started directly: same
-interpreter, argv, environment, stdio) and stays beside it as a supervisor; see NOTE [no orphans].
+It runs the script as its child, through `python -m hvdtrain.rank_main SCRIPT ARGS...` (the script sees what
+`python SCRIPT ARGS...` would give it: same interpreter, argv, environment, stdio), stays beside it as a supervisor
+(see NOTE [no orphans]), and when it ends writes the rank's record (hvdtrain.records: exit code or signal, and the
+exception that ended the script) for the launcher.
 
 NOTE [no orphans]
 How every process of a job ends when the launcher ends, however it ends:
@@ -23,7 +25,7 @@ How every process of a job ends when the launcher ends, however it ends:
 - Signals sent to the supervisor (SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2) are forwarded to the rank;
   the supervisor exits as the rank did (the same code, or the same signal), so horovodrun and mpirun report
   the rank's own exit status.
-Only the standard library is imported here: this runs before every rank, on every host.
+Only the standard library (and hvdtrain's stdlib-only modules) is imported here: this runs before every rank.
 """
 
 from __future__ import annotations
@@ -35,12 +37,14 @@ import sys
 import time
 from typing import NoReturn
 
+from hvdtrain import records
 from hvdtrain.lifeline import die_with_parent, output_gone, watchable
 
 WATCH_S = 0.5  # how often the supervisor looks at the rank and at its own stdout/stderr
 GRACE_S = 5.0  # after SIGTERM, how long a rank of a lost job may take before SIGKILL
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 USAGE = "usage: python -m hvdtrain.rank SCRIPT [ARGS...]  (runs `python SCRIPT ARGS...` as one supervised rank)"
+MAIN_MODULE = "hvdtrain.rank_main"  # runs SCRIPT as `python SCRIPT` would and notes the exception that ends it
 
 
 def supervise(child: subprocess.Popen, watched: tuple[int, ...]) -> int | None:
@@ -86,7 +90,7 @@ def main(argv: list[str]) -> NoReturn:
     for signum in FORWARDED:
         signal.signal(signum, lambda s, _f: pending.append(s))
     try:
-        child = subprocess.Popen([sys.executable, *argv], preexec_fn=die_with_parent(signal.SIGKILL))
+        child = subprocess.Popen([sys.executable, "-m", MAIN_MODULE, *argv], preexec_fn=die_with_parent(signal.SIGKILL))
     except OSError as exc:
         print(f"hvdtrain.rank: cannot start {sys.executable} {argv[0]}: {exc.strerror or exc}", file=sys.stderr)
         sys.exit(127)
@@ -102,6 +106,7 @@ def main(argv: list[str]) -> NoReturn:
     returncode = supervise(child, watched)
     if returncode is None:
         returncode = end_orphan(child)
+    records.write_record(records.directory(), child.pid, returncode)
     exit_like(returncode)
 
 

@@ -6,6 +6,7 @@ import pytest
 
 from hvdtrain.failures import FailureTracker, RankFailure
 from hvdtrain.hosts import parse_hosts, rank_hosts
+from hvdtrain.records import RankRecord
 
 GLOO_RAISE = ["Process 1 exit with status code 1.", "Terminating remaining workers after failure of Process 1.",
               "Process 0 exit with status code 143.", "Process name: 1", "Exit code: 1"]
@@ -121,3 +122,65 @@ def test_a_rank_that_timed_out_waiting_for_a_peer_is_not_named_as_the_cause():
     t.feed("Process 0 exit with status code 1.")
     assert t.cause is None and t.peer_timed_out
     assert t.report(None)[0] == "hvdtrain: rank 0 on host h1 exited with code 1 (the first rank to fail)"
+
+
+# ---- from the ranks' records (hvdtrain.records) -----------------------------------------------------------------
+
+def record(rank, *, code=None, signum=None, exception=None, message=None, at=0.0, host="h"):
+    return RankRecord(rank, rank, host, 100 + rank, code=code, signum=signum, exception=exception, message=message,
+                      time=at)
+
+
+VICTIM_RECORD = record(0, code=1, exception="HorovodInternalError", message="Horovod has been shut down. ...", at=1)
+
+
+def test_the_record_of_the_rank_that_raised_names_its_exception_and_message():
+    t = track(GLOO_RAISE)
+    t.records = [record(1, code=1, exception="ValueError", message="bad sample 17", at=0.5, host="b"), VICTIM_RECORD]
+    assert t.report(None) == ["hvdtrain: rank 1 on host b raised ValueError: bad sample 17 and exited with code 1 "
+                              "(the first rank to fail)"]
+    assert t.exit_failure() == RankFailure(1, code=1, host="b")
+
+
+def test_a_victims_record_is_passed_over_for_the_cause_even_when_horovodrun_saw_the_victim_first():
+    t = track(["Process 0 exit with status code 1."])
+    t.records = [VICTIM_RECORD, record(1, code=1, exception="KeyError", message="'x'", at=2, host="b")]
+    assert t.report("/logs") == [
+        "hvdtrain: rank 1 on host b raised KeyError: 'x' and exited with code 1 (the cause); rank 0 exited with "
+        "code 1 first, after Horovod shut down", "hvdtrain: its output: /logs/rank.1.log"]
+
+
+def test_records_of_an_exit_code_and_a_signal_say_so_without_an_exception():
+    t = FailureTracker(("a", "b"))
+    t.records = [record(0, code=0), record(1, code=3, exception="SystemExit", message="3", host="b")]
+    assert t.report(None) == ["hvdtrain: rank 1 on host b exited with code 3 (the first rank to fail)"]
+    t.records = [record(1, signum=9, host="b")]
+    assert t.report(None) == ["hvdtrain: rank 1 on host b was killed by SIGKILL (the first rank to fail)"]
+    assert t.exit_failure() == RankFailure(1, signum=9, host="b")
+
+
+def test_with_records_a_user_line_about_a_timeout_is_not_a_peer_timeout():
+    t = FailureTracker(("a", "b"))
+    t.rank_line(1, "Timed out waiting for the user's own thing")
+    assert t.peer_timed_out  # without records (no rank left one), the text is all there is
+    t.records = [record(1, code=1, exception="ValueError", message="unrelated")]
+    assert not t.peer_timed_out
+    t.records = [record(0, code=1, exception="HorovodInternalError",
+                        message="Gloo ... Timed out waiting 15000ms for recv operation to complete")]
+    assert t.peer_timed_out
+
+
+def test_elastic_records_name_the_worker_not_the_rank():
+    t = FailureTracker((), elastic=True)
+    t.records = [record(3, code=1, exception="RuntimeError", message="boom", host="h2")]
+    assert t.report(None) == ["hvdtrain: worker h2[3] raised RuntimeError: boom and exited with code 1 "
+                              "(the first rank to fail)"]
+
+
+def test_when_only_victims_left_records_the_rank_without_one_is_named_from_horovodruns_lines():
+    t = track(["Process 1 exit with status code 137.", "Process 0 exit with status code 143."])
+    t.records = [record(0, signum=15), VICTIM_RECORD]  # rank 1's supervisor was SIGKILLed: no record
+    assert t.cause_record() is None
+    assert t.report(None) == ["hvdtrain: rank 1 on host b was killed by SIGKILL (the first rank to fail)"]
+    t.records = [record(0, signum=15), record(1, signum=9, host="b", at=-1)]
+    assert t.cause_record().rank == 1

@@ -30,6 +30,7 @@ import psutil
 import pytest
 import yaml
 
+from hvdtrain.records import read_records
 from hvdtrain.ssh import unreachable_hosts
 from tests import netns
 from tests.harness import BIN, REPO, JobResult, expect_ok, kill_launcher_when, run_bounded, wait_gone
@@ -271,3 +272,25 @@ def test_killing_the_launcher_mid_training_ends_every_rank_on_every_host(control
     assert settle < KILLED_BOUND_S, f"took {settle:.1f} s\n{killed.output}"
     assert not gone, "launcher-side processes outlived it:\n  " + "\n  ".join(gone)
     assert not list(out.glob("finished.*")), killed.output
+
+
+@pytest.mark.timeout(JOB_TIMEOUT_S + 120)
+@pytest.mark.parametrize("controller", ["gloo", "mpi"])
+def test_a_rank_that_raises_on_another_host_is_named_from_its_record(controller, cluster, tmp_path):
+    """The rank on the second host raises: its record, written on that host (the namespace hosts share this
+    machine's filesystem, as an NFS-mounted logs.dir would), names the exception; Gloo's lines alone could not."""
+    _needs_mpirun(controller)
+    out = tmp_path / "out"
+    job = write_job(tmp_path, cluster, controller, out)
+    spec = yaml.safe_load(job.read_text())
+    spec.update(script=str(REPO / "tests" / "scripts" / "raise_on_rank.py"), args=["raise"],
+                logs={"dir": str(tmp_path / "logs")})
+    job.write_text(yaml.safe_dump(spec))
+    result = run_bounded([HVDTRAIN, "run", str(job)], timeout=JOB_TIMEOUT_S)
+    assert result.returncode == 1, result.describe()
+    host = cluster.hosts[1].address
+    assert f"hvdtrain: rank 1 on host {host} raised ValueError: bad sample 17 in shard 3" in result.output, \
+        result.describe()
+    (record,) = [r for r in read_records(tmp_path / "logs" / "records") if r.rank == 1]
+    assert record.exception == "ValueError" and record.code == 1
+    wait_until_clean(cluster, [str(out), *(h.address for h in cluster.hosts)])

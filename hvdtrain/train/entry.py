@@ -7,7 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
-from hvdtrain import exitcodes
+from hvdtrain import exitcodes, records
 from hvdtrain.train.datasets import DatasetError
 from hvdtrain.train.divergence import TrainingDiverged
 from hvdtrain.train.rundir import RunDirBusy
@@ -20,5 +20,6 @@ def exit_with(main: Callable[[], int], script: str) -> NoReturn:
         code = main()
     except (DatasetError, RunDirBusy, TrainingDiverged) as e:
         print(f"{Path(script).name}: error: {e}", file=sys.stderr, flush=True)
+        records.note_exception(e, records.directory())  # the rank's record names this error, not SystemExit
         code = exitcodes.DIVERGED if isinstance(e, TrainingDiverged) else exitcodes.INVALID_INPUT
     sys.exit(code)

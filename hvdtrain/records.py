@@ -1,0 +1,133 @@
+"""Per-rank records of how each rank ended, written on the rank's host, read by the launcher.
+
+`hvdtrain run` points every rank at a directory (`HVDTRAIN_RECORDS`, in the environment horovodrun forwards).
+Each rank's supervisor (`hvdtrain.rank`) runs the script through `python -m hvdtrain.rank_main SCRIPT ARGS`, which
+notes an exception that ends the script (type, message, traceback) in `exception.<pid>.json`; when the rank has
+ended the supervisor writes `rank.<host>.<local rank>.<pid>.json` with its identity, its exit code or signal, and
+that exception. The launcher names the failing rank from these records (`hvdtrain.failures`), and falls back to
+horovodrun's and mpirun's report lines only for a rank that left none (its supervisor was SIGKILLed, its host was
+lost, or its records directory is not shared with the launcher's machine).
+
+With `logs.dir` the directory is `<logs.dir>/records`, created on each rank's host (`HVDTRAIN_RECORDS_MKDIR=1`);
+without, a temporary directory on the launcher's machine that ranks on other hosts only see if it is shared.
+Only the standard library is imported here: this runs in every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+import traceback
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+ENV = "HVDTRAIN_RECORDS"
+MKDIR_ENV = "HVDTRAIN_RECORDS_MKDIR"
+TRACEBACK_CHARS = 8000  # the end of a long traceback is the part that names the error
+
+
+@dataclass(frozen=True)
+class RankRecord:
+    """How one rank ended. `code` is its exit code, or None when `signum` killed it; `exception` is the type of the
+    exception that ended the script (None: it exited on its own, e.g. sys.exit(2), or was killed)."""
+
+    rank: int | None
+    local_rank: int | None
+    host: str
+    pid: int
+    code: int | None = None
+    signum: int | None = None
+    exception: str | None = None
+    message: str | None = None
+    traceback: str | None = None
+    time: float = 0.0
+
+    @property
+    def failed(self) -> bool:
+        return self.signum is not None or self.code not in (0, None)
+
+    @classmethod
+    def from_json(cls, data: Mapping) -> RankRecord:
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+
+def _env_int(env: Mapping[str, str], *names: str) -> int | None:
+    for name in names:
+        value = env.get(name, "")
+        if value.lstrip("-").isdigit():
+            return int(value)
+    return None
+
+
+def identity(env: Mapping[str, str] = os.environ) -> tuple[int | None, int | None, str]:
+    """(rank, local rank, host) as horovodrun (Gloo) or mpirun (Open MPI) told this process."""
+    rank = _env_int(env, "HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+    local = _env_int(env, "HOROVOD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID")
+    return rank, local, env.get("HOROVOD_HOSTNAME") or socket.gethostname()
+
+
+def directory(env: Mapping[str, str] = os.environ) -> Path | None:
+    """Where this rank writes its records, or None (not started by `hvdtrain run`, or the directory is not here)."""
+    path = env.get(ENV)
+    if not path:
+        return None
+    if env.get(MKDIR_ENV) == "1":
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError:
+            return None
+    return Path(path) if os.path.isdir(path) else None
+
+
+def _write_json(path: Path, data: dict) -> None:
+    """Write atomically (a reader never sees half a record); a record that cannot be written is not an error."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.write_text(json.dumps(data))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def note_exception(exc: BaseException, where: Path | None, *, replace: bool = True) -> None:
+    """In the rank's process: the exception that is ending the script, for the supervisor's record.
+    `replace=False` keeps an exception noted earlier (the error a recipe reported before its sys.exit(2))."""
+    if where is None:
+        return
+    path = where / f"exception.{os.getpid()}.json"
+    if not replace and path.exists():
+        return
+    text = "".join(traceback.format_exception(exc))[-TRACEBACK_CHARS:]
+    _write_json(path, {"exception": type(exc).__name__, "message": str(exc), "traceback": text})
+
+
+def write_record(where: Path | None, pid: int, returncode: int, env: Mapping[str, str] = os.environ) -> None:
+    """In the supervisor, once the rank (process `pid`) has ended with `returncode` (-N: killed by signal N)."""
+    if where is None:
+        return
+    rank, local, host = identity(env)
+    noted = where / f"exception.{pid}.json"
+    try:
+        exc = json.loads(noted.read_text())
+        noted.unlink()
+    except (OSError, ValueError):
+        exc = {}
+    record = RankRecord(rank, local, host, pid, code=returncode if returncode >= 0 else None,
+                        signum=-returncode if returncode < 0 else None, exception=exc.get("exception"),
+                        message=exc.get("message"), traceback=exc.get("traceback"), time=time.time())
+    _write_json(where / f"rank.{host}.{local}.{pid}.json", asdict(record))
+
+
+def read_records(where: Path | str) -> list[RankRecord]:
+    """Every rank record in `where`, oldest first; unreadable files are skipped."""
+    records = []
+    for path in Path(where).glob("rank.*.json"):
+        try:
+            records.append(RankRecord.from_json(json.loads(path.read_text())))
+        except (OSError, ValueError, TypeError):
+            continue
+    return sorted(records, key=lambda r: r.time)
