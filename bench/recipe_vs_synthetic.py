@@ -10,9 +10,10 @@ batches per iter / time, reported as mean ± 1.96 × std over the iterations. De
 the recipe's ResNet (torchvision is not installed) with plain BatchNorm instead of `hvd.SyncBatchNorm` (the
 recipe uses plain BatchNorm too), and threads per rank are cores // local ranks, as the recipe sets them.
 
-The recipe side is the recipe's own code: `pytorch_train.setup()` (its model, SGD + DistributedOptimizer,
-broadcasts, ShmLoader + DevicePrefetcher + StallMeter on `--dataset synthetic`) and `pytorch_train.train_epoch()`
-(its training loop with LR schedule and metrics), timed exactly as the recipe times an epoch. An epoch is
+The recipe side is the recipe's own pieces: its Config, model (`pytorch_train.pick_model`), SGD +
+DistributedOptimizer after the broadcasts, ShmLoader + DevicePrefetcher + StallMeter on `--dataset synthetic`, and
+its training loop `pytorch_train.train_epoch()` (LR schedule and metrics), timed exactly as the recipe times an
+epoch. An epoch is
 `--num-batches-per-iter` steps per rank, so one epoch is one timed iteration; epoch 0 is the warmup.
 
 Both run in the same horovodrun job, iteration by iteration, alternating which goes first: on a shared machine
@@ -36,6 +37,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from _common import check_clean, kill_tree, shm_segments
@@ -80,32 +82,52 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # ---- inside horovodrun: the recipe side, and alternating two sides ----------------------------------------------
 
 def recipe_side(args: argparse.Namespace, dataset: str, run_dir: Path) -> tuple[Any, Callable[[int], float]]:
-    """The recipe's own `setup()` on `dataset` (call after hvd.init()), and a function that trains epoch e with
-    the recipe's `train_epoch()`, timed as `run_epochs` times an epoch, and returns img/s per worker. An epoch is
-    `--num-batches-per-iter` steps per rank."""
+    """The recipe's own pieces on `dataset` (call after hvd.init()): its Config, model, LR schedule, SGD wrapped in
+    DistributedOptimizer (after the same broadcasts), ShmLoader + DevicePrefetcher + StallMeter; and a function
+    that trains epoch e with the recipe's `train_epoch()`, timed as the recipe times an epoch, returning img/s per
+    worker. An epoch is `--num-batches-per-iter` steps per rank. Returns (namespace with cfg, train_loader, meter, rank,
+    the function)."""
     import horovod.torch as hvd
     import torch
+
+    from hvdtrain.data import DevicePrefetcher, ShmLoader, StallMeter
+    from hvdtrain.train.datasets import ArrayDataset
+    from hvdtrain.train.lr import LRSchedule
+    from hvdtrain.train.torchkit import cpu_threads, epoch_seed
 
     if str(RECIPES) not in sys.path:
         sys.path.insert(0, str(RECIPES))
     import pytorch_train as recipe
 
-    size = hvd.size()
+    size, rank = hvd.size(), hvd.rank()
     cfg = recipe.Config(
         dataset=dataset, model="resnet", model_width=args.width, synthetic_shape=args.shape,
         synthetic_samples=args.batch_size * args.num_batches_per_iter * size, num_classes=args.num_classes,
         batch_size=args.batch_size, epochs=1 + args.num_iters, warmup_epochs=0.0, num_workers=args.num_workers,
         resume=False, progress=False, tensorboard=False, run_dir=str(run_dir))
-    t, _ = recipe.setup(cfg)  # also sets torch threads per rank
+    torch.set_num_threads(cpu_threads(hvd.local_size(), cfg.threads))  # as the recipe sets them on CPU
+    splits = cfg.load_data()
+    torch.manual_seed(cfg.seed)
+    model = recipe.pick_model(cfg, splits.name, splits.sample_shape, splits.num_classes)
+    schedule = LRSchedule(base_lr=cfg.base_lr, size=size, warmup_epochs=cfg.warmup_epochs)
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=schedule.lr_at(0), momentum=cfg.momentum),
+        named_parameters=model.named_parameters())
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    loader = DevicePrefetcher(ShmLoader(splits.train, rank=rank, size=size, batch_size=cfg.batch_size,
+                                        num_workers=cfg.num_workers, seed=cfg.seed, fetch=ArrayDataset.take,
+                                        shuffle=True), torch.device("cpu"))
+    side = SimpleNamespace(cfg=cfg, train_loader=loader, meter=StallMeter(), rank=rank)
 
     def iteration(epoch: int) -> float:
-        torch.manual_seed(recipe.epoch_seed(cfg.seed, epoch, t.rank))
-        t.train_loader.set_epoch(epoch)
+        torch.manual_seed(epoch_seed(cfg.seed, epoch, rank))
+        loader.set_epoch(epoch)
         start = time.perf_counter()
-        train = recipe.train_epoch(t, epoch)
+        train = recipe.train_epoch(cfg, epoch, cfg.epochs, model, optimizer, schedule, loader, side.meter)
         return train["samples"] / (time.perf_counter() - start) / size
 
-    return t, iteration
+    return side, iteration
 
 
 def interleave(a: Callable[[int], float], b: Callable[[int], float], num_iters: int) -> tuple[list[float], ...]:

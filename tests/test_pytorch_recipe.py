@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from hvdtrain.train import checkpoint
+from hvdtrain.train import checkpoint, torchkit
 from hvdtrain.train.config import parse_config
 from hvdtrain.train.datasets import ArrayDataset, DatasetError, load
 from hvdtrain.train.metrics import History, MetricSums, build_summary, combine_stall
@@ -308,10 +308,10 @@ def test_recipe_config_rejects_unparsable_values(recipe_module, capsys):
 
 
 @pytest.mark.parametrize("n,size", [(359, 2), (10, 3), (2, 4), (256, 2)])
-def test_validation_shards_cover_every_sample_exactly_once(recipe_module, n, size):
+def test_validation_shards_cover_every_sample_exactly_once(n, size):
     ds = ArrayDataset(np.arange(n, dtype=np.float32)[:, None], np.arange(n))
     seen = [int(y) for rank in range(size)
-            for _, ys in recipe_module.val_batches(ds, rank, size, 4, torch.device("cpu")) for y in ys]
+            for _, ys in torchkit.val_batches(ds, rank, size, 4, torch.device("cpu")) for y in ys]
     assert sorted(seen) == list(range(n))
 
 
@@ -363,3 +363,9 @@ def test_exit_with_turns_a_dataset_error_into_exit_2_and_passes_other_codes(caps
     with pytest.raises(SystemExit) as exc:
         exit_with(lambda: 0, "/r/recipe.py")
     assert exc.value.code == 0
+
+
+def test_the_shared_configs_model_choices_are_the_recipes_models(recipe_module):
+    from pytorch_models import MODELS
+
+    assert ("auto", *MODELS) == torchkit.MODEL_CHOICES

@@ -1,0 +1,242 @@
+"""What the two PyTorch recipes share that is not a Horovod step: their flags, the loss over backward-pass chunks,
+validation batches and sums, checkpoints, the per-epoch report, the weights digest and the summary.
+
+Nothing here calls Horovod: the recipes (recipes/pytorch_train.py, recipes/pytorch_elastic.py) do every Horovod
+step themselves, in order, and pass in what these helpers need (rank, size, a reduction).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hvdtrain.train import checkpoint, datasets
+from hvdtrain.train.lr import LRSchedule
+from hvdtrain.train.metrics import SUMMARY_NAME, History, MetricSums, write_summary
+
+MODEL_CHOICES = ("auto", "cnn", "mlp", "resnet")  # auto, and recipes/pytorch_models.py's MODELS (a test checks)
+
+
+@dataclass(frozen=True)
+class TorchConfig:
+    """The flags both PyTorch recipes take (each recipe's Config adds its own and its --run-dir default)."""
+
+    dataset: str = field(default="digits", metadata={"help": "digits | synthetic | DIR of .npz/.npy shards"})
+    model: str = field(default="auto", metadata={"choices": MODEL_CHOICES,
+                                                 "help": "auto: cnn for digits, resnet for synthetic"})
+    model_width: int | None = field(default=None, metadata={"help": "channels/hidden units (model default)"})
+    epochs: int = field(default=15, metadata={"help": "total epochs"})
+    batch_size: int = field(default=32, metadata={"help": "samples per rank per backward pass"})
+    base_lr: float = field(default=0.05, metadata={"help": "single-process LR; × size × backward passes"})
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    warmup_epochs: float = field(default=2.0, metadata={"help": "linear LR warmup (Goyal et al.)"})
+    lr_milestones: tuple[int, ...] = field(default=(), metadata={"help": "epochs where LR ×= gamma, e.g. 10,20"})
+    lr_gamma: float = 0.1
+    backward_passes_per_step: int = field(default=1, metadata={
+        "help": "accumulate this many batches locally before each allreduce"})
+    fp16_allreduce: bool = field(default=False, metadata={"help": "compress gradients to fp16 for allreduce"})
+    num_workers: int = field(default=1, metadata={"help": "data producer processes per rank"})
+    threads: int | None = field(default=None, metadata={"help": "CPU threads per rank (cores // local ranks)"})
+    seed: int = 42
+    val_fraction: float = field(default=0.2, metadata={"help": "held-out share (digits, shard dirs)"})
+    synthetic_shape: tuple[int, ...] = field(default=(3, 32, 32), metadata={"help": "sample shape, C,H,W"})
+    synthetic_samples: int = 1024
+    num_classes: int | None = field(default=None, metadata={
+        "help": "classes; labels must be below it (none: 10 for digits and synthetic, from the labels of shards)"})
+    check_finite: bool = field(default=True, metadata={
+        "help": "stop on NaN/Inf: in the samples (at load), the averaged gradients (each step), the loss (each "
+                "epoch)"})
+    keep_checkpoints: int = 3
+    resume: bool = field(default=True, metadata={"help": "resume from the newest intact checkpoint"})
+    stop_after_epoch: int | None = field(default=None, metadata={
+        "help": "stop cleanly after this epoch (re-run to resume)"})
+    progress: bool = field(default=True, metadata={"help": "tqdm progress bar on rank 0"})
+    tensorboard: bool = field(default=True, metadata={"help": "TensorBoard scalars on rank 0"})
+    stall_plot: bool = field(default=False, metadata={
+        "help": "rank 0 plots its wait-for-data and step time per step to <run-dir>/stall.png"})
+
+    def __post_init__(self) -> None:
+        for name in ("epochs", "batch_size", "backward_passes_per_step", "num_workers", "keep_checkpoints",
+                     "synthetic_samples"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        for name in ("threads", "stop_after_epoch", "model_width"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1 (or none), got {getattr(self, name)}")
+        if self.num_classes is not None and self.num_classes < 2:
+            raise ValueError(f"--num-classes must be >= 2 (or none), got {self.num_classes}")
+        for name in ("momentum", "weight_decay"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if not 0 < self.val_fraction < 1:
+            raise ValueError(f"--val-fraction must be in (0, 1), got {self.val_fraction}")
+        try:  # the schedule checks its own values; say which flags they came from
+            LRSchedule(base_lr=self.base_lr, warmup_epochs=self.warmup_epochs, milestones=self.lr_milestones,
+                       gamma=self.lr_gamma)
+        except ValueError as e:
+            raise ValueError(f"LR flags (--base-lr, --warmup-epochs, --lr-milestones, --lr-gamma): {e}") from None
+
+    def load_data(self) -> datasets.Splits:
+        return datasets.load(self.dataset, val_fraction=self.val_fraction, split_seed=0,
+                             synthetic_shape=self.synthetic_shape, synthetic_samples=self.synthetic_samples,
+                             num_classes=self.num_classes, seed=self.seed, check_finite=self.check_finite)
+
+
+def log(rank: int, *args: Any) -> None:
+    """Print on rank 0 only (every rank's copy would interleave in the job's output)."""
+    if rank == 0:
+        print(*args, flush=True)
+
+
+def cpu_threads(local_size: int, threads: int | None) -> int:
+    """Threads for one of `local_size` ranks on this host: `threads`, or an equal share of the usable cores."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return threads or max(1, cores // local_size)
+
+
+def forward_backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor, chunks: int,
+                     sums: MetricSums) -> list[float]:
+    """Forward and backward passes over the batch in `chunks` pieces (DistributedOptimizer's
+    backward_passes_per_step: it accumulates them locally before one allreduce); each piece's loss is scaled so
+    the gradients add up to the batch mean. Returns each piece's loss."""
+    pieces, losses = list(zip(x.chunk(chunks), y.chunk(chunks), strict=True)), []
+    for xc, yc in pieces:
+        out = model(xc)
+        loss = F.cross_entropy(out, yc)
+        (loss / len(pieces)).backward()
+        losses.append(loss.item())
+        sums.add(losses[-1], int((out.argmax(1) == yc).sum()), len(yc))
+    return losses
+
+
+def gradients_finite(model: nn.Module) -> bool:
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    return not grads or bool(torch.isfinite(torch.nn.utils.get_total_norm(grads, norm_type=math.inf)))
+
+
+def val_batches(ds: datasets.ArrayDataset, rank: int, size: int, batch_size: int,
+                device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's share of the validation set, each sample counted once over all ranks.
+
+    The sampler pads the last round by wrapping (strided sharding: position p of the epoch's order goes to rank
+    p % size); positions >= len(ds) are those repeats and are left out here, so the allreduced sums cover the
+    validation set exactly.
+    """
+    from hvdtrain.data import ShardSampler
+
+    sampler = ShardSampler(len(ds), rank, size, shuffle=False, batch_size=batch_size)
+    for j, idx in enumerate(sampler.batches()):
+        positions = (j * batch_size + np.arange(len(idx))) * size + rank
+        idx = idx[positions < len(ds)]
+        if len(idx):
+            x, y = ds.take(idx)
+            yield torch.from_numpy(x).to(device), torch.from_numpy(y).to(device)
+
+
+@torch.no_grad()
+def validation_sums(model: nn.Module, ds: datasets.ArrayDataset, rank: int, size: int,
+                    device: torch.device) -> MetricSums:
+    """Loss and accuracy sums over this rank's share of the validation set (the caller reduces them)."""
+    model.eval()
+    sums = MetricSums()
+    for x, y in val_batches(ds, rank, size, 256, device):
+        out = model(x)
+        sums.add(F.cross_entropy(out, y).item(), int((out.argmax(1) == y).sum()), len(y))
+    return sums
+
+
+def epoch_seed(seed: int, epoch: int, rank: int) -> int:
+    """Per (seed, epoch, rank) RNG seed: a resumed run draws the same random numbers as an uninterrupted one."""
+    return int(np.random.SeedSequence([seed, epoch, rank]).generate_state(1)[0])
+
+
+def torch_read(f: Any) -> Any:
+    return torch.load(f, map_location="cpu", weights_only=True)
+
+
+def load_latest(ckpt_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[int, list[dict]]:
+    """Load the newest intact checkpoint into model and optimizer; (epochs it completed, history), (0, []) if none."""
+    found = checkpoint.find_latest(ckpt_dir, torch_read, required_keys=("model", "optimizer", "history"),
+                                   warn=lambda msg: print(f"WARNING: {msg}", flush=True))
+    if found is None:
+        return 0, []
+    model.load_state_dict(found.state["model"])
+    optimizer.load_state_dict(found.state["optimizer"])
+    print(f"resuming from {found.path} (epoch {found.epoch} done)", flush=True)
+    return found.epoch, list(found.state["history"])
+
+
+def save_checkpoint(cfg: TorchConfig, ckpt_dir: Path, epochs_done: int, model: nn.Module,
+                    optimizer: torch.optim.Optimizer, history: History) -> Path:
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "history": history.epochs,
+             "config": {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(cfg).items()}}
+    return checkpoint.save(ckpt_dir, epochs_done, state, torch.save, keep=cfg.keep_checkpoints)
+
+
+def weights_digest(model: nn.Module) -> str:
+    """SHA-256 over the state dict's tensors in order (names, then raw bytes on CPU)."""
+    h = hashlib.sha256()
+    for name, t in model.state_dict().items():
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def same_weights(digests: list[str], size: int) -> str:
+    """The line saying every rank holds the same weights; RuntimeError naming the ranks when they differ."""
+    if len(set(digests)) != 1:
+        raise RuntimeError("weights differ across ranks after training: "
+                           + ", ".join(f"rank {r}: {d[:12]}" for r, d in enumerate(digests)))
+    return f"weights identical on all {size} ranks (sha256 {digests[0][:16]})"
+
+
+def tensorboard_writer(enabled: bool, run_dir: Path) -> Any:
+    """A TensorBoard SummaryWriter under <run_dir>/tensorboard, or None."""
+    if not enabled:
+        return None
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+
+
+def report_epoch(row: dict[str, float], epochs: int, writer: Any = None) -> None:
+    """One line per epoch on the console, and the row's scalars to TensorBoard (call on rank 0)."""
+    if writer is not None:
+        for key, value in row.items():
+            if key != "epoch":
+                writer.add_scalar(key.replace("_", "/", 1), value, int(row["epoch"]))
+        writer.flush()
+    print(f"epoch {int(row['epoch'])}/{epochs}  train loss {row['train_loss']:.4f} "
+          f"acc {row['train_accuracy']:.2%}  val loss {row['val_loss']:.4f} acc {row['val_accuracy']:.2%}  "
+          f"lr {row['lr']:.4g}  {row['samples_per_sec']:.0f} samples/s  "
+          f"data wait {row['data_wait_share']:.1%} of step time", flush=True)
+
+
+def wait_share(waits: list[float], steps: list[float]) -> float:
+    """The share of step time spent waiting for data (StallMeter's waits and steps of an epoch)."""
+    return sum(waits) / max(sum(steps), 1e-12)
+
+
+def nothing_to_train(epochs: int, ckpt_dir: Path, run_dir: Path) -> str:
+    return (f"nothing to train: all {epochs} epochs are done in {ckpt_dir} (--no-resume or another --run-dir "
+            f"trains again)\nsummary:    {run_dir / SUMMARY_NAME}")
+
+
+def write_run_summary(run_dir: Path, summary: dict[str, Any], meter: Any, plot: bool, size: int) -> Path:
+    """summary.json (and, with `plot`, rank 0's stall plot) in `run_dir`; prints where they are (rank 0)."""
+    path = write_summary(run_dir, summary)
+    if plot:
+        print(f"stall plot: {meter.plot(run_dir / 'stall.png', title=f'rank 0 of {size}: input stall')}",
+              flush=True)
+    return path
