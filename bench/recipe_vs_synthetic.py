@@ -10,7 +10,7 @@ batches per iter / time, reported as mean ± 1.96 × std over the iterations. De
 the recipe's ResNet (torchvision is not installed) with plain BatchNorm instead of `hvd.SyncBatchNorm` (the
 recipe uses plain BatchNorm too), and threads per rank are cores // local ranks, as the recipe sets them.
 
-The recipe side is the recipe's own pieces: its Config, model (`pytorch_train.pick_model`), SGD +
+The recipe side is the recipe's own pieces: its Config, model (`pytorch_models.make_model`), SGD +
 DistributedOptimizer after the broadcasts, ShmLoader + DevicePrefetcher + StallMeter on `--dataset synthetic`, and
 its training loop `pytorch_train.train_epoch()` (LR schedule and metrics), timed exactly as the recipe times an
 epoch. An epoch is
@@ -93,7 +93,7 @@ def recipe_side(args: argparse.Namespace, dataset: str, run_dir: Path) -> tuple[
     from hvdtrain.data import DevicePrefetcher, ShmLoader, StallMeter
     from hvdtrain.train.datasets import ArrayDataset
     from hvdtrain.train.lr import LRSchedule
-    from hvdtrain.train.torchkit import cpu_threads, epoch_seed
+    from hvdtrain.train.torchkit import cpu_threads, epoch_seed, model_name
 
     if str(RECIPES) not in sys.path:
         sys.path.insert(0, str(RECIPES))
@@ -108,7 +108,7 @@ def recipe_side(args: argparse.Namespace, dataset: str, run_dir: Path) -> tuple[
     torch.set_num_threads(cpu_threads(hvd.local_size(), cfg.threads))  # as the recipe sets them on CPU
     splits = cfg.load_data()
     torch.manual_seed(cfg.seed)
-    model = recipe.pick_model(cfg, splits.name, splits.sample_shape, splits.num_classes)
+    model = recipe.make_model(model_name(cfg, splits), splits.sample_shape, splits.num_classes, cfg.model_width)
     schedule = LRSchedule(base_lr=cfg.base_lr, size=size, warmup_epochs=cfg.warmup_epochs)
     optimizer = hvd.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=schedule.lr_at(0), momentum=cfg.momentum),

@@ -1,7 +1,8 @@
 """Elastic data-parallel PyTorch training with Horovod: ranks may fail, leave or join while the job runs.
 
-The elastic twin of recipes/pytorch_train.py (same flags, model, data, metrics and checkpoints, imported from
-it), read top to bottom. Every Horovod step is marked `# Horovod:`. From the repository root, either of:
+The elastic twin of recipes/pytorch_train.py (the same flags, model, data, metrics and checkpoints, from
+hvdtrain.train.torchkit), read top to bottom. Every Horovod step is marked `# Horovod:`. From the repository root,
+either of:
 
     hvdtrain run jobs/elastic.yaml
     horovodrun -np 2 --gloo --network-interfaces lo --host-discovery-script jobs/discover_hosts.sh \
@@ -43,41 +44,28 @@ import os
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import horovod.torch as hvd
 import numpy as np
 import torch
-from pytorch_train import (
-    Config,
-    Trainer,
-    allreduce_sum,
-    apply_gradients,
-    build,
-    check_in_sync,
-    epoch_seed,
-    evaluate,
-    forward_backward,
-    log,
-    make_train_loader,
-    report_epoch,
-    save_checkpoint,
-    setup_device,
-    tensorboard_writer,
-    torch_read,
-)
+from pytorch_models import make_model
+from torch import nn
 
 from hvdtrain.atomic import atomic_write
-from hvdtrain.data import StallMeter, sweep_stale_segments
-from hvdtrain.train import checkpoint, datasets, divergence, rundir
+from hvdtrain.data import DevicePrefetcher, ShmLoader, StallMeter, sweep_stale_segments
+from hvdtrain.train import datasets, divergence, rundir, torchkit
 from hvdtrain.train.config import parse_config
 from hvdtrain.train.entry import exit_with
-from hvdtrain.train.metrics import SUMMARY_NAME, History, MetricSums, build_summary, combine_stall, write_summary
+from hvdtrain.train.lr import LRSchedule
+from hvdtrain.train.metrics import History, MetricSums, build_summary, combine_stall
+from hvdtrain.train.report import log, nothing_to_train, same_weights, wait_share
 
 EVENTS_NAME = "elastic.jsonl"
 
 
 @dataclass(frozen=True)
-class ElasticConfig(Config):
+class Config(torchkit.TorchConfig):
     run_dir: str = field(default="runs/elastic", metadata={"help": "checkpoints, TensorBoard, summary.json"})
     commit_every: int = field(default=10, metadata={
         "help": "commit the state every N optimizer steps (and at each epoch end): steps lost on a failure "
@@ -87,105 +75,78 @@ class ElasticConfig(Config):
         super().__post_init__()
         if self.commit_every < 1:
             raise ValueError(f"--commit-every must be >= 1, got {self.commit_every}")
-        if self.scale_epochs_by_size:
-            raise ValueError("--scale-epochs-by-size does not apply to elastic training: the size changes")
 
 
 @dataclass
-class ElasticTrainer(Trainer):
-    """The main recipe's Trainer plus what a reset needs to rebuild the loader; rank/size follow the world."""
+class Job:
+    """What train() and the reset callback share, built once per process in main(); rank and size follow the
+    world (the reset callback updates them)."""
 
-    splits: datasets.Splits | None = None
-    run_dir: Path = Path()
+    cfg: Config
+    rank: int
+    size: int
+    device: torch.device
+    splits: datasets.Splits
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    schedule: LRSchedule
+    loader: DevicePrefetcher
+    run_dir: Path
+    meter: StallMeter = field(default_factory=StallMeter)
+    writer: Any = None
+    run_lock: rundir.RunDirLock | None = None
 
 
-# ---- 1.-3. process, data, model (once per process; no collectives before hvd.elastic.run) --------------------
+def make_loader(cfg: Config, splits: datasets.Splits, rank: int, size: int, device: torch.device) -> DevicePrefetcher:
+    # Horovod: this rank's shard of the epoch's order (ShardSampler inside: the same permutation on every rank,
+    # padded to the same number of steps), built by producer processes into shared memory.
+    return DevicePrefetcher(ShmLoader(
+        splits.train, rank=rank, size=size, batch_size=cfg.batch_size * cfg.backward_passes_per_step,
+        num_workers=cfg.num_workers, seed=cfg.seed, fetch=datasets.ArrayDataset.take, shuffle=True), device)
+
+
+def allreduce_sum(values: np.ndarray) -> np.ndarray:
+    # Horovod: sum a small vector of local metric sums over all ranks.
+    return hvd.allreduce(torch.from_numpy(values), op=hvd.Sum).numpy()
+
 
 def write_worker_file(run_dir: Path, rank: int, size: int) -> None:
     # Horovod: an elastic process keeps its host and slot for life (its rank may change); name the file by them.
     host, slot = os.environ.get("HOROVOD_HOSTNAME", "localhost"), hvd.local_rank()
-    path = run_dir / "workers" / f"{host}.{slot}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
     record = {"pid": os.getpid(), "host": host, "slot": slot, "rank": rank, "size": size, "time": time.time()}
-    atomic_write(path, lambda f: f.write(json.dumps(record).encode()))
+    atomic_write(run_dir / "workers" / f"{host}.{slot}.json", lambda f: f.write(json.dumps(record).encode()))
 
 
-def event(t: ElasticTrainer, kind: str, state: hvd.elastic.TorchState) -> None:
+def event(j: Job, kind: str, state: hvd.elastic.TorchState) -> None:
     """Rank 0 appends one JSON line per (re)start and commit to <run-dir>/elastic.jsonl (progress, for humans
     and tests)."""
-    if t.rank != 0:
+    if j.rank != 0:
         return
-    row = {"event": kind, "time": time.time(), "size": t.size, "epoch": state.epoch, "batch": state.batch,
+    row = {"event": kind, "time": time.time(), "size": j.size, "epoch": state.epoch, "batch": state.batch,
            "samples": (state.data or {}).get("samples_consumed", 0), "resets": state.resets}
-    with open(t.run_dir / EVENTS_NAME, "a") as f:
+    with open(j.run_dir / EVENTS_NAME, "a") as f:
         f.write(json.dumps(row) + "\n")
 
 
-def load_latest(cfg: ElasticConfig, rank: int, ckpt_dir: Path, model: torch.nn.Module,
-                optimizer: torch.optim.Optimizer) -> tuple[int, list[dict[str, float]]]:
-    """Rank 0 loads the newest intact checkpoint (the others get it from TorchState's sync); (epoch, history)."""
-    if rank != 0 or not cfg.resume:
-        return 0, []
-    found = checkpoint.find_latest(ckpt_dir, torch_read, required_keys=("model", "optimizer", "history"),
-                                   warn=lambda msg: print(f"WARNING: {msg}", flush=True))
-    if found is None:
-        return 0, []
-    model.load_state_dict(found.state["model"])
-    optimizer.load_state_dict(found.state["optimizer"])
-    print(f"resuming from {found.path} (epoch {found.epoch} done)", flush=True)
-    return found.epoch, list(found.state["history"])
+# ---- a reset: the world changed ----------------------------------------------------------------------------
 
-
-def setup(cfg: ElasticConfig) -> tuple[ElasticTrainer, hvd.elastic.TorchState]:
-    """Everything before hvd.elastic.run, after hvd.init(); returns the trainer and the elastic state."""
-    rank, size = hvd.rank(), hvd.size()
-    device = setup_device(hvd.local_rank(), hvd.local_size(), cfg.threads)
-    run_dir = Path(cfg.run_dir).absolute()
-    # Horovod: data, model, LR × world size (rescaled by the reset callback when the world changes), and the
-    # optimizer wrapped in hvd.DistributedOptimizer, exactly as the main recipe builds them.
-    splits, model, schedule, optimizer = build(cfg, size, device)
-    first, history = load_latest(cfg, rank, run_dir / "checkpoints", model, optimizer)
-    # Horovod: the state every rank must agree on after a reset; rank 0's copy is broadcast by state.sync().
-    state = hvd.elastic.TorchState(model=model, optimizer=optimizer, epoch=first, batch=0, data=None,
-                                   train_sums=(0.0, 0.0, 0.0), history=tuple(history), sizes=(size,), resets=0)
-    t = ElasticTrainer(cfg, rank, size, cfg.epochs, model, optimizer, schedule,
-                       train_loader=make_train_loader(cfg, splits, rank, size, device), val_set=splits.val,
-                       device=device, meter=StallMeter(), history=History(list(history)),
-                       ckpt_dir=run_dir / "checkpoints", writer=None,
-                       splits=splits, run_dir=run_dir)
-    # Horovod: called on the surviving ranks after every reset (not on new ones: they build all of this).
-    state.register_reset_callbacks([lambda: on_reset(t, state)])
-    log(rank, f"{size} ranks (elastic) on {device.type} ({torch.get_num_threads()} threads each)  dataset "
-              f"{splits.name}: {len(splits.train)} train / {len(splits.val)} val  model {type(model).__name__}  "
-              f"epochs {f'{first + 1}..{cfg.epochs}' if first < cfg.epochs else 'all done'}  batch "
-              f"{cfg.batch_size}×ranks  commit every {cfg.commit_every}")
-    return t, state
-
-
-# ---- 4. a reset: the world changed -------------------------------------------------------------------------
-
-def epoch_progress(t: ElasticTrainer, state: hvd.elastic.TorchState) -> float:
-    """The fractional epoch reached at the committed position (drives the LR schedule)."""
-    samples = (state.data or {}).get("samples_consumed", 0)
-    return state.epoch + min(samples / max(len(t.splits.train), 1), 1.0)
-
-
-def on_reset(t: ElasticTrainer, state: hvd.elastic.TorchState) -> None:
+def on_reset(j: Job, state: hvd.elastic.TorchState) -> None:
     # Horovod: Horovod has shut down and re-initialised: hvd.rank()/hvd.size() are the new world's. No collective
     # here: ranks that join now do not run this; they meet the others in state.sync().
     rank, size = hvd.rank(), hvd.size()
-    if (rank, size) != (t.rank, t.size):
+    if (rank, size) != (j.rank, j.size):
         # Horovod: re-shard the data for the new (rank, size): stop this loader's producer processes and free its
         # shared memory, then start one for the new shard; train() positions it at the committed sample offset.
-        t.train_loader.close()
-        t.train_loader = make_train_loader(t.cfg, t.splits, rank, size, t.device)
-    log(rank, f"reset: world size {t.size} -> {size}; LR rescaled ×{size}/{t.size}; resuming at epoch "
-              f"{state.epoch + 1}, {(state.data or {}).get('samples_consumed', 0)} samples in")
-    t.rank, t.size = rank, size
-    # Horovod: rescale the LR by the new number of workers.
-    t.schedule = replace(t.schedule, size=size)
-    for group in t.optimizer.param_groups:
-        group["lr"] = t.schedule.lr_at(epoch_progress(t, state))
+        j.loader.close()
+        j.loader = make_loader(j.cfg, j.splits, rank, size, j.device)
+    samples = (state.data or {}).get("samples_consumed", 0)
+    log(rank, f"reset: world size {j.size} -> {size}; LR rescaled ×{size}/{j.size}; resuming at epoch "
+              f"{state.epoch + 1}, {samples} samples in")
+    j.rank, j.size = rank, size
+    # Horovod: rescale the LR by the new number of workers, at the committed position's fractional epoch.
+    j.schedule = replace(j.schedule, size=size)
+    for group in j.optimizer.param_groups:
+        group["lr"] = j.schedule.lr_at(state.epoch + min(samples / max(len(j.splits.train), 1), 1.0))
     # Horovod: sync() broadcasts rank 0's last *saved* state, so record the reset and save (a commit without the
     # host check, which would be a collective). The weights are the committed ones here (restored, or committed
     # just before a HostsUpdatedInterrupt).
@@ -194,139 +155,189 @@ def on_reset(t: ElasticTrainer, state: hvd.elastic.TorchState) -> None:
     state.save()
 
 
-# ---- 5. train with commits ----------------------------------------------------------------------------------
+# ---- train with commits ------------------------------------------------------------------------------------
 
-def train_step(t: ElasticTrainer, state: hvd.elastic.TorchState, x: torch.Tensor, y: torch.Tensor, lr: float,
+def train_step(j: Job, state: hvd.elastic.TorchState, x: torch.Tensor, y: torch.Tensor, lr: float,
                sums: MetricSums) -> float:
-    for group in t.optimizer.param_groups:
+    for group in j.optimizer.param_groups:
         group["lr"] = lr
-    t.optimizer.zero_grad()
-    losses = forward_backward(t, x, y, sums)  # Horovod: backward_passes_per_step chunks (main recipe)
-    # Horovod: the averaged gradients, checked for NaN/Inf (every rank alike) and applied (main recipe). The step
-    # counts from the epoch's start over every world size it saw, so no per-epoch total is shown.
-    apply_gradients(t, state.epoch, state.batch, None, divergence.worst(losses))
+    j.optimizer.zero_grad()
+    # Horovod: backward_passes_per_step chunks, each a backward() DistributedOptimizer accumulates locally.
+    losses = torchkit.forward_backward(j.model, x, y, j.cfg.backward_passes_per_step, sums)
+    # Horovod: wait for the averaged gradients, check them for NaN/Inf (every rank alike, NOTE [divergence
+    # checks]), apply them without waiting again. The step counts from the epoch's start over every world size it
+    # saw, so no per-epoch total is shown.
+    j.optimizer.synchronize()
+    if j.cfg.check_finite and not torchkit.gradients_finite(j.model):
+        raise divergence.at_step(state.epoch, state.batch, None, "the averaged gradients hold NaN/Inf",
+                                 divergence.worst(losses))
+    with j.optimizer.skip_synchronize():
+        j.optimizer.step()
     return losses[-1]
 
 
-def commit(t: ElasticTrainer, state: hvd.elastic.TorchState, sums: MetricSums) -> None:
+def commit(j: Job, state: hvd.elastic.TorchState, sums: MetricSums) -> None:
     # Horovod: fold this rank's metric sums since the last commit into the state's global sums (one allreduce),
     # so that a restore neither loses nor double-counts them.
     total = allreduce_sum(np.array([sums.loss_sum, sums.correct, sums.count], dtype=np.float64))
     state.train_sums = tuple(float(a + b) for a, b in zip(state.train_sums, total, strict=True))
     sums.loss_sum, sums.correct, sums.count = 0.0, 0, 0
-    state.data = t.train_loader.state_dict()  # the global samples consumed in this epoch: a prefix of its order
-    event(t, "commit", state)
+    state.data = j.loader.state_dict()  # the global samples consumed in this epoch: a prefix of its order
+    event(j, "commit", state)
     # Horovod: save the state in memory, then raise HostsUpdatedInterrupt if hosts were added or removed.
     state.commit()
 
 
-def train_rest_of_epoch(t: ElasticTrainer, state: hvd.elastic.TorchState) -> None:
+def train_rest_of_epoch(j: Job, state: hvd.elastic.TorchState) -> None:
     """From the committed position to the end of the epoch, committing every cfg.commit_every steps."""
-    epoch, n = state.epoch, len(t.splits.train)
-    torch.manual_seed(epoch_seed(t.cfg.seed, epoch, t.rank) + state.batch)
-    t.train_loader.set_epoch(epoch)  # the epoch's order, the same on every rank
+    epoch, n = state.epoch, len(j.splits.train)
+    torch.manual_seed(torchkit.epoch_seed(j.cfg.seed, epoch, j.rank) + state.batch)
+    j.loader.set_epoch(epoch)  # the epoch's order, the same on every rank
     if state.data is not None and state.data["epoch"] == epoch:
         # the committed position, saved under any world size: re-sharded for this one (ShardSampler)
-        t.train_loader.load_state_dict(state.data)
+        j.loader.load_state_dict(state.data)
+    j.model.train()
     sums = MetricSums()
-    for x, y in t.meter.wrap(t.train_loader):
-        done = t.train_loader.state_dict()["samples_consumed"]  # after this batch, over all ranks
-        train_step(t, state, x, y, t.schedule.lr_at(epoch + min(done / n, 1.0)), sums)
+    for x, y in j.meter.wrap(j.loader):
+        done = j.loader.state_dict()["samples_consumed"]  # after this batch, over all ranks
+        train_step(j, state, x, y, j.schedule.lr_at(epoch + min(done / n, 1.0)), sums)
         state.batch += 1
-        if state.batch % t.cfg.commit_every == 0:
-            commit(t, state, sums)
-    commit(t, state, sums)
+        if state.batch % j.cfg.commit_every == 0:
+            commit(j, state, sums)
+    commit(j, state, sums)
 
 
-def end_epoch(t: ElasticTrainer, state: hvd.elastic.TorchState, started: float, samples0: float, step0: int) -> None:
-    val = evaluate(t)  # Horovod: BatchNorm buffers averaged, validation sums allreduced (main recipe)
+def end_epoch(j: Job, state: hvd.elastic.TorchState, started: float, samples0: float, step0: int) -> None:
+    # Horovod: average the BatchNorm buffers (gradients are averaged, buffers are not), then the validation
+    # sums over every rank's shard.
+    torchkit.average_buffers(j.model, lambda buf, name: hvd.allreduce(buf, op=hvd.Average, name=name))
+    val = torchkit.validation_sums(j.model, j.splits.val, j.rank, j.size, j.device).reduce(allreduce_sum)
     loss_sum, correct, count = state.train_sums
-    took = time.perf_counter() - started
-    wait_share = sum(t.meter.waits[step0:]) / max(sum(t.meter.steps[step0:]), 1e-12)
     train_loss = loss_sum / max(count, 1)
-    if t.cfg.check_finite:  # before the epoch is recorded or checkpointed (NOTE [divergence checks])
+    if j.cfg.check_finite:  # before the epoch is recorded or checkpointed (NOTE [divergence checks])
         divergence.check_epoch(state.epoch, {"train_loss": train_loss, "val_loss": val["loss"]})
-    t.history = History(list(state.history))
-    row = t.history.record(state.epoch + 1, train_loss=train_loss,
-                           train_accuracy=correct / max(count, 1), val_loss=val["loss"],
-                           val_accuracy=val["accuracy"], lr=t.optimizer.param_groups[0]["lr"],
-                           samples_per_sec=(count - samples0) / took, data_wait_share=wait_share,
-                           world_size=t.size)
-    report_epoch(t, row)
-    if t.rank == 0:  # Horovod: only rank 0 writes checkpoints (all ranks hold the same weights).
-        save_checkpoint(t, state.epoch + 1)
+    history = History(list(state.history))
+    row = history.record(state.epoch + 1, train_loss=train_loss, train_accuracy=correct / max(count, 1),
+                         val_loss=val["loss"], val_accuracy=val["accuracy"], lr=j.optimizer.param_groups[0]["lr"],
+                         samples_per_sec=(count - samples0) / (time.perf_counter() - started),
+                         data_wait_share=wait_share(j.meter.waits[step0:], j.meter.steps[step0:]), world_size=j.size)
+    if j.rank == 0:  # Horovod: only rank 0 reports and writes checkpoints (all ranks hold the same weights).
+        torchkit.report_epoch(row, j.cfg.epochs, j.writer)
+        torchkit.save_checkpoint(j.cfg, j.run_dir / "checkpoints", state.epoch + 1, j.model, j.optimizer, history)
     state.history = (*state.history, row)
     state.epoch, state.batch, state.data, state.train_sums = state.epoch + 1, 0, None, (0.0, 0.0, 0.0)
-    event(t, "commit", state)
+    event(j, "commit", state)
     # Horovod: commit the finished epoch (a failure from here on never repeats it).
     state.commit()
 
 
 @hvd.elastic.run
-def train(state: hvd.elastic.TorchState, t: ElasticTrainer) -> None:
+def train(state: hvd.elastic.TorchState, j: Job) -> None:
     """Runs on every rank; on a reset Horovod calls it again (after restore/reset/sync) from the top."""
     # Horovod: TorchState.sync() broadcasts the weights before the optimizer state; on a rank that joined, the
     # latter initialises empty optimizer state with a zero-gradient step, which moves weights under weight decay.
     # Broadcast the weights once more so every rank starts from rank 0's.
-    hvd.broadcast_parameters(t.model.state_dict(), root_rank=0)
+    hvd.broadcast_parameters(j.model.state_dict(), root_rank=0)
     # Horovod: rank 0 alone writes the run directory and locks it; a broadcast tells every rank whether another job
     # holds it (then all stop with exit 2). After a reset a new rank 0 takes the lock over from the old one.
-    t.run_lock = rundir.claim(t.run_dir, hvd.rank(), lambda v: hvd.broadcast_object(v, 0, name="run_dir.lock"),
-                              held=t.run_lock, wait_s=10.0)
+    j.run_lock = rundir.claim(j.run_dir, hvd.rank(), lambda v: hvd.broadcast_object(v, 0, name="run_dir.lock"),
+                              held=j.run_lock, wait_s=10.0)
     # Only now, with the directory ours, write into it: this process's worker file, rank 0's TensorBoard writer.
-    write_worker_file(t.run_dir, hvd.rank(), hvd.size())
-    if t.writer is None:
-        t.writer = tensorboard_writer(t.cfg, hvd.rank(), t.run_dir)
-    event(t, "start", state)
+    write_worker_file(j.run_dir, hvd.rank(), hvd.size())
+    if j.writer is None:
+        j.writer = torchkit.tensorboard_writer(hvd.rank() == 0 and j.cfg.tensorboard, j.run_dir)
+    event(j, "start", state)
     first = state.epoch
-    while state.epoch < t.epochs:
-        if t.cfg.stop_after_epoch is not None and t.cfg.stop_after_epoch <= state.epoch:
-            log(t.rank, f"stopping after epoch {state.epoch} as asked (--stop-after-epoch)")
+    while state.epoch < j.cfg.epochs:
+        if j.cfg.stop_after_epoch is not None and j.cfg.stop_after_epoch <= state.epoch:
+            log(j.rank, f"stopping after epoch {state.epoch} as asked (--stop-after-epoch)")
             break
-        started, samples0, step0 = time.perf_counter(), state.train_sums[2], len(t.meter.steps)
-        train_rest_of_epoch(t, state)
-        end_epoch(t, state, started, samples0, step0)
-    finish(t, state, trained=state.epoch > first or state.resets > 0)
+        started, samples0, step0 = time.perf_counter(), state.train_sums[2], len(j.meter.steps)
+        train_rest_of_epoch(j, state)
+        end_epoch(j, state, started, samples0, step0)
+    finish(j, state, trained=state.epoch > first or state.resets > 0)
 
 
-# ---- 6. the end ---------------------------------------------------------------------------------------------
-
-def finish(t: ElasticTrainer, state: hvd.elastic.TorchState, trained: bool) -> None:
-    digests = check_in_sync(t.rank, t.size, t.model)  # Horovod: allgather of every rank's weights digest
+def finish(j: Job, state: hvd.elastic.TorchState, trained: bool) -> None:
+    # Horovod: every rank must end with identical weights: gather each rank's digest and compare.
+    digests = hvd.allgather_object(torchkit.weights_digest(j.model), name="final.digest")
+    log(j.rank, same_weights(digests, j.size))
     # Horovod: gather every rank's data-wait statistics for the summary.
-    stall = combine_stall(hvd.allgather_object(t.meter.summary(), name="final.stall"))
-    if t.rank != 0:
+    stall = combine_stall(hvd.allgather_object(j.meter.summary(), name="final.stall"))
+    if j.rank != 0:
         return
     if not trained:
-        print(f"nothing to train: all {t.epochs} epochs are done in {t.ckpt_dir}\nsummary:    "
-              f"{t.run_dir / SUMMARY_NAME}", flush=True)
+        print(nothing_to_train(j.cfg.epochs, j.run_dir / "checkpoints", j.run_dir), flush=True)
         return
     history = History(list(state.history))
     rates = [row["samples_per_sec"] for row in history.epochs]
     summary = build_summary(
-        epochs_completed=state.epoch, epochs_total=t.epochs, history=history,
+        epochs_completed=state.epoch, epochs_total=j.cfg.epochs, history=history,
         samples_per_sec=float(np.mean(rates)) if rates else math.nan, stall=stall,
-        extra={"world_size": t.size, "world_sizes": list(state.sizes), "resets": state.resets,
+        extra={"world_size": j.size, "world_sizes": list(state.sizes), "resets": state.resets,
                "weights_sha256_by_rank": digests})
-    path = write_summary(t.run_dir, summary)
-    if t.cfg.stall_plot:
-        print(f"stall plot: {t.meter.plot(t.run_dir / 'stall.png', title=f'rank 0 of {t.size}: input stall')}",
-              flush=True)
-    print(f"done: {state.epoch}/{t.epochs} epochs, world sizes {list(state.sizes)}, {state.resets} resets, "
+    path = torchkit.write_run_summary(j.run_dir, summary, j.meter, j.cfg.stall_plot, j.size)
+    print(f"done: {state.epoch}/{j.cfg.epochs} epochs, world sizes {list(state.sizes)}, {state.resets} resets, "
           f"validation accuracy {summary['val_accuracy'] or math.nan:.2%}\nsummary:    {path}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
-    cfg = parse_config(ElasticConfig, argv, description=__doc__.split("\n\n")[0])
+    cfg = parse_config(Config, argv, description=__doc__.split("\n\n")[0])
+    # ---- 1. process and device (once per process; no collective may run before hvd.elastic.run: a rank that
+    # joins later would meet the others' collectives there)
     hvd.init()  # Horovod: join the job; rank/size come from horovodrun's elastic driver.
+    rank, size = hvd.rank(), hvd.size()
     sweep_stale_segments()  # /dev/shm segments a crashed earlier run left (dead creator pid, older than 60 s)
-    t, state = setup(cfg)
+    if torch.cuda.is_available():
+        # Horovod: pin one GPU per process, chosen by local rank (Horovod never sets CUDA_VISIBLE_DEVICES).
+        torch.cuda.set_device(hvd.local_rank())
+        device = torch.device("cuda", hvd.local_rank())
+    else:
+        # Horovod: on CPU, split this host's cores between its ranks, or they oversubscribe each other.
+        torch.set_num_threads(torchkit.cpu_threads(hvd.local_size(), cfg.threads))
+        device = torch.device("cpu")
+    run_dir = Path(cfg.run_dir).absolute()
+
+    # ---- 2.-3. data, model, LR, optimizer
+    splits = cfg.load_data()
+    torch.manual_seed(cfg.seed)
+    model = make_model(torchkit.model_name(cfg, splits), splits.sample_shape, splits.num_classes,
+                       cfg.model_width).to(device)
+    # Horovod: scale the LR by the number of workers (the reset callback rescales it when the world changes).
+    schedule = LRSchedule(base_lr=cfg.base_lr, size=size, backward_passes_per_step=cfg.backward_passes_per_step,
+                          warmup_epochs=cfg.warmup_epochs, milestones=cfg.lr_milestones, gamma=cfg.lr_gamma)
+    optimizer = torch.optim.SGD(model.parameters(), lr=schedule.lr_at(0), momentum=cfg.momentum,
+                                weight_decay=cfg.weight_decay)
+    # Horovod: wrap the optimizer: gradients are averaged over all ranks by allreduce inside step().
+    optimizer = hvd.DistributedOptimizer(
+        optimizer, named_parameters=model.named_parameters(),
+        compression=hvd.Compression.fp16 if cfg.fp16_allreduce else hvd.Compression.none,
+        backward_passes_per_step=cfg.backward_passes_per_step)
+    # Rank 0 alone loads the newest checkpoint; the others get it from TorchState's sync in train().
+    first, rows = (0, [])
+    if rank == 0 and cfg.resume:
+        first, rows = torchkit.load_latest(run_dir / "checkpoints", model, optimizer)
+
+    # ---- 4. the elastic state
+    # Horovod: everything every rank must agree on after a reset; rank 0's copy is broadcast by state.sync().
+    state = hvd.elastic.TorchState(model=model, optimizer=optimizer, epoch=first, batch=0, data=None,
+                                   train_sums=(0.0, 0.0, 0.0), history=tuple(rows), sizes=(size,), resets=0)
+    j = Job(cfg, rank, size, device, splits, model, optimizer, schedule,
+            loader=make_loader(cfg, splits, rank, size, device), run_dir=run_dir)
+    # Horovod: called on the surviving ranks after every reset (not on new ones: they build all of this).
+    state.register_reset_callbacks([lambda: on_reset(j, state)])
+    log(rank, f"{size} ranks (elastic) on {device.type} ({torch.get_num_threads()} threads each)  dataset "
+              f"{splits.name}: {len(splits.train)} train / {len(splits.val)} val  model {type(model).__name__}  "
+              f"epochs {f'{first + 1}..{cfg.epochs}' if first < cfg.epochs else 'all done'}  batch "
+              f"{cfg.batch_size}×ranks  commit every {cfg.commit_every}")
+
+    # ---- 5.-6. train (Horovod restarts train() from the last commit after every reset), then the summary
     try:
-        train(state, t)
+        train(state, j)
     finally:
-        t.train_loader.close()  # stops the producer processes, frees the shared memory
-        if t.writer is not None:
-            t.writer.close()
+        j.loader.close()  # stops the producer processes, frees the shared memory
+        if j.writer is not None:
+            j.writer.close()
     return 0
 
 

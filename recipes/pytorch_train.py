@@ -53,21 +53,20 @@ from hvdtrain.train.entry import exit_with
 from hvdtrain.train.lr import LRSchedule, scaled_epochs
 from hvdtrain.train.metrics import History, MetricSums, build_summary, combine_stall
 from hvdtrain.train.progress import progress_bar
+from hvdtrain.train.report import log, nothing_to_train, same_weights, wait_share
 from hvdtrain.train.torchkit import (
     TorchConfig,
+    average_buffers,
     cpu_threads,
     epoch_seed,
     forward_backward,
     gradients_finite,
     load_latest,
-    log,
-    nothing_to_train,
+    model_name,
     report_epoch,
-    same_weights,
     save_checkpoint,
     tensorboard_writer,
     validation_sums,
-    wait_share,
     weights_digest,
     write_run_summary,
 )
@@ -78,14 +77,6 @@ class Config(TorchConfig):
     scale_epochs_by_size: bool = field(default=False, metadata={
         "help": "run ceil(epochs / world size) epochs, as Horovod's Keras example does"})
     run_dir: str = field(default="runs/pytorch", metadata={"help": "checkpoints, TensorBoard, summary.json"})
-
-
-def pick_model(cfg: Config, name: str, sample_shape: tuple[int, ...], num_classes: int) -> nn.Module:
-    if cfg.model == "auto":
-        fallback = "cnn" if len(sample_shape) == 3 else "mlp"
-        return make_model({"digits": "cnn", "synthetic": "resnet"}.get(name, fallback), sample_shape, num_classes,
-                          cfg.model_width)
-    return make_model(cfg.model, sample_shape, num_classes, cfg.model_width)
 
 
 def allreduce_sum(values: np.ndarray) -> np.ndarray:
@@ -124,10 +115,8 @@ def train_epoch(cfg: Config, epoch: int, epochs: int, model: nn.Module, optimize
 
 def evaluate(model: nn.Module, val_set: datasets.ArrayDataset, device: torch.device) -> dict[str, float]:
     # Horovod: gradients are averaged but BatchNorm running statistics are not; average them too, so every rank
-    # validates and rank 0 checkpoints the same model (as timm's distribute_bn does).
-    for name, buf in model.named_buffers():
-        if buf.is_floating_point():
-            buf.copy_(hvd.allreduce(buf, op=hvd.Average, name=f"buffer.{name}"))
+    # validates and rank 0 checkpoints the same model.
+    average_buffers(model, lambda buf, name: hvd.allreduce(buf, op=hvd.Average, name=name))
     # Horovod: validation metrics over the whole validation set = sums over every rank's shard.
     return validation_sums(model, val_set, hvd.rank(), hvd.size(), device).reduce(allreduce_sum)
 
@@ -165,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # ---- 3. model, LR, optimizer
     torch.manual_seed(cfg.seed)
-    model = pick_model(cfg, splits.name, splits.sample_shape, splits.num_classes).to(device)
+    model = make_model(model_name(cfg, splits), splits.sample_shape, splits.num_classes, cfg.model_width).to(device)
     # Horovod: scale the LR by the number of workers (and backward passes per step), warm it up (Goyal et al.).
     schedule = LRSchedule(base_lr=cfg.base_lr, size=size, backward_passes_per_step=cfg.backward_passes_per_step,
                           warmup_epochs=cfg.warmup_epochs, milestones=cfg.lr_milestones, gamma=cfg.lr_gamma)

@@ -1,10 +1,13 @@
-"""Session-wide guarantees: no process of a test's job and no hvdtrain shared-memory segment outlives the run, and
-no test reads or writes state of an earlier run (the user's ~/.cache/hvdtrain: each session gets a private one)."""
+"""Guarantees for every test: no process it started outlives it (setsid()ed ranks and orteds included: the pytest
+process is a child subreaper, so every orphan re-parents to it), no hvdtrain shared-memory segment outlives the
+run, and no test reads or writes state of an earlier run (the user's ~/.cache/hvdtrain: each session gets a private
+one)."""
 
 from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -12,7 +15,7 @@ from tests import harness
 
 
 @pytest.fixture(scope="session", autouse=True)
-def private_cache_dir(tmp_path_factory: pytest.TempPathFactory):
+def private_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """hvdtrain's cache (the Horovod build probe) lives in this session's temporary directory, for this process and
     every job it starts: a result must not depend on what an earlier run, or the user, left in ~/.cache/hvdtrain."""
     with pytest.MonkeyPatch.context() as mp:
@@ -21,18 +24,38 @@ def private_cache_dir(tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.fixture(scope="session", autouse=True)
-def nothing_left_behind():
+def nothing_left_behind() -> Iterator[harness.OrphanReaper]:
+    """Adopt every orphan for the whole session; at its end, fail if any process (of a module- or session-scoped
+    fixture, say: the per-test check exempts those) or any new hvdtrain shared-memory segment is left."""
     # Segments an earlier run left (a killed run, another user's job) are not this run's: only new ones count.
     earlier = {entry.name for entry in harness.SHM_DIR.glob(harness.SHM_PREFIX + "*")}
-    yield
+    reaper = harness.OrphanReaper()
+    reaper.start()
+    before = set(harness.descendants())
+    yield reaper
+    outlived = reaper.leaked_since(before)
     deadline = time.monotonic() + 10  # killed processes need a moment to be reaped
     while (alive := harness.live_job_processes()) and time.monotonic() < deadline:
         time.sleep(0.2)
+    reaper.stop()
     leaked = [name for name in harness.leaked_segments({os.getpid()}) if name not in earlier]
     problems = []
-    if alive:
-        problems.append("processes outlived their test:\n  " + "\n  ".join(alive))
+    if outlived or alive:
+        problems.append("processes outlived their test (killed now):\n  " + "\n  ".join(outlived + alive))
     if leaked:
         problems.append("shared-memory segments leaked in /dev/shm: " + ", ".join(leaked))
     if problems:
         pytest.fail("\n".join(problems), pytrace=False)
+
+
+@pytest.fixture(autouse=True)
+def no_process_outlives_its_test(nothing_left_behind: harness.OrphanReaper) -> Iterator[None]:
+    """After the test and its function-scoped fixtures are torn down, every process started since it began must
+    end within harness.LEAK_GRACE_S; those that do not fail the test and are SIGKILLed. Processes already there when
+    it began (started by a module- or session-scoped fixture) are exempt; exited ones (zombies) are reaped."""
+    before = set(harness.descendants())
+    yield
+    outlived = nothing_left_behind.leaked_since(before)
+    if outlived:
+        pytest.fail(f"{len(outlived)} process(es) outlived the test (killed now):\n  " + "\n  ".join(outlived),
+                    pytrace=False)

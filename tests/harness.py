@@ -1,12 +1,16 @@
 """Run real Horovod jobs from tests: bounded in time, output shown on failure, nothing left behind.
 
 Every job is started in its own session (process group) so that a timeout or a failing test can kill the whole
-tree — horovodrun, mpirun/orted and the ranks — with one `killpg`, never by matching command lines.
+tree — horovodrun, mpirun/orted and the ranks — with one `killpg`, never by matching command lines. What escapes
+the group (Horovod setsid()s ranks and orteds into sessions of their own) still cannot escape the test: the pytest
+process is a child subreaper (OrphanReaper), so every orphan re-parents to it, and tests/conftest.py checks after
+each test that every process the test started is gone.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import io
 import os
@@ -20,10 +24,14 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from hvdtrain.data.shm import creator_pid
+
+if TYPE_CHECKING:
+    import psutil
 
 BIN = Path(sys.executable).parent
 HOROVODRUN = BIN / "horovodrun"
@@ -33,6 +41,10 @@ SHM_PREFIX = "hvdtrain_"  # hvdtrain names every segment hvdtrain_<creator pid>_
 
 # Session ids of every job started here; conftest checks that none has a live process at the end.
 STARTED_SESSIONS: set[int] = set()
+PR_SET_CHILD_SUBREAPER = 36  # <linux/prctl.h>
+# How long a test's processes may take to end after its teardown before they count as leaked (the leak guard's own
+# test shortens it: it runs a test session that leaks on purpose).
+LEAK_GRACE_S = float(os.environ.get("HVDTRAIN_TEST_LEAK_GRACE_S", "10"))
 
 
 @dataclass(frozen=True)
@@ -207,6 +219,139 @@ def wait_gone(processes: list, bound_s: float) -> list[str]:
             described.append(f"{p.pid}: {' '.join(p.cmdline())}")
             p.kill()
     return described
+
+
+def become_subreaper() -> None:
+    """Make this process a child subreaper (Linux): a descendant whose parent dies re-parents to it, not to init.
+
+    Horovod's middlemen setsid() the ranks and mpirun's orted: without this, a rank whose launcher died would be
+    nobody's descendant here, out of reach of a session or process-tree check."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"prctl(PR_SET_CHILD_SUBREAPER): {os.strerror(errno)}")
+
+
+def descendants() -> list[psutil.Process]:
+    """Every descendant of this process (psutil handles: a recycled pid is never mistaken), zombies included."""
+    import psutil
+
+    try:
+        return psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def own_helpers() -> set[int]:
+    """Pids of multiprocessing's resource tracker and forkserver of this process: started on first use (a test's
+    in-process loader), they live until this process exits, in the tests as in any program."""
+    tracker = getattr(sys.modules.get("multiprocessing.resource_tracker"), "_resource_tracker", None)
+    server = getattr(sys.modules.get("multiprocessing.forkserver"), "_forkserver", None)
+    return {pid for pid in (getattr(tracker, "_pid", None), getattr(server, "_forkserver_pid", None)) if pid}
+
+
+def reap(pid: int) -> None:
+    """Collect the exit status of `pid`, a zombie child of this process (no-op if someone else already did)."""
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG)
+
+
+def describe(p: psutil.Process) -> str:
+    """`pid N (name), parent P: command line` of a psutil process, or what is left of it."""
+    import psutil
+
+    try:
+        with p.oneshot():
+            return f"pid {p.pid} ({p.name()}), parent {p.ppid()}: {' '.join(p.cmdline())}"
+    except psutil.Error:
+        return f"pid {p.pid} (gone)"
+
+
+class OrphanReaper:
+    """This process as a child subreaper, and a thread that reaps the orphans it adopts, as init would.
+
+    Without the reaping, an adopted orphan that exits would stay a zombie here until the test ends, and a launcher
+    waiting for it to be gone (psutil.wait_procs polls for the pid) would wait longer than it does outside the
+    tests. Only processes once seen with another parent are reaped: a child this process started itself belongs
+    to a Popen object, whose wait() must get the real exit status.
+    """
+
+    POLL_S = 0.2
+
+    def __init__(self) -> None:
+        self.me = os.getpid()
+        self.adopted: set[tuple[int, float]] = set()  # (pid, create time) of descendants seen with another parent
+        self.lock = threading.Lock()
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="orphan-reaper", daemon=True)
+
+    def start(self) -> None:
+        become_subreaper()
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while not self.stopping.wait(self.POLL_S):
+            self.reap_adopted()
+
+    def reap_adopted(self) -> None:
+        """One round: note who has another parent; reap those of them that died as children of this process."""
+        import psutil
+
+        with self.lock:
+            present = set()
+            for p in descendants():
+                try:
+                    with p.oneshot():
+                        key, ppid, status = (p.pid, p.create_time()), p.ppid(), p.status()
+                except psutil.Error:
+                    continue
+                present.add(key)
+                if ppid != self.me:
+                    self.adopted.add(key)
+                elif status == psutil.STATUS_ZOMBIE and key in self.adopted:
+                    reap(p.pid)
+            self.adopted &= present  # a descendant never leaves the tree but by being reaped
+
+    def outliving(self, before: set[psutil.Process]) -> list[psutil.Process]:
+        """Descendants not in `before` and still running (not zombies, not this process's multiprocessing helpers).
+        Zombies among them that are this process's children are reaped: the test that started them is over."""
+        import psutil
+
+        self.reap_adopted()
+        helpers, left = own_helpers(), []
+        for p in descendants():
+            if p in before or p.pid in helpers:
+                continue
+            try:
+                zombie, ppid = p.status() == psutil.STATUS_ZOMBIE, p.ppid()
+            except psutil.Error:
+                continue
+            if not zombie:
+                left.append(p)
+            elif ppid == self.me:
+                reap(p.pid)
+        return left
+
+    def leaked_since(self, before: set[psutil.Process], grace_s: float = LEAK_GRACE_S) -> list[str]:
+        """Wait up to grace_s for every descendant not in `before` to end; describe those still running, and
+        SIGKILL them (each by pid and create time, so a recycled pid is never hit) so nothing later inherits them."""
+        import psutil
+
+        deadline = time.monotonic() + grace_s
+        while (left := self.outliving(before)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        described = [describe(p) for p in left]
+        for p in left:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        deadline = time.monotonic() + 10
+        while self.outliving(before) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return described
 
 
 def live_job_processes() -> list[str]:

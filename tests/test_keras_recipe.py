@@ -11,8 +11,11 @@ import hashlib
 import importlib.util
 import io
 import json
+import os
 import re
 import shutil
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -168,3 +171,16 @@ def test_recipe_stops_with_the_fix_on_keras_3_and_trains_nothing(tmp_path):
     assert "silently does not average gradients" in result.output
     assert 'pip install "tf-keras==' in result.output and "TF_USE_LEGACY_KERAS=1" in result.output
     assert epoch_lines(result.output) == [] and not (tmp_path / "run").exists()
+
+
+def test_importing_the_recipe_or_asking_for_help_imports_no_tensorflow():
+    """The recipe sets up Keras 2 (TF_USE_LEGACY_KERAS) and imports TensorFlow inside main(), not at import."""
+    probe = (f"import os, sys; sys.path.insert(0, {str(RECIPE.parent)!r}); import keras_train; "
+             "print('tensorflow' in sys.modules, os.environ.get('TF_USE_LEGACY_KERAS'))")
+    env = {k: v for k, v in os.environ.items() if k != "TF_USE_LEGACY_KERAS"}
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=env,
+                         check=True).stdout.split()
+    assert out == ["False", "None"]
+    help_text = subprocess.run([sys.executable, str(RECIPE), "--help"], capture_output=True, text=True,
+                               timeout=120, env=env, check=True).stdout
+    assert "--run-dir" in help_text

@@ -5,6 +5,7 @@ code, and SIGTERM/SIGINT forwarding that leaves no rank behind."""
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import signal
 import subprocess
@@ -26,61 +27,12 @@ RECIPE = str(REPO / "recipes" / "pytorch_train.py")
 ELASTIC_RECIPE = str(REPO / "recipes" / "pytorch_elastic.py")
 CONTROLLERS = ["gloo", "mpi"]
 
-ECHO_ARGV = """
-import json, os, sys, time
-import horovod.torch as hvd
-hvd.init()
-time.sleep(0.2 * hvd.rank())  # mpirun's output forwarding can splice lines written at the same instant
-print("ARGV " + json.dumps({"rank": hvd.rank(), "argv": sys.argv[1:], "env": os.environ.get("HVDTRAIN_TEST")}),
-      flush=True)
-time.sleep(0.5)
-print(f"rank {hvd.rank()} says hi on stderr", file=sys.stderr, flush=True)
-"""
-
-WAIT_FOR_SIGNAL = """
-import os, sys, time
-import horovod.torch as hvd
-hvd.init()
-ready = os.path.join(sys.argv[1], f"ready.{hvd.rank()}")
-with open(ready + ".tmp", "w") as f:
-    f.write(str(os.getpid()))
-os.replace(ready + ".tmp", ready)
-time.sleep(300)
-"""
-
+SCRIPTS = REPO / "tests" / "scripts"
+ECHO_ARGV = SCRIPTS / "echo_argv.py"  # each rank: its argv and env on stdout, a line on stderr
+WAIT_FOR_SIGNAL = SCRIPTS / "wait_for_signal.py"  # each rank: writes its pid, then sleeps until stopped
 # Starts `hvdtrain run JOB`, waits for both ranks to write their pid, sends SIGNAL to hvdtrain, and reports its
 # exit code, how long it took, and which rank pids are still alive (then kills those, so nothing leaks).
-SIGNALLER = """
-import json, os, subprocess, sys, time
-import psutil
-hvdtrain, job, signum, piddir = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
-with open(os.path.join(piddir, "out.txt"), "w") as out:
-    proc = subprocess.Popen([hvdtrain, "run", job], stdout=out, stderr=subprocess.STDOUT)
-pids, deadline = {}, time.monotonic() + 120
-while len(pids) < 2 and proc.poll() is None and time.monotonic() < deadline:
-    for r in (0, 1):
-        path = os.path.join(piddir, f"ready.{r}")
-        if os.path.exists(path):
-            pids[r] = int(open(path).read())
-    time.sleep(0.2)
-t0 = time.monotonic()
-proc.send_signal(signum)
-try:
-    code = proc.wait(timeout=60)
-except subprocess.TimeoutExpired:
-    proc.kill()
-    code = "hung"
-elapsed = time.monotonic() - t0
-def alive(pid):
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-left = [p for p in pids.values() if alive(p)]
-for p in left:
-    psutil.Process(p).kill()
-print("REPORT " + json.dumps({"code": code, "elapsed": elapsed, "ranks": len(pids), "alive": left}))
-"""
+SIGNALLER = SCRIPTS / "signaller.py"
 
 
 # ---------------------------------------------------------------- output router (in-process)
@@ -179,11 +131,20 @@ def test_schema_prints_the_json_schema():
 
 # ---------------------------------------------------------------- real 2-rank jobs
 
-def write_job(tmp_path: Path, script: str, **keys: object) -> Path:
-    (tmp_path / "job.py").write_text(script)
+def write_job(tmp_path: Path, script: Path, **keys: object) -> Path:
+    """tmp_path/job.yaml: a 2-rank job of `script` with the given spec keys."""
     job = tmp_path / "job.yaml"
-    job.write_text(yaml.safe_dump({"script": "job.py", "np": 2, **keys}))
+    job.write_text(yaml.safe_dump({"script": str(script), "np": 2, **keys}))
     return job
+
+
+def echoed(console: list[str]) -> list[tuple[int, dict]]:
+    """(rank tag, payload) of every `[rank]<stdout>:ARGV {json}` console line echo_argv.py's ranks printed."""
+    found = []
+    for line in console:
+        if m := re.fullmatch(r"\[(\d+)\]<stdout>:ARGV (.*)", line):
+            found.append((int(m.group(1)), json.loads(m.group(2))))
+    return found
 
 
 @pytest.mark.slow
@@ -195,21 +156,23 @@ def test_real_job_passes_hostile_args_literally_forwards_env_and_writes_rank_log
                     env={"HVDTRAIN_TEST": f"$(touch {marker}) x"}, logs={"dir": "logs", "console_ranks": [0]})
     res = expect_ok(run_bounded([HVDTRAIN, "run", str(job)], timeout=180, cwd=tmp_path))
     assert not marker.exists(), "a spec value reached a shell"
-    seen = [json.loads(line.split("ARGV ", 1)[1]) for line in res.output.splitlines() if "]<stdout>:ARGV " in line]
-    assert seen == [{"rank": 0, "argv": hostile, "env": f"$(touch {marker}) x"}], res.describe()  # rank 0 only
-    assert "[0]<stderr>:rank 0 says hi on stderr" in res.output
+    given = {"argv": hostile, "env": f"$(touch {marker}) x"}
+    # Whole lines, in any order: the ranks write at the same time (each line in one write, which mpirun keeps whole).
+    console = res.output.splitlines()
+    assert echoed(console) == [(0, {"rank": 0, **given})], res.describe()  # rank 0 only
+    assert "[0]<stderr>:rank 0 says hi on stderr" in console, res.describe()
     assert "[1,0]" not in res.output  # MPI's tag is normalised
-    rank1 = (tmp_path / "logs" / "rank.1.log").read_text()
-    assert json.loads(rank1.split("ARGV ", 1)[1].splitlines()[0])["argv"] == hostile
-    assert "rank 1 says hi on stderr" in rank1
+    for rank in (0, 1):
+        log = (tmp_path / "logs" / f"rank.{rank}.log").read_text().splitlines()
+        assert [json.loads(line[len("ARGV "):]) for line in log if line.startswith("ARGV ")] == [
+            {"rank": rank, **given}], log
+        assert f"rank {rank} says hi on stderr" in log, log
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("controller", CONTROLLERS)
 def test_exit_code_is_the_failing_ranks(controller, tmp_path):
-    job = tmp_path / "job.yaml"
-    job.write_text(yaml.safe_dump({"script": str(REPO / "tests" / "scripts" / "fail_rank.py"), "np": 2,
-                                   "controller": controller}))
+    job = write_job(tmp_path, SCRIPTS / "fail_rank.py", controller=controller)
     res = run_bounded([HVDTRAIN, "run", str(job)], timeout=180)
     assert res.returncode == 3, res.describe()
     assert "rank 1 is failing on purpose" in res.output
@@ -220,8 +183,7 @@ def test_exit_code_is_the_failing_ranks(controller, tmp_path):
 @pytest.mark.parametrize(("controller", "signum"), [("gloo", signal.SIGTERM), ("mpi", signal.SIGINT)])
 def test_signal_stops_the_whole_job(controller, signum, tmp_path):
     job = write_job(tmp_path, WAIT_FOR_SIGNAL, controller=controller, args=[str(tmp_path)])
-    (tmp_path / "signaller.py").write_text(SIGNALLER)
-    res = run_bounded([PY, str(tmp_path / "signaller.py"), HVDTRAIN, str(job), str(int(signum)), str(tmp_path)],
+    res = run_bounded([PY, str(SIGNALLER), HVDTRAIN, str(job), str(int(signum)), str(tmp_path)],
                       timeout=240)
     report = json.loads(res.output.split("REPORT ", 1)[1])
     log = (tmp_path / "out.txt").read_text()

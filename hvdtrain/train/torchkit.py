@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,7 +22,7 @@ from torch import nn
 
 from hvdtrain.train import checkpoint, datasets
 from hvdtrain.train.lr import LRSchedule
-from hvdtrain.train.metrics import SUMMARY_NAME, History, MetricSums, write_summary
+from hvdtrain.train.metrics import History, MetricSums, write_summary
 
 MODEL_CHOICES = ("auto", "cnn", "mlp", "resnet")  # auto, and recipes/pytorch_models.py's MODELS (a test checks)
 
@@ -93,16 +93,18 @@ class TorchConfig:
                              num_classes=self.num_classes, seed=self.seed, check_finite=self.check_finite)
 
 
-def log(rank: int, *args: Any) -> None:
-    """Print on rank 0 only (every rank's copy would interleave in the job's output)."""
-    if rank == 0:
-        print(*args, flush=True)
-
-
 def cpu_threads(local_size: int, threads: int | None) -> int:
     """Threads for one of `local_size` ranks on this host: `threads`, or an equal share of the usable cores."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return threads or max(1, cores // local_size)
+
+
+def model_name(cfg: TorchConfig, splits: datasets.Splits) -> str:
+    """--model, or for auto: cnn for digits, resnet for synthetic, else cnn for C,H,W samples and mlp for others."""
+    if cfg.model != "auto":
+        return cfg.model
+    fallback = "cnn" if len(splits.sample_shape) == 3 else "mlp"
+    return {"digits": "cnn", "synthetic": "resnet"}.get(splits.name, fallback)
 
 
 def forward_backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor, chunks: int,
@@ -142,6 +144,15 @@ def val_batches(ds: datasets.ArrayDataset, rank: int, size: int, batch_size: int
         if len(idx):
             x, y = ds.take(idx)
             yield torch.from_numpy(x).to(device), torch.from_numpy(y).to(device)
+
+
+@torch.no_grad()
+def average_buffers(model: nn.Module, average: Callable[[torch.Tensor, str], torch.Tensor]) -> None:
+    """Replace each floating-point buffer (BatchNorm running statistics) by `average(buffer, name)`: gradients are
+    averaged over the ranks, buffers are not (as timm's distribute_bn does)."""
+    for name, buf in model.named_buffers():
+        if buf.is_floating_point():
+            buf.copy_(average(buf, f"buffer.{name}"))
 
 
 @torch.no_grad()
@@ -193,14 +204,6 @@ def weights_digest(model: nn.Module) -> str:
     return h.hexdigest()
 
 
-def same_weights(digests: list[str], size: int) -> str:
-    """The line saying every rank holds the same weights; RuntimeError naming the ranks when they differ."""
-    if len(set(digests)) != 1:
-        raise RuntimeError("weights differ across ranks after training: "
-                           + ", ".join(f"rank {r}: {d[:12]}" for r, d in enumerate(digests)))
-    return f"weights identical on all {size} ranks (sha256 {digests[0][:16]})"
-
-
 def tensorboard_writer(enabled: bool, run_dir: Path) -> Any:
     """A TensorBoard SummaryWriter under <run_dir>/tensorboard, or None."""
     if not enabled:
@@ -221,16 +224,6 @@ def report_epoch(row: dict[str, float], epochs: int, writer: Any = None) -> None
           f"acc {row['train_accuracy']:.2%}  val loss {row['val_loss']:.4f} acc {row['val_accuracy']:.2%}  "
           f"lr {row['lr']:.4g}  {row['samples_per_sec']:.0f} samples/s  "
           f"data wait {row['data_wait_share']:.1%} of step time", flush=True)
-
-
-def wait_share(waits: list[float], steps: list[float]) -> float:
-    """The share of step time spent waiting for data (StallMeter's waits and steps of an epoch)."""
-    return sum(waits) / max(sum(steps), 1e-12)
-
-
-def nothing_to_train(epochs: int, ckpt_dir: Path, run_dir: Path) -> str:
-    return (f"nothing to train: all {epochs} epochs are done in {ckpt_dir} (--no-resume or another --run-dir "
-            f"trains again)\nsummary:    {run_dir / SUMMARY_NAME}")
 
 
 def write_run_summary(run_dir: Path, summary: dict[str, Any], meter: Any, plot: bool, size: int) -> Path:

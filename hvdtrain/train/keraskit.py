@@ -1,0 +1,150 @@
+"""What the Keras recipe (recipes/keras_train.py) needs that is not a Horovod step: the NHWC layout, the model,
+checkpoints in .npz, and its callbacks (atomic checkpoints, the per-epoch record, the NaN/Inf stop).
+
+Importing this module imports TensorFlow with Keras 2 as tf.keras (hvdtrain.tfkeras): the recipe imports it
+inside main(), after its own Keras-3 guard has run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hvdtrain import tfkeras
+from hvdtrain.train import checkpoint, datasets, divergence
+from hvdtrain.train.metrics import History
+from hvdtrain.train.report import log
+
+tf = tfkeras.import_tensorflow()
+
+
+def channels_last(ds: datasets.ArrayDataset) -> datasets.ArrayDataset:
+    """hvdtrain's datasets are N×C×H×W (PyTorch's layout); Keras convolutions on CPU need N×H×W×C."""
+    if ds.x.ndim != 4:
+        return ds
+    return datasets.ArrayDataset(np.ascontiguousarray(np.moveaxis(ds.x, 1, -1)), ds.y)
+
+
+def build_model(sample_shape: tuple[int, ...], num_classes: int, width: int) -> Any:
+    layers = tf.keras.layers
+    if len(sample_shape) == 3:  # images, H×W×C
+        body = [layers.Conv2D(width, 3, padding="same", activation="relu"),
+                layers.Conv2D(2 * width, 3, padding="same", activation="relu"), layers.MaxPooling2D(),
+                layers.Flatten()]
+    else:
+        body = [layers.Flatten(), layers.Dense(4 * width, activation="relu")]
+    return tf.keras.Sequential([tf.keras.Input(sample_shape), *body,
+                                layers.Dense(4 * width, activation="relu"), layers.Dense(num_classes)])
+
+
+def weights_digest(model: Any) -> str:
+    """SHA-256 over the model's weights in order (shape, then raw bytes)."""
+    h = hashlib.sha256()
+    for w in model.get_weights():
+        h.update(str(w.shape).encode())
+        h.update(np.ascontiguousarray(w).tobytes())
+    return h.hexdigest()
+
+
+def write_npz(state: dict[str, Any], f: Any) -> None:
+    arrays = {f"model/{i:04d}": w for i, w in enumerate(state["model"])}
+    arrays |= {f"optimizer/{i:04d}": w for i, w in enumerate(state["optimizer"])}
+    meta = {k: v for k, v in state.items() if k not in ("model", "optimizer")}
+    buf = io.BytesIO()
+    np.savez(buf, meta=np.array(json.dumps(meta)), **arrays)
+    f.write(buf.getvalue())
+
+
+def read_npz(f: Any) -> dict[str, Any]:
+    with np.load(f, allow_pickle=False) as z:
+        state = json.loads(str(z["meta"]))
+        for part in ("model", "optimizer"):
+            state[part] = [z[k] for k in sorted(n for n in z.files if n.startswith(part + "/"))]
+    return state
+
+
+class Checkpoint(tf.keras.callbacks.Callback):
+    """Rank 0's ModelCheckpoint: weights + optimizer state + history after each epoch, written atomically
+    (temp file + rename, SHA-256 verified on load, the newest `keep` kept) with hvdtrain.train.checkpoint.
+    Keras's own ModelCheckpoint writes in place, so a crash mid-write would leave a torn file to resume from."""
+
+    def __init__(self, directory: Path, keep: int, history: History) -> None:
+        super().__init__()
+        self.directory, self.keep, self.history = directory, keep, history
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        state = {"model": self.model.get_weights(), "history": self.history.epochs,
+                 "optimizer": [np.asarray(v.numpy()) for v in self.model.optimizer.variables]}
+        checkpoint.save(self.directory, epoch + 1, state, write_npz, keep=self.keep)
+
+
+class Recorder(tf.keras.callbacks.Callback):
+    """Times each epoch's training part and records the (rank-averaged) metrics in `history` on every rank."""
+
+    def __init__(self, history: History, samples_per_epoch: int, rank: int, epochs: int,
+                 stop_after: int | None) -> None:
+        super().__init__()
+        self.history, self.samples, self.rank, self.epochs, self.stop_after = (
+            history, samples_per_epoch, rank, epochs, stop_after)
+        self.start = self.train_end = 0.0
+        self.trained_s = self.trained_samples = 0.0
+
+    def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        self.start, self.train_end = time.perf_counter(), 0.0
+
+    def on_test_begin(self, logs: dict[str, Any] | None = None) -> None:
+        self.train_end = self.train_end or time.perf_counter()  # validation starts: the training part ended
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        logs = logs or {}
+        took = (self.train_end or time.perf_counter()) - self.start
+        self.trained_s, self.trained_samples = self.trained_s + took, self.trained_samples + self.samples
+        lr = float(tf.keras.backend.get_value(self.model.optimizer.learning_rate))
+        row = self.history.record(epoch + 1, train_loss=logs["loss"], train_accuracy=logs["accuracy"],
+                                  val_loss=logs.get("val_loss", math.nan),
+                                  val_accuracy=logs.get("val_accuracy", math.nan), lr=lr,
+                                  samples_per_sec=self.samples / took)
+        log(self.rank, f"epoch {epoch + 1}/{self.epochs}  train loss {row['train_loss']:.4f} acc "
+                       f"{row['train_accuracy']:.2%}  val loss {row['val_loss']:.4f} acc {row['val_accuracy']:.2%}"
+                       f"  lr {lr:.4g}  {row['samples_per_sec']:.0f} samples/s")
+        if self.stop_after is not None and self.stop_after <= epoch + 1 < self.epochs:
+            log(self.rank, f"stopping after epoch {epoch + 1} as asked (--stop-after-epoch); run again to resume")
+            self.model.stop_training = True
+
+
+class StopOnNonFinite(tf.keras.callbacks.Callback):
+    """Stops every rank at the same step when the weights hold NaN/Inf after an update, and after an epoch whose
+    (rank-averaged) loss is NaN/Inf, before it is checkpointed. The weights are the same on every rank (broadcast
+    after the first step, then the same averaged gradients everywhere): NOTE [divergence checks] in
+    hvdtrain/train/divergence.py. Keras's TerminateOnNaN reads each rank's own loss: one rank would stop while the
+    others wait for it in their next allreduce."""
+
+    def __init__(self, steps: int) -> None:
+        super().__init__()
+        self.steps, self.epoch = steps, 0
+        self.all_finite: Any = None
+
+    def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
+        variables = self.model.trainable_variables
+        self.all_finite = tf.function(lambda: tf.reduce_all([tf.reduce_all(tf.math.is_finite(v))
+                                                             for v in variables]))
+        self.all_finite()  # traced now, not inside the first step's timing
+
+    def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        if not bool(self.all_finite()):
+            raise divergence.at_step(self.epoch, batch, self.steps, "the weights hold NaN/Inf after the update",
+                                     float((logs or {}).get("loss", math.nan)),
+                                     loss_label="this rank's mean loss so far in the epoch")
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        divergence.check_epoch(epoch, {k: float(v) for k, v in (logs or {}).items() if k in ("loss", "val_loss")})
