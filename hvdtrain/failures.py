@@ -139,9 +139,9 @@ class FailureTracker:
         return cause or (failed[0] if failed else None)
 
     def exit_failure(self) -> RankFailure | None:
-        """The failure whose exit status the job exits with: the first reported by horovodrun/mpirun, else the
-        cause from the records."""
-        if self.first is not None or (r := self.cause_record()) is None:
+        """The failure whose exit status the job exits with: the cause's from the records (3 for a rank that
+        diverged, though a victim exited 1 first), else the first reported by horovodrun/mpirun."""
+        if (r := self.cause_record()) is None:
             return self.first
         return RankFailure(r.rank, code=r.code, signum=r.signum, host=r.host)
 

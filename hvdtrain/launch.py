@@ -312,7 +312,8 @@ def _find_lost_hosts(failures: FailureTracker, plan: LaunchPlan, ssh: Ssh) -> No
 
 
 def _exit_code(returncode: int, router: OutputRouter, signum: int | None, timed_out: bool) -> int:
-    """The job's exit code: the first failing rank's (128 + N when signal N killed it)."""
+    """The job's exit code: the failing rank's (the cause's, from the ranks' records; else the first to exit); 128 +
+    N when signal N killed it."""
     if timed_out:
         router.note("hvdtrain: job timed out and was stopped")
         return exitcodes.TIMED_OUT

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import os
 import runpy
+import signal
 import sys
+from pathlib import Path
 
 from hvdtrain import records
 
@@ -38,16 +40,23 @@ def main(argv: list[str]) -> None:
         runpy.run_path(argv[0], run_name="__main__")
     except SystemExit as exc:
         if exc.code not in (0, None):
-            records.note_exception(exc, where, replace=False)
+            _note(exc, where, exc.code if isinstance(exc.code, int) else 1, replace=False)
         raise
     except KeyboardInterrupt as exc:
-        records.note_exception(exc, where)
+        _note(exc, where, -signal.SIGINT)
         raise
     except BaseException as exc:  # the script's own exception (GeneratorExit too), reported as Python would
-        records.note_exception(exc, where)
+        _note(exc, where, 1)
         exc.__traceback__ = _user_frames(exc, script)
         sys.excepthook(type(exc), exc, exc.__traceback__)
         sys.exit(1)
+
+
+def _note(exc: BaseException, where: Path | None, code: int, *, replace: bool = True) -> None:
+    """The exception for the supervisor's record, and a provisional record with the exit status it is ending with
+    (what is left if the job's teardown kills this process and its supervisor while it shuts down)."""
+    records.note_exception(exc, where, replace=replace)
+    records.write_record(where, os.getpid(), code, final=False)
 
 
 if __name__ == "__main__":

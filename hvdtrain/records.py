@@ -2,11 +2,12 @@
 
 `hvdtrain run` points every rank at a directory (`HVDTRAIN_RECORDS`, in the environment horovodrun forwards).
 Each rank's supervisor (`hvdtrain.rank`) runs the script through `python -m hvdtrain.rank_main SCRIPT ARGS`, which
-notes an exception that ends the script (type, message, traceback) in `exception.<pid>.json`; when the rank has
-ended the supervisor writes `rank.<host>.<local rank>.<pid>.json` with its identity, its exit code or signal, and
-that exception. The launcher names the failing rank from these records (`hvdtrain.failures`), and falls back to
-horovodrun's and mpirun's report lines only for a rank that left none (its supervisor was SIGKILLed, its host was
-lost, or its records directory is not shared with the launcher's machine).
+notes an exception that ends the script (type, message, traceback) in `exception.<pid>.json` and writes a
+provisional record; when the rank has ended the supervisor writes the final `rank.<host>.<local rank>.<pid>.json`
+with its identity, its exit code or signal, and that exception. The launcher names the failing rank from these
+records (`hvdtrain.failures`), and falls back to horovodrun's and mpirun's report lines only for a rank that left
+none (its supervisor was SIGKILLed before the rank noted anything, its host was lost, or its records directory is
+not shared with the launcher's machine).
 
 With `logs.dir` the directory is `<logs.dir>/records`, created on each rank's host (`HVDTRAIN_RECORDS_MKDIR=1`);
 without, a temporary directory on the launcher's machine that ranks on other hosts only see if it is shared.
@@ -105,15 +106,20 @@ def note_exception(exc: BaseException, where: Path | None, *, replace: bool = Tr
     _write_json(path, {"exception": type(exc).__name__, "message": str(exc), "traceback": text})
 
 
-def write_record(where: Path | None, pid: int, returncode: int, env: Mapping[str, str] = os.environ) -> None:
-    """In the supervisor, once the rank (process `pid`) has ended with `returncode` (-N: killed by signal N)."""
+def write_record(where: Path | None, pid: int, returncode: int, env: Mapping[str, str] = os.environ, *,
+                 final: bool = True) -> None:
+    """The record of the rank (process `pid`) that ended with `returncode` (-N: killed by signal N), with the
+    exception it noted. The supervisor writes it once the rank has ended (`final`); the rank itself writes a
+    provisional one as its script ends, which the supervisor's replaces: if the job's teardown SIGKILLs the rank
+    and its supervisor while the rank is still shutting down, the provisional record is what is left."""
     if where is None:
         return
     rank, local, host = identity(env)
     noted = where / f"exception.{pid}.json"
     try:
         exc = json.loads(noted.read_text())
-        noted.unlink()
+        if final:
+            noted.unlink()
     except (OSError, ValueError):
         exc = {}
     record = RankRecord(rank, local, host, pid, code=returncode if returncode >= 0 else None,

@@ -43,7 +43,7 @@ import numpy as np
 from hvdtrain import tfkeras
 from hvdtrain.data import ShardSampler, expected_batches
 from hvdtrain.train import checkpoint, datasets, rundir
-from hvdtrain.train.config import parse_config
+from hvdtrain.train.config import RecipeConfig, parse_config
 from hvdtrain.train.entry import exit_with
 from hvdtrain.train.lr import scaled_epochs
 from hvdtrain.train.metrics import History, build_summary, write_summary
@@ -51,38 +51,20 @@ from hvdtrain.train.report import log, nothing_to_train, same_weights
 
 
 @dataclass(frozen=True)
-class Config:
-    dataset: str = field(default="digits", metadata={"help": "digits | synthetic | DIR of .npz/.npy shards"})
+class Config(RecipeConfig):
     width: int = field(default=32, metadata={"help": "channels of the first conv layer / hidden units"})
     epochs: int = field(default=10, metadata={"help": "total epochs"})
     scale_epochs_by_size: bool = field(default=False, metadata={
         "help": "run ceil(epochs / world size) epochs, as Horovod's Keras examples do"})
     batch_size: int = field(default=32, metadata={"help": "samples per rank per step"})
     base_lr: float = field(default=0.05, metadata={"help": "single-process LR; × world size"})
-    momentum: float = 0.9
     warmup_epochs: int = field(default=2, metadata={"help": "epochs of linear LR warmup (0: none)"})
-    lr_milestones: tuple[int, ...] = field(default=(), metadata={"help": "epochs where LR ×= gamma, e.g. 10,20"})
-    lr_gamma: float = 0.1
-    fp16_allreduce: bool = field(default=False, metadata={"help": "compress gradients to fp16 for allreduce"})
-    threads: int | None = field(default=None, metadata={"help": "CPU threads per rank (cores // local ranks)"})
-    seed: int = 42
-    val_fraction: float = field(default=0.2, metadata={"help": "held-out share (digits, shard dirs)"})
-    synthetic_shape: tuple[int, ...] = field(default=(3, 32, 32), metadata={"help": "sample shape, C,H,W"})
-    synthetic_samples: int = 1024
-    num_classes: int | None = field(default=None, metadata={
-        "help": "classes; labels must be below it (none: 10 for digits and synthetic, from the labels of shards)"})
-    check_finite: bool = field(default=True, metadata={
-        "help": "stop on NaN/Inf: in the samples (at load), the weights (each step), the loss (each epoch)"})
     run_dir: str = field(default="runs/keras", metadata={"help": "checkpoints, TensorBoard, summary.json"})
-    keep_checkpoints: int = 3
-    resume: bool = field(default=True, metadata={"help": "resume from the newest intact checkpoint"})
-    stop_after_epoch: int | None = field(default=None, metadata={
-        "help": "stop cleanly after this epoch (re-run to resume)"})
     verbose: int = field(default=2, metadata={"choices": (0, 1, 2), "help": "Keras fit verbosity on rank 0"})
-    tensorboard: bool = field(default=True, metadata={"help": "TensorBoard logs on rank 0"})
 
     def __post_init__(self) -> None:
-        for name in ("width", "epochs", "batch_size", "keep_checkpoints", "synthetic_samples"):
+        super().__post_init__()
+        for name in ("width", "epochs", "batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.warmup_epochs < 0:
@@ -91,11 +73,6 @@ class Config:
             raise ValueError(f"--base-lr must be a finite number > 0, got {self.base_lr}")
         if list(self.lr_milestones) != sorted(set(self.lr_milestones)) or any(m < 1 for m in self.lr_milestones):
             raise ValueError(f"--lr-milestones must be increasing epochs >= 1, got {self.lr_milestones}")
-        if self.num_classes is not None and self.num_classes < 2:
-            raise ValueError(f"--num-classes must be >= 2 (or none), got {self.num_classes}")
-        for name in ("threads", "stop_after_epoch"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1 (or none), got {getattr(self, name)}")
 
 
 def train_dataset(tf: Any, ds: datasets.ArrayDataset, cfg: Config, rank: int, size: int, first: int,
@@ -183,9 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     run_lock = rundir.claim(run_dir, rank, lambda v: hvd_tf.broadcast_object(v, root_rank=0, name="run_dir.lock"))
 
     # ---- 2. data (each rank's shard: train_dataset, val_dataset)
-    splits = datasets.load(cfg.dataset, val_fraction=cfg.val_fraction, split_seed=0,
-                           synthetic_shape=cfg.synthetic_shape, synthetic_samples=cfg.synthetic_samples,
-                           num_classes=cfg.num_classes, seed=cfg.seed, check_finite=cfg.check_finite)
+    splits = cfg.load_data()
     train, val = keraskit.channels_last(splits.train), keraskit.channels_last(splits.val)
 
     # ---- 3. model, LR, optimizer

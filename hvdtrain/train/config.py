@@ -12,6 +12,7 @@ import dataclasses
 import types
 import typing
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 C = TypeVar("C")
@@ -83,3 +84,51 @@ def _converter(kind: Any, optional: bool, flag: str) -> Callable[[str], Any]:
     if not optional:
         return convert
     return lambda text: None if text.lower() in ("none", "") else convert(text)
+
+
+@dataclass(frozen=True)
+class RecipeConfig:
+    """The flags every recipe takes (data, optimizer details, checkpoints); each recipe's Config adds its own."""
+
+    dataset: str = field(default="digits", metadata={"help": "digits | synthetic | DIR of .npz/.npy shards"})
+    momentum: float = 0.9
+    lr_milestones: tuple[int, ...] = field(default=(), metadata={"help": "epochs where LR ×= gamma, e.g. 10,20"})
+    lr_gamma: float = 0.1
+    fp16_allreduce: bool = field(default=False, metadata={"help": "compress gradients to fp16 for allreduce"})
+    threads: int | None = field(default=None, metadata={"help": "CPU threads per rank (cores // local ranks)"})
+    seed: int = 42
+    val_fraction: float = field(default=0.2, metadata={"help": "held-out share (digits, shard dirs)"})
+    synthetic_shape: tuple[int, ...] = field(default=(3, 32, 32), metadata={"help": "sample shape, C,H,W"})
+    synthetic_samples: int = 1024
+    num_classes: int | None = field(default=None, metadata={
+        "help": "classes; labels must be below it (none: 10 for digits and synthetic, from the labels of shards)"})
+    keep_checkpoints: int = 3
+    resume: bool = field(default=True, metadata={"help": "resume from the newest intact checkpoint"})
+    stop_after_epoch: int | None = field(default=None, metadata={
+        "help": "stop cleanly after this epoch (re-run to resume)"})
+    tensorboard: bool = field(default=True, metadata={"help": "TensorBoard logs on rank 0"})
+    check_finite: bool = field(default=True, metadata={
+        "help": "stop on NaN/Inf: in the samples (at load), each step (PyTorch: the averaged gradients, Keras: the "
+                "weights), the loss (each epoch)"})
+
+    def __post_init__(self) -> None:
+        for name in ("synthetic_samples", "keep_checkpoints"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        for name in ("threads", "stop_after_epoch"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1 (or none), got {getattr(self, name)}")
+        if self.num_classes is not None and self.num_classes < 2:
+            raise ValueError(f"--num-classes must be >= 2 (or none), got {self.num_classes}")
+        if not self.momentum >= 0:
+            raise ValueError(f"--momentum must be >= 0, got {self.momentum}")
+        if not 0 < self.val_fraction < 1:
+            raise ValueError(f"--val-fraction must be in (0, 1), got {self.val_fraction}")
+
+    def load_data(self) -> Any:
+        """The dataset's train/val splits (hvdtrain.train.datasets.load, checked)."""
+        from hvdtrain.train import datasets
+
+        return datasets.load(self.dataset, val_fraction=self.val_fraction, split_seed=0,
+                             synthetic_shape=self.synthetic_shape, synthetic_samples=self.synthetic_samples,
+                             num_classes=self.num_classes, seed=self.seed, check_finite=self.check_finite)

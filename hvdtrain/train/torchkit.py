@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hvdtrain.train import checkpoint, datasets
+from hvdtrain.train.config import RecipeConfig
 from hvdtrain.train.lr import LRSchedule
 from hvdtrain.train.metrics import History, MetricSums, write_summary
 
@@ -28,69 +29,38 @@ MODEL_CHOICES = ("auto", "cnn", "mlp", "resnet")  # auto, and recipes/pytorch_mo
 
 
 @dataclass(frozen=True)
-class TorchConfig:
+class TorchConfig(RecipeConfig):
     """The flags both PyTorch recipes take (each recipe's Config adds its own and its --run-dir default)."""
 
-    dataset: str = field(default="digits", metadata={"help": "digits | synthetic | DIR of .npz/.npy shards"})
     model: str = field(default="auto", metadata={"choices": MODEL_CHOICES,
                                                  "help": "auto: cnn for digits, resnet for synthetic"})
     model_width: int | None = field(default=None, metadata={"help": "channels/hidden units (model default)"})
     epochs: int = field(default=15, metadata={"help": "total epochs"})
     batch_size: int = field(default=32, metadata={"help": "samples per rank per backward pass"})
     base_lr: float = field(default=0.05, metadata={"help": "single-process LR; × size × backward passes"})
-    momentum: float = 0.9
     weight_decay: float = 0.0
     warmup_epochs: float = field(default=2.0, metadata={"help": "linear LR warmup (Goyal et al.)"})
-    lr_milestones: tuple[int, ...] = field(default=(), metadata={"help": "epochs where LR ×= gamma, e.g. 10,20"})
-    lr_gamma: float = 0.1
     backward_passes_per_step: int = field(default=1, metadata={
         "help": "accumulate this many batches locally before each allreduce"})
-    fp16_allreduce: bool = field(default=False, metadata={"help": "compress gradients to fp16 for allreduce"})
     num_workers: int = field(default=1, metadata={"help": "data producer processes per rank"})
-    threads: int | None = field(default=None, metadata={"help": "CPU threads per rank (cores // local ranks)"})
-    seed: int = 42
-    val_fraction: float = field(default=0.2, metadata={"help": "held-out share (digits, shard dirs)"})
-    synthetic_shape: tuple[int, ...] = field(default=(3, 32, 32), metadata={"help": "sample shape, C,H,W"})
-    synthetic_samples: int = 1024
-    num_classes: int | None = field(default=None, metadata={
-        "help": "classes; labels must be below it (none: 10 for digits and synthetic, from the labels of shards)"})
-    check_finite: bool = field(default=True, metadata={
-        "help": "stop on NaN/Inf: in the samples (at load), the averaged gradients (each step), the loss (each "
-                "epoch)"})
-    keep_checkpoints: int = 3
-    resume: bool = field(default=True, metadata={"help": "resume from the newest intact checkpoint"})
-    stop_after_epoch: int | None = field(default=None, metadata={
-        "help": "stop cleanly after this epoch (re-run to resume)"})
     progress: bool = field(default=True, metadata={"help": "tqdm progress bar on rank 0"})
-    tensorboard: bool = field(default=True, metadata={"help": "TensorBoard scalars on rank 0"})
     stall_plot: bool = field(default=False, metadata={
         "help": "rank 0 plots its wait-for-data and step time per step to <run-dir>/stall.png"})
 
     def __post_init__(self) -> None:
-        for name in ("epochs", "batch_size", "backward_passes_per_step", "num_workers", "keep_checkpoints",
-                     "synthetic_samples"):
+        super().__post_init__()
+        for name in ("epochs", "batch_size", "backward_passes_per_step", "num_workers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        for name in ("threads", "stop_after_epoch", "model_width"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1 (or none), got {getattr(self, name)}")
-        if self.num_classes is not None and self.num_classes < 2:
-            raise ValueError(f"--num-classes must be >= 2 (or none), got {self.num_classes}")
-        for name in ("momentum", "weight_decay"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
-        if not 0 < self.val_fraction < 1:
-            raise ValueError(f"--val-fraction must be in (0, 1), got {self.val_fraction}")
+        if self.model_width is not None and self.model_width < 1:
+            raise ValueError(f"--model-width must be >= 1 (or none), got {self.model_width}")
+        if not self.weight_decay >= 0:
+            raise ValueError(f"--weight-decay must be >= 0, got {self.weight_decay}")
         try:  # the schedule checks its own values; say which flags they came from
             LRSchedule(base_lr=self.base_lr, warmup_epochs=self.warmup_epochs, milestones=self.lr_milestones,
                        gamma=self.lr_gamma)
         except ValueError as e:
             raise ValueError(f"LR flags (--base-lr, --warmup-epochs, --lr-milestones, --lr-gamma): {e}") from None
-
-    def load_data(self) -> datasets.Splits:
-        return datasets.load(self.dataset, val_fraction=self.val_fraction, split_seed=0,
-                             synthetic_shape=self.synthetic_shape, synthetic_samples=self.synthetic_samples,
-                             num_classes=self.num_classes, seed=self.seed, check_finite=self.check_finite)
 
 
 def cpu_threads(local_size: int, threads: int | None) -> int:
