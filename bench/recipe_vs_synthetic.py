@@ -10,10 +10,10 @@ batches per iter / time, reported as mean ± 1.96 × std over the iterations. De
 the recipe's ResNet (torchvision is not installed) with plain BatchNorm instead of `hvd.SyncBatchNorm` (the
 recipe uses plain BatchNorm too), and threads per rank are cores // local ranks, as the recipe sets them.
 
-The recipe side is the recipe's own pieces: its Config, model (`pytorch_models.make_model`), SGD +
-DistributedOptimizer after the broadcasts, ShmLoader + DevicePrefetcher + StallMeter on `--dataset synthetic`, and
-its training loop `pytorch_train.train_epoch()` (LR schedule and metrics), timed exactly as the recipe times an
-epoch. An epoch is
+The recipe side is the recipe's own pieces, built as its main() builds them: its Config, model
+(`pytorch_models.make_model`), LR schedule, SGD + DistributedOptimizer after the broadcasts, ShmLoader +
+DevicePrefetcher + StallMeter on `--dataset synthetic`, and its training loop `pytorch_train.train_epoch()` (LR
+schedule and metrics), timed exactly as the recipe times an epoch. An epoch is
 `--num-batches-per-iter` steps per rank, so one epoch is one timed iteration; epoch 0 is the warmup.
 
 Both run in the same horovodrun job, iteration by iteration, alternating which goes first: on a shared machine
@@ -92,8 +92,7 @@ def recipe_side(args: argparse.Namespace, dataset: str, run_dir: Path) -> tuple[
 
     from hvdtrain.data import DevicePrefetcher, ShmLoader, StallMeter
     from hvdtrain.train.datasets import ArrayDataset
-    from hvdtrain.train.lr import LRSchedule
-    from hvdtrain.train.torchkit import cpu_threads, epoch_seed, model_name
+    from hvdtrain.train.torchkit import epoch_seed, lr_schedule, model_name, pin_device, sgd
 
     if str(RECIPES) not in sys.path:
         sys.path.insert(0, str(RECIPES))
@@ -105,19 +104,21 @@ def recipe_side(args: argparse.Namespace, dataset: str, run_dir: Path) -> tuple[
         synthetic_samples=args.batch_size * args.num_batches_per_iter * size, num_classes=args.num_classes,
         batch_size=args.batch_size, epochs=1 + args.num_iters, warmup_epochs=0.0, num_workers=args.num_workers,
         resume=False, progress=False, tensorboard=False, run_dir=str(run_dir))
-    torch.set_num_threads(cpu_threads(hvd.local_size(), cfg.threads))  # as the recipe sets them on CPU
+    device = pin_device(hvd.local_rank(), hvd.local_size(), cfg.threads)  # as the recipe's main() does
     splits = cfg.load_data()
     torch.manual_seed(cfg.seed)
-    model = recipe.make_model(model_name(cfg, splits), splits.sample_shape, splits.num_classes, cfg.model_width)
-    schedule = LRSchedule(base_lr=cfg.base_lr, size=size, warmup_epochs=cfg.warmup_epochs)
+    model = recipe.make_model(model_name(cfg, splits), splits.sample_shape, splits.num_classes,
+                              cfg.model_width).to(device)
+    schedule = lr_schedule(cfg, size)
     optimizer = hvd.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=schedule.lr_at(0), momentum=cfg.momentum),
-        named_parameters=model.named_parameters())
+        sgd(cfg, model, schedule.lr_at(0)), named_parameters=model.named_parameters(),
+        compression=hvd.Compression.fp16 if cfg.fp16_allreduce else hvd.Compression.none,
+        backward_passes_per_step=cfg.backward_passes_per_step)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     loader = DevicePrefetcher(ShmLoader(splits.train, rank=rank, size=size, batch_size=cfg.batch_size,
                                         num_workers=cfg.num_workers, seed=cfg.seed, fetch=ArrayDataset.take,
-                                        shuffle=True), torch.device("cpu"))
+                                        shuffle=True), device)
     side = SimpleNamespace(cfg=cfg, train_loader=loader, meter=StallMeter(), rank=rank)
 
     def iteration(epoch: int) -> float:

@@ -34,8 +34,11 @@ EXCEPTION = re.compile(r"^[A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit)(?::.
 # mpirun, when a host's orted stops answering: `Remote daemon: [[21958,0],2] on node 10.213.86.12`.
 MPI_LOST_DAEMON = re.compile(r"^\s*Remote daemon:\s*\S+ on node (\S+)\s*$")
 # Gloo, when a peer stops answering (a lost host or link); it does not say which peer. The rank that timed out
-# is a victim too: the cause is the peer it waited for.
+# is a victim too: the cause is the peer it waited for. Gloo's message names its source line and the wait
+# (`[.../gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 15000ms for recv operation to complete`), in
+# Horovod's log line and in the exception alike: a rank's own line that merely says "Timed out waiting" is not one.
 GLOO_TIMEOUT = "Timed out waiting"
+GLOO_TIMEOUT_MESSAGE = re.compile(r"\.cc:\d+\] Timed out waiting \d+ms for \w+ operation")
 VICTIM = ("HorovodInternalError", "HostsUpdatedInterrupt", "Horovod has been shut down", GLOO_TIMEOUT)
 TAIL_LINES = 15
 TEARDOWN_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # how horovodrun and mpirun stop the other ranks
@@ -90,12 +93,12 @@ class FailureTracker:
         self.lost_host: str | None = None  # a host mpirun lost contact with
         self.unreachable: dict[str, str] = {}  # filled by the launcher after a timeout: host -> why
         self.records: list[RankRecord] = []  # the ranks' records, oldest first, once the job has ended
-        self._text_timeout = False  # a rank printed GLOO_TIMEOUT (believed only when no rank left a record)
+        self.peer_timed_out = False  # a rank's Gloo operation timed out waiting for a peer (its log or exception)
 
     def rank_line(self, rank: int, text: str) -> None:
         """Remember the last lines each rank printed, and the first real exception any rank raised."""
         self.tails.setdefault(rank, deque(maxlen=TAIL_LINES)).append(text)
-        self._text_timeout = self._text_timeout or GLOO_TIMEOUT in text
+        self.peer_timed_out = self.peer_timed_out or bool(GLOO_TIMEOUT_MESSAGE.search(text))
         if self.cause is None and EXCEPTION.match(text) and not any(v in text for v in VICTIM):
             self.cause = (rank, text.strip())
 
@@ -120,23 +123,18 @@ class FailureTracker:
     def failed_records(self) -> list[RankRecord]:
         return [r for r in self.records if r.failed]
 
-    @property
-    def peer_timed_out(self) -> bool:
-        """A rank's Gloo operation timed out waiting for a peer (a lost host or link): from the failed ranks'
-        exceptions when they left records, else from what the ranks printed."""
-        if self.failed_records:
-            return any(GLOO_TIMEOUT in f"{r.message} {r.traceback}" for r in self.failed_records)
-        return self._text_timeout
-
     def cause_record(self) -> RankRecord | None:
-        """The failed rank that brought the job down: the first whose failure is not a victim's. None when only
-        victims left records and the rank horovodrun saw fail first left none (its supervisor was SIGKILLed, its
-        host lost): the launcher's lines tell more then."""
-        failed = self.failed_records
-        cause = next((r for r in failed if not _victim(r)), None)
-        if cause is None and self.first is not None and self.first.rank not in {r.rank for r in self.records}:
+        """The failed rank that brought the job down, from the records: the first whose failure is not a victim's
+        (elastic: the last, as earlier failures were recovered from; the worker horovodrun named, if it left one).
+        None when only victims left records: the launcher's lines tell more then (a rank killed with its
+        supervisor, a lost host)."""
+        causes = [r for r in self.failed_records if not _victim(r)]
+        if not causes:
             return None
-        return cause or (failed[0] if failed else None)
+        if not self.elastic:
+            return causes[0]
+        named = [r for r in causes if self.process == f"{r.host}[{r.local_rank}]"]
+        return (named or causes)[-1]
 
     def exit_failure(self) -> RankFailure | None:
         """The failure whose exit status the job exits with: the cause's from the records (3 for a rank that

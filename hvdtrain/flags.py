@@ -137,3 +137,24 @@ def option_of(arg: str, options: frozenset[str] = HOROVODRUN_OPTIONS) -> str | N
     if len(matches) == 1:
         return matches.pop()
     return None
+
+
+def modeled_flags(model: type[BaseModel]) -> dict[str, str]:
+    """Each horovodrun option the keys of `model` set, in every spelling -> the dotted key."""
+    return {spelling: key for key, flag in all_flags(model) for spelling in flag.spellings}
+
+
+def extra_args_problems(extra_args: list[str], modeled: dict[str, str]) -> list[tuple[int, str, str]]:
+    """(index, problem, fix) for each extra argument that sets what a spec key sets (`modeled`: modeled_flags), in
+    any spelling horovodrun accepts, or an option hvdtrain does itself (NOT_IN_EXTRA_ARGS)."""
+    found = []
+    for i, arg in enumerate(extra_args):
+        option = option_of(arg)
+        if option in modeled:
+            said = option if arg.split("=", 1)[0] == option else f"{option} (as horovodrun reads it)"
+            found.append((i, f"{said} is what the spec key {modeled[option]} sets",
+                          f"remove it from extra_args and set {modeled[option]} instead"))
+        elif option in NOT_IN_EXTRA_ARGS:
+            why, fix = NOT_IN_EXTRA_ARGS[option]
+            found.append((i, f"{option} is not for extra_args: {why}", f"remove it from extra_args; {fix}"))
+    return found

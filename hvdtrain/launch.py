@@ -8,6 +8,7 @@ Also the two look-ups a plan needs from this machine: the default controller and
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import shlex
 import shutil
@@ -17,6 +18,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -32,7 +34,7 @@ GRACE_S = 20.0  # horovodrun itself gives ranks 5 s after SIGTERM, then 5 s more
 POLL_S = 0.5
 GUARD_MODULE = "hvdtrain.lifeline"  # `python -m hvdtrain.lifeline PGID`: see NOTE [no orphans]
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # each stops the whole job; exit 128 + N
-RECORDS_TMP = "hvdtrain-records-"  # + launcher pid: the ranks' records without logs.dir
+RECORDS_TMP = "hvdtrain-records-"  # the ranks' records without logs.dir: a temporary directory
 SNAPSHOT_S = 2.0  # a process-tree walk costs ~10 ms of CPU: not every poll, the ranks need the cores
 
 
@@ -231,37 +233,44 @@ def run_plan(plan: LaunchPlan, logs: Logs, *, timeout_s: float | None = None, ss
             Path(logs.dir).mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise LaunchError(f"cannot create logs.dir {logs.dir}: {exc.strerror or exc}") from None
-    router = OutputRouter(logs, sys.stdout, sys.stderr, FailureTracker(plan.rank_hosts, elastic=plan.elastic))
-    job = _Job(router)
-    old = {s: signal.signal(s, job.on_signal) for s in STOP_SIGNALS}
-    where = _records_dir(logs.dir)
-    try:
-        return _supervise(plan, job, timeout_s, ssh or Ssh(), where)
-    finally:
-        router.close()
-        for s, handler in old.items():
-            signal.signal(s, handler)
-        if not logs.dir:
-            shutil.rmtree(where, ignore_errors=True)
+    with _records_dir(logs.dir) as where:
+        router = OutputRouter(logs, sys.stdout, sys.stderr, FailureTracker(plan.rank_hosts, elastic=plan.elastic))
+        job = _Job(router)
+        old = {s: signal.signal(s, job.on_signal) for s in STOP_SIGNALS}
+        try:
+            return _supervise(plan, job, timeout_s, ssh or Ssh(), where)
+        finally:
+            router.close()
+            for s, handler in old.items():
+                signal.signal(s, handler)
 
 
-def _records_dir(logs_dir: str | None) -> Path:
+@contextlib.contextmanager
+def _records_dir(logs_dir: str | None) -> Iterator[Path]:
     """Where the ranks write their records (hvdtrain.records): `<logs.dir>/records`, emptied of an earlier run's,
-    or a temporary directory removed when the job has ended (and, if this launcher was SIGKILLed, by the next)."""
-    if not logs_dir:
-        for old in Path(tempfile.gettempdir()).glob(f"{RECORDS_TMP}*-*"):
-            pid = old.name.removeprefix(RECORDS_TMP).split("-", 1)[0]
-            if pid.isdigit() and not psutil.pid_exists(int(pid)):
-                shutil.rmtree(old, ignore_errors=True)
-        return Path(tempfile.mkdtemp(prefix=f"{RECORDS_TMP}{os.getpid()}-"))
-    where = Path(logs_dir) / "records"
+    or a temporary directory, flock()ed while the job runs and removed when it has ended; one a SIGKILLed launcher
+    left (no lock held on it, whatever pid namespace its launcher ran in) is removed by the next launcher."""
+    if logs_dir:
+        where = Path(logs_dir) / "records"
+        try:
+            where.mkdir(exist_ok=True)
+            for old in [*where.glob("rank.*.json"), *where.glob("exception.*.json")]:
+                old.unlink(missing_ok=True)
+        except OSError as exc:
+            raise LaunchError(f"cannot prepare {where} for the ranks' records: {exc.strerror or exc}") from None
+        yield where
+        return
+    for old in Path(tempfile.gettempdir()).glob(f"{RECORDS_TMP}*"):
+        with contextlib.suppress(OSError), open(old / ".lock", "rb") as f:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # OSError: a live launcher holds it
+            shutil.rmtree(old, ignore_errors=True)
+    where = Path(tempfile.mkdtemp(prefix=RECORDS_TMP))
     try:
-        where.mkdir(exist_ok=True)
-        for old in [*where.glob("rank.*.json"), *where.glob("exception.*.json")]:
-            old.unlink(missing_ok=True)
-    except OSError as exc:
-        raise LaunchError(f"cannot prepare {where} for the ranks' records: {exc.strerror or exc}") from None
-    return where
+        with open(where / ".lock", "wb") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            yield where
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
 
 
 def _supervise(plan: LaunchPlan, job: _Job, timeout_s: float | None, ssh: Ssh, where: Path) -> int:
@@ -271,7 +280,7 @@ def _supervise(plan: LaunchPlan, job: _Job, timeout_s: float | None, ssh: Ssh, w
                     "started")
         return exitcodes.SIGNALLED + job.signum
     router.line(f"hvdtrain: starting {shlex.join(plan.argv)}")
-    proc = job.start(plan, {records.ENV: str(where), **({records.MKDIR_ENV: "1"} if router.logs.dir else {})})
+    proc = job.start(plan, {records.ENV: str(where)})
     reader = threading.Thread(target=pump, args=(proc.stdout, router), daemon=True)
     reader.start()
     deadline = time.monotonic() + timeout_s if timeout_s else None

@@ -1,6 +1,7 @@
 """JobSpec -> LaunchPlan(argv, env): the exact horovodrun command a job runs. A pure function: no I/O.
 
-Every rank runs as `python -m hvdtrain.rank SCRIPT ARGS...` (a supervisor that runs `python SCRIPT ARGS...`).
+Every rank runs as `python -m hvdtrain.rank SCRIPT ARGS...`: a supervisor that runs the script as `python SCRIPT
+ARGS...` would, through hvdtrain.rank_main, and records how it ended (hvdtrain.records).
 Hosts always reach horovodrun as `-H a:4,b:4` (the spec's hostfile was parsed by hvdtrain: horovodrun's own
 hostfile parser crashes on blank and `#` lines). `env` is what hvdtrain adds to its own environment when starting
 horovodrun, which forwards it to every rank (Gloo: the rank's environment; MPI: `mpirun -x NAME`).

@@ -47,10 +47,11 @@ try:
         a.family == socket.AF_INET and not a.address.startswith("127.") for a in addrs))
 except ImportError:
     out["nics"] = sorted(n for _, n in socket.if_nameindex() if n != "lo")
-if mode != "versions" and out["horovod"]:
-    try:
+if mode != "versions":
+    try:  # importable without its metadata too (e.g. through PYTHONPATH)
         import horovod
         root = pathlib.Path(horovod.__file__).parent
+        out["horovod"] = out["horovod"] or getattr(horovod, "__version__", None)
     except Exception as e:  # the probe reports every failure as data
         out["errors"]["horovod"] = f"{type(e).__name__}: {e}"
         root = None
@@ -65,8 +66,6 @@ if mode != "versions" and out["horovod"]:
                                 ("gloo", "mpi", "nccl", "cuda", "rocm", "ccl", "ddl")}
         except Exception as e:
             out["errors"][fw] = f"{type(e).__name__}: {e}"
-elif mode != "versions":
-    out["errors"]["horovod"] = "ModuleNotFoundError: No module named 'horovod'"
 print("HVDTRAIN_PROBE " + json.dumps(out))
 """
 

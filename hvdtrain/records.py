@@ -2,16 +2,16 @@
 
 `hvdtrain run` points every rank at a directory (`HVDTRAIN_RECORDS`, in the environment horovodrun forwards).
 Each rank's supervisor (`hvdtrain.rank`) runs the script through `python -m hvdtrain.rank_main SCRIPT ARGS`, which
-notes an exception that ends the script (type, message, traceback) in `exception.<pid>.json` and writes a
-provisional record; when the rank has ended the supervisor writes the final `rank.<host>.<local rank>.<pid>.json`
-with its identity, its exit code or signal, and that exception. The launcher names the failing rank from these
-records (`hvdtrain.failures`), and falls back to horovodrun's and mpirun's report lines only for a rank that left
-none (its supervisor was SIGKILLed before the rank noted anything, its host was lost, or its records directory is
-not shared with the launcher's machine).
+notes an exception that ends the script (type, message, traceback) in `exception.<host>.<local rank>.<pid>.json`
+and writes a provisional record; when the rank has ended the supervisor writes the final
+`rank.<host>.<local rank>.<pid>.json` with its identity, its exit code or signal, and that exception. The launcher
+names the failing rank from these records (`hvdtrain.failures`), and falls back to horovodrun's and mpirun's report
+lines for a rank that left none (its supervisor was SIGKILLed before the rank noted anything, its host was lost, or
+its records directory is not shared with the launcher's machine).
 
-With `logs.dir` the directory is `<logs.dir>/records`, created on each rank's host (`HVDTRAIN_RECORDS_MKDIR=1`);
-without, a temporary directory on the launcher's machine that ranks on other hosts only see if it is shared.
-Only the standard library is imported here: this runs in every rank.
+With `logs.dir` the directory is `<logs.dir>/records`, without a temporary one; the launcher creates it, and a
+rank writes its records only where that directory exists (this machine, or a filesystem shared with it): nothing
+is created on other hosts. Only the standard library is imported here: this runs in every rank.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 ENV = "HVDTRAIN_RECORDS"
-MKDIR_ENV = "HVDTRAIN_RECORDS_MKDIR"
 TRACEBACK_CHARS = 8000  # the end of a long traceback is the part that names the error
 
 
@@ -74,14 +73,13 @@ def identity(env: Mapping[str, str] = os.environ) -> tuple[int | None, int | Non
 def directory(env: Mapping[str, str] = os.environ) -> Path | None:
     """Where this rank writes its records, or None (not started by `hvdtrain run`, or the directory is not here)."""
     path = env.get(ENV)
-    if not path:
-        return None
-    if env.get(MKDIR_ENV) == "1":
-        try:
-            os.makedirs(path, exist_ok=True)
-        except OSError:
-            return None
-    return Path(path) if os.path.isdir(path) else None
+    return Path(path) if path and os.path.isdir(path) else None
+
+
+def _name(kind: str, pid: int, env: Mapping[str, str] = os.environ) -> str:
+    """`<kind>.<host>.<local rank>.<pid>.json`: unique on a directory several hosts share (pids are per host)."""
+    _, local, host = identity(env)
+    return f"{kind}.{host}.{local}.{pid}.json"
 
 
 def _write_json(path: Path, data: dict) -> None:
@@ -99,7 +97,7 @@ def note_exception(exc: BaseException, where: Path | None, *, replace: bool = Tr
     `replace=False` keeps an exception noted earlier (the error a recipe reported before its sys.exit(2))."""
     if where is None:
         return
-    path = where / f"exception.{os.getpid()}.json"
+    path = where / _name("exception", os.getpid())
     if not replace and path.exists():
         return
     text = "".join(traceback.format_exception(exc))[-TRACEBACK_CHARS:]
@@ -115,7 +113,7 @@ def write_record(where: Path | None, pid: int, returncode: int, env: Mapping[str
     if where is None:
         return
     rank, local, host = identity(env)
-    noted = where / f"exception.{pid}.json"
+    noted = where / _name("exception", pid, env)
     try:
         exc = json.loads(noted.read_text())
         if final:
@@ -125,7 +123,7 @@ def write_record(where: Path | None, pid: int, returncode: int, env: Mapping[str
     record = RankRecord(rank, local, host, pid, code=returncode if returncode >= 0 else None,
                         signum=-returncode if returncode < 0 else None, exception=exc.get("exception"),
                         message=exc.get("message"), traceback=exc.get("traceback"), time=time.time())
-    _write_json(where / f"rank.{host}.{local}.{pid}.json", asdict(record))
+    _write_json(where / _name("rank", pid, env), asdict(record))
 
 
 def read_records(where: Path | str) -> list[RankRecord]:

@@ -18,15 +18,13 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from hvdtrain import textfile
-from hvdtrain.flags import NOT_IN_EXTRA_ARGS, all_flags, option_of
+from hvdtrain.flags import extra_args_problems, modeled_flags
 from hvdtrain.hosts import MAX_SLOTS, Host, HostError, check_np, parse_hostfile, parse_hosts
 from hvdtrain.jobspec import JobSpec
 
 KeyPath = tuple[str | int, ...]
 _NO_VALUE = object()
-# Each horovodrun option a spec key sets (in every spelling) -> the key; extra_args must not set them behind the
-# spec's back (hvdtrain.flags).
-MODELED_FLAGS = {spelling: key for key, flag in all_flags(JobSpec) for spelling in flag.spellings}
+MODELED_FLAGS = modeled_flags(JobSpec)  # horovodrun option (every spelling) -> the spec key that sets it
 
 
 # Keys whose values are passed on as text (argv elements, environment values): a plain (unquoted) scalar there is
@@ -301,27 +299,11 @@ def cross_checks(spec: JobSpec) -> list[Issue]:
             if rank >= spec.np:
                 issues.append(Issue(("logs", "console_ranks", i), f"there is no rank {rank} with np = {spec.np}",
                                     rank, f"0..{spec.np - 1}", "remove it or raise np"))
-    issues += _extra_args_issues(spec.extra_args)
+    issues += [Issue(("extra_args", i), problem, spec.extra_args[i], fix=fix)
+               for i, problem, fix in extra_args_problems(spec.extra_args, MODELED_FLAGS)]
     if spec.horovod.autotune_log_file and not spec.horovod.autotune:
         issues.append(Issue(("horovod", "autotune_log_file"), "Horovod writes the autotune log only when "
                             "autotuning", spec.horovod.autotune_log_file, fix="also set horovod.autotune: true"))
-    return issues
-
-
-def _extra_args_issues(extra_args: Sequence[str]) -> list[Issue]:
-    """extra_args may not set what a spec key sets, in any spelling horovodrun accepts."""
-    issues = []
-    for i, arg in enumerate(extra_args):
-        option = option_of(arg)
-        if option in MODELED_FLAGS:
-            key = MODELED_FLAGS[option]
-            said = option if arg.split("=", 1)[0] == option else f"{option} (as horovodrun reads it)"
-            issues.append(Issue(("extra_args", i), f"{said} is what the spec key {key} sets", arg,
-                                fix=f"remove it from extra_args and set {key} instead"))
-        elif option in NOT_IN_EXTRA_ARGS:
-            why, fix = NOT_IN_EXTRA_ARGS[option]
-            issues.append(Issue(("extra_args", i), f"{option} is not for extra_args: {why}", arg,
-                                fix=f"remove it from extra_args; {fix}"))
     return issues
 
 

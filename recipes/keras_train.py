@@ -32,7 +32,6 @@ What each rank does, in order (Horovod's six Keras steps, plus resume):
 from __future__ import annotations
 
 import math
-import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -140,20 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     # ---- 1. processes and devices
     hvd.init()  # Horovod: join the job; rank/size come from horovodrun (or mpirun).
     rank, size = hvd.rank(), hvd.size()
-    gpus = tf.config.list_physical_devices("GPU")
-    if gpus:
-        # Horovod: pin one GPU per process: visible device = local rank; allocate its memory as needed.
-        for gpu in gpus:
-            tf.config.experimental.set_memory_growth(gpu, True)
-        tf.config.set_visible_devices(gpus[hvd.local_rank()], "GPU")
-        device = f"GPU {hvd.local_rank()}"
-    else:
-        # Horovod: on CPU, split this host's cores between its ranks, or they oversubscribe each other.
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        n = cfg.threads or max(1, cores // hvd.local_size())
-        tf.config.threading.set_intra_op_parallelism_threads(n)
-        tf.config.threading.set_inter_op_parallelism_threads(max(1, min(2, n)))
-        device = f"CPU ({n} threads)"
+    # Horovod: pin one GPU per process (visible device = local rank); on CPU, split this host's cores between its
+    # ranks.
+    device = keraskit.pin_device(hvd.local_rank(), hvd.local_size(), cfg.threads)
     run_dir = Path(cfg.run_dir).absolute()
     # Horovod: rank 0 alone writes the run directory; it locks it for the job's life, and a broadcast tells every
     # rank whether another job holds it (then all stop here with exit 2, before reading or writing anything).

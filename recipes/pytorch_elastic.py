@@ -288,14 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     hvd.init()  # Horovod: join the job; rank/size come from horovodrun's elastic driver.
     rank, size = hvd.rank(), hvd.size()
     sweep_stale_segments()  # /dev/shm segments a crashed earlier run left (dead creator pid, older than 60 s)
-    if torch.cuda.is_available():
-        # Horovod: pin one GPU per process, chosen by local rank (Horovod never sets CUDA_VISIBLE_DEVICES).
-        torch.cuda.set_device(hvd.local_rank())
-        device = torch.device("cuda", hvd.local_rank())
-    else:
-        # Horovod: on CPU, split this host's cores between its ranks, or they oversubscribe each other.
-        torch.set_num_threads(torchkit.cpu_threads(hvd.local_size(), cfg.threads))
-        device = torch.device("cpu")
+    # Horovod: pin one GPU per process, chosen by local rank; on CPU, split this host's cores between its ranks.
+    device = torchkit.pin_device(hvd.local_rank(), hvd.local_size(), cfg.threads)
     run_dir = Path(cfg.run_dir).absolute()
 
     # ---- 2.-3. data, model, LR, optimizer
@@ -304,13 +298,10 @@ def main(argv: list[str] | None = None) -> int:
     model = make_model(torchkit.model_name(cfg, splits), splits.sample_shape, splits.num_classes,
                        cfg.model_width).to(device)
     # Horovod: scale the LR by the number of workers (the reset callback rescales it when the world changes).
-    schedule = LRSchedule(base_lr=cfg.base_lr, size=size, backward_passes_per_step=cfg.backward_passes_per_step,
-                          warmup_epochs=cfg.warmup_epochs, milestones=cfg.lr_milestones, gamma=cfg.lr_gamma)
-    optimizer = torch.optim.SGD(model.parameters(), lr=schedule.lr_at(0), momentum=cfg.momentum,
-                                weight_decay=cfg.weight_decay)
+    schedule = torchkit.lr_schedule(cfg, size)
     # Horovod: wrap the optimizer: gradients are averaged over all ranks by allreduce inside step().
     optimizer = hvd.DistributedOptimizer(
-        optimizer, named_parameters=model.named_parameters(),
+        torchkit.sgd(cfg, model, schedule.lr_at(0)), named_parameters=model.named_parameters(),
         compression=hvd.Compression.fp16 if cfg.fp16_allreduce else hvd.Compression.none,
         backward_passes_per_step=cfg.backward_passes_per_step)
     # Rank 0 alone loads the newest checkpoint; the others get it from TorchState's sync in train().

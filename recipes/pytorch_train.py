@@ -57,14 +57,16 @@ from hvdtrain.train.report import log, nothing_to_train, same_weights, wait_shar
 from hvdtrain.train.torchkit import (
     TorchConfig,
     average_buffers,
-    cpu_threads,
     epoch_seed,
     forward_backward,
     gradients_finite,
     load_latest,
+    lr_schedule,
     model_name,
+    pin_device,
     report_epoch,
     save_checkpoint,
+    sgd,
     tensorboard_writer,
     validation_sums,
     weights_digest,
@@ -127,14 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     hvd.init()  # Horovod: join the job; rank/size come from horovodrun (or mpirun).
     rank, size = hvd.rank(), hvd.size()
     sweep_stale_segments()  # /dev/shm segments a crashed earlier run left (dead creator pid, older than 60 s)
-    if torch.cuda.is_available():
-        # Horovod: pin one GPU per process, chosen by local rank (Horovod never sets CUDA_VISIBLE_DEVICES).
-        torch.cuda.set_device(hvd.local_rank())
-        device = torch.device("cuda", hvd.local_rank())
-    else:
-        # Horovod: on CPU, split this host's cores between its ranks, or they oversubscribe each other.
-        torch.set_num_threads(cpu_threads(hvd.local_size(), cfg.threads))
-        device = torch.device("cpu")
+    # Horovod: pin one GPU per process, chosen by local rank; on CPU, split this host's cores between its ranks.
+    device = pin_device(hvd.local_rank(), hvd.local_size(), cfg.threads)
     run_dir = Path(cfg.run_dir).absolute()
     ckpt_dir = run_dir / "checkpoints"
     # Horovod: rank 0 alone writes the run directory; it locks it for the job's life, and a broadcast tells every
@@ -156,13 +152,10 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(cfg.seed)
     model = make_model(model_name(cfg, splits), splits.sample_shape, splits.num_classes, cfg.model_width).to(device)
     # Horovod: scale the LR by the number of workers (and backward passes per step), warm it up (Goyal et al.).
-    schedule = LRSchedule(base_lr=cfg.base_lr, size=size, backward_passes_per_step=cfg.backward_passes_per_step,
-                          warmup_epochs=cfg.warmup_epochs, milestones=cfg.lr_milestones, gamma=cfg.lr_gamma)
-    optimizer = torch.optim.SGD(model.parameters(), lr=schedule.lr_at(0), momentum=cfg.momentum,
-                                weight_decay=cfg.weight_decay)
+    schedule = lr_schedule(cfg, size)
     # Horovod: wrap the optimizer: gradients are averaged over all ranks by allreduce inside step().
     optimizer = hvd.DistributedOptimizer(
-        optimizer, named_parameters=model.named_parameters(),
+        sgd(cfg, model, schedule.lr_at(0)), named_parameters=model.named_parameters(),
         compression=hvd.Compression.fp16 if cfg.fp16_allreduce else hvd.Compression.none,
         backward_passes_per_step=cfg.backward_passes_per_step)
     # Horovod: scale the epochs by the world size if asked (Horovod's Keras example does).

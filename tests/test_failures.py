@@ -159,22 +159,35 @@ def test_records_of_an_exit_code_and_a_signal_say_so_without_an_exception():
     assert t.exit_failure() == RankFailure(1, signum=9, host="b")
 
 
-def test_with_records_a_user_line_about_a_timeout_is_not_a_peer_timeout():
+def test_a_user_line_about_a_timeout_is_not_a_peer_timeout_but_gloos_own_message_is():
     t = FailureTracker(("a", "b"))
     t.rank_line(1, "Timed out waiting for the user's own thing")
-    assert t.peer_timed_out  # without records (no rank left one), the text is all there is
-    t.records = [record(1, code=1, exception="ValueError", message="unrelated")]
+    t.rank_line(1, "RuntimeError: Timed out waiting 3 s for the coffee machine")
     assert not t.peer_timed_out
-    t.records = [record(0, code=1, exception="HorovodInternalError",
-                        message="Gloo ... Timed out waiting 15000ms for recv operation to complete")]
+    t.rank_line(0, "[2026-11-23 18:27:23: E /src/horovod/common/operations.cc:697] [0]: Horovod background loop "
+                   "uncaught exception: [/src/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out "
+                   "waiting 15000ms for recv operation to complete")
     assert t.peer_timed_out
 
 
-def test_elastic_records_name_the_worker_not_the_rank():
+def test_when_only_victims_left_records_the_launchers_lines_name_the_rank():
+    t = track(["Process 0 exit with status code 1.", "Process 1 exit with status code 255."])
+    t.records = [VICTIM_RECORD, record(1, code=1, exception="HorovodInternalError", message="shut down", host="b")]
+    assert t.cause_record() is None
+    assert t.report(None) == ["hvdtrain: rank 0 on host a exited with code 1 (the first rank to fail)"]
+
+
+def test_elastic_records_name_the_worker_horovodrun_named_and_a_recovered_failure_is_not_the_cause():
     t = FailureTracker((), elastic=True)
-    t.records = [record(3, code=1, exception="RuntimeError", message="boom", host="h2")]
-    assert t.report(None) == ["hvdtrain: worker h2[3] raised RuntimeError: boom and exited with code 1 "
+    recovered = record(3, code=1, exception="RuntimeError", message="boom", host="h2", at=1)
+    diverged = [record(r, code=3, exception="TrainingDiverged", message="at epoch 9", host="h1", at=9 + r)
+                for r in (0, 1)]
+    t.records = [recovered, *diverged]
+    assert t.report(None) == ["hvdtrain: worker h1[1] raised TrainingDiverged: at epoch 9 and exited with code 3 "
                               "(the first rank to fail)"]
+    assert t.exit_failure().code == 3
+    t.feed("Process name: h1[0]")
+    assert t.cause_record() is diverged[0]
 
 
 def test_when_only_victims_left_records_the_rank_without_one_is_named_from_horovodruns_lines():

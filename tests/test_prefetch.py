@@ -135,3 +135,17 @@ def test_cuda_prefetcher_copies_right_data() -> None:
     pf = DevicePrefetcher(batches, "cuda")
     for i, (x, y) in enumerate(pf):
         assert x.is_cuda and float((x * 2).sum()) == 2.0 * i * 64 * 1024 and int(y) == i
+
+
+class _PlainStateLoader(_FakeLoader):
+    """A loader whose state_dict() takes no arguments (a user's own, or another library's)."""
+
+    def state_dict(self) -> dict:  # type: ignore[override]
+        return {"epoch": 0, "batches_consumed": self.yielded}
+
+
+def test_a_loader_without_unconsumed_gets_its_count_lowered_by_the_batches_in_flight(monkeypatch) -> None:
+    _fake_cuda(monkeypatch, [])
+    pf = DevicePrefetcher(_PlainStateLoader(4), "cuda:0")
+    states = [pf.state_dict()["batches_consumed"] for _ in pf]
+    assert states == [1, 2, 3, 4]

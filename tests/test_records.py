@@ -34,9 +34,20 @@ def test_a_script_sees_what_python_script_would_give_it(tmp_path):
     direct = _facts([sys.executable, script, "a", "1:30"])
     wrapped = _facts([sys.executable, "-m", "hvdtrain.rank_main", script, "a", "1:30"], HVDTRAIN_RECORDS=str(tmp_path))
     assert direct.returncode == wrapped.returncode == 0, wrapped.stderr
-    assert json.loads(wrapped.stdout) == json.loads(direct.stdout)
-    assert json.loads(direct.stdout)["spawned"] == [9] and json.loads(direct.stdout)["path0"] == str(SCRIPTS)
+    assert wrapped.stdout == direct.stdout and wrapped.stderr == direct.stderr == ""
+    lines = direct.stdout.splitlines()  # the spawn child's atexit line, the facts, this process's atexit line
+    facts = json.loads(next(line for line in lines if line.startswith("{")))
+    assert facts["spawned"] == [9] and facts["path0"] == str(SCRIPTS)
+    assert lines[-1].startswith("atexit pickled ")  # __main__ is still the script's module at exit
     assert list(tmp_path.iterdir()) == []  # a rank that ends well notes nothing
+
+
+def test_a_script_that_cannot_be_opened_exits_2_with_pythons_message(tmp_path):
+    missing = tmp_path / "nope.py"
+    direct = _facts([sys.executable, str(missing)])
+    wrapped = _facts([sys.executable, "-m", "hvdtrain.rank_main", str(missing)])
+    assert direct.returncode == wrapped.returncode == 2
+    assert wrapped.stderr.split(":", 1)[1] == direct.stderr.split(":", 1)[1]  # after the interpreter's name
 
 
 def test_an_exception_is_printed_as_python_would_and_noted_for_the_record(tmp_path):
@@ -70,7 +81,7 @@ def test_identity_from_horovodrun_and_mpirun_environments():
 
 def test_the_supervisors_record_merges_the_noted_exception_and_is_read_back(tmp_path):
     env = {"HOROVOD_RANK": "1", "HOROVOD_LOCAL_RANK": "1", "HOROVOD_HOSTNAME": "h1"}
-    (tmp_path / "exception.42.json").write_text(json.dumps({"exception": "KeyError", "message": "'x'",
+    (tmp_path / "exception.h1.1.42.json").write_text(json.dumps({"exception": "KeyError", "message": "'x'",
                                                             "traceback": "Traceback ..."}))
     records.write_record(tmp_path, 42, 1, env)
     records.write_record(tmp_path, 43, -9, {**env, "HOROVOD_RANK": "0", "HOROVOD_LOCAL_RANK": "0"})
@@ -83,8 +94,9 @@ def test_the_supervisors_record_merges_the_noted_exception_and_is_read_back(tmp_
 
 def test_records_go_only_where_the_directory_is(tmp_path):
     missing = tmp_path / "not-here"
-    assert records.directory({records.ENV: str(missing)}) is None  # another host's temporary directory
-    assert records.directory({records.ENV: str(missing), records.MKDIR_ENV: "1"}) == missing and missing.is_dir()
+    assert records.directory({records.ENV: str(missing)}) is None  # not shared with this host: nothing is made
+    assert not missing.exists()
+    assert records.directory({records.ENV: str(tmp_path)}) == tmp_path
     assert records.directory({}) is None
 
 
@@ -150,4 +162,25 @@ def test_a_rank_ending_with_sys_exit_leaves_a_provisional_record_the_supervisor_
     final = [r for r in records.read_records(tmp_path) if r.pid != provisional.pid]
     assert [(r.rank, r.code, r.exception) for r in final] == [(1, 3, "SystemExit")]
     # the supervisor merged its rank's note and removed it; the unsupervised run's note stays
-    assert [p.name for p in tmp_path.glob("exception.*.json")] == [f"exception.{provisional.pid}.json"]
+    assert [p.name for p in tmp_path.glob("exception.*.json")] == [f"exception.h1.1.{provisional.pid}.json"]
+
+
+def test_a_temporary_records_directory_is_locked_while_used_and_a_stale_one_is_removed(tmp_path, monkeypatch):
+    import fcntl
+
+    from hvdtrain import launch
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    stale, live = tmp_path / f"{launch.RECORDS_TMP}stale", tmp_path / f"{launch.RECORDS_TMP}live"
+    for d in (stale, live):
+        d.mkdir()
+        (d / ".lock").touch()
+    (tmp_path / f"{launch.RECORDS_TMP}starting").mkdir()  # a launcher between mkdtemp and its lock
+    with open(live / ".lock", "rb") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # as a running launcher (in any pid namespace) holds it
+        with launch._records_dir(None) as where:
+            assert where.is_dir() and not stale.exists() and live.is_dir()
+            assert (tmp_path / f"{launch.RECORDS_TMP}starting").is_dir()
+            with open(where / ".lock", "rb") as f, pytest.raises(BlockingIOError):
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # this launcher's own, held for the job
+        assert not where.exists()

@@ -273,3 +273,11 @@ def test_cli_prints_writes_and_exits_2_on_errors(tmp_path, capsys):
     assert "np = 7 does not fill nodes of 4 slots" in capsys.readouterr().err
     assert main(["render", "k8s", str(tmp_path / "missing.yaml")]) == 2
     assert "cannot read the spec" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["k8s", "slurm"])
+def test_a_job_larger_than_one_hosts_slot_limit_renders(kind, tmp_path):
+    text = "script: ../recipes/train.py\nnp: 8192\nhosts: a:4096,b:4096\ncontroller: mpi\n"
+    opts = K8sOptions() if kind == "k8s" else SlurmOptions()
+    rendered = render_file(kind, write_spec(tmp_path, text), cluster(), opts)
+    assert "-np" in rendered and "8192" in rendered and "cluster-hosts" not in rendered

@@ -27,6 +27,7 @@ when another device is current. Unverified here (no GPU on the build machine): r
 
 from __future__ import annotations
 
+import inspect
 import itertools
 from collections.abc import Iterator
 from typing import Any
@@ -53,8 +54,8 @@ class DevicePrefetcher:
     live (NOTE [batch lifetime] in lending.py), so collecting `y` without `.clone()` is correct.
     Yields the last batch, yields nothing for an empty loader, and starts afresh on every `iter()` (per epoch).
     `state_dict()` reports the batches handed to the caller, not those fetched ahead: it asks the loader for
-    `state_dict(unconsumed=k)` with the `k` batches in flight (ShmLoader and TorchLoader take it; another loader
-    needs it only where batches are fetched ahead, on CUDA).
+    `state_dict(unconsumed=k)` with the `k` batches in flight (ShmLoader and TorchLoader take it; for another
+    loader, `batches_consumed` in its state is lowered by `k`).
     """
 
     def __init__(self, loader: Any, device: torch.device | str) -> None:
@@ -147,7 +148,12 @@ class DevicePrefetcher:
     def state_dict(self) -> dict[str, Any]:
         if self._ahead == 0:  # nothing in flight: any loader's plain state_dict() will do
             return dict(self.loader.state_dict())
-        return dict(self.loader.state_dict(unconsumed=self._ahead))
+        if "unconsumed" in inspect.signature(self.loader.state_dict).parameters:
+            return dict(self.loader.state_dict(unconsumed=self._ahead))
+        state = dict(self.loader.state_dict())  # another loader: take back the batches fetched ahead by count
+        if "batches_consumed" in state:
+            state["batches_consumed"] -= self._ahead
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.loader.load_state_dict(state)

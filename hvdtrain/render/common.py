@@ -112,7 +112,9 @@ def horovodrun_argv(spec: JobSpec, opts: ClusterOptions, horovodrun: str) -> tup
     if not 1 <= port <= 65535:
         raise RenderError(f"--ssh-port {port} is not a port: use 1..65535 (the images' sshd listens on 2222)")
     ssh = spec.ssh.model_copy(update={"port": port})
-    cluster = spec.model_copy(update={"hosts": None, "hostfile": None, "python": python, "ssh": ssh,
+    # Any host will do for -H: the renderer replaces its value (at plan.hosts_at) with the cluster's hosts. One
+    # slot, so that no np is too large for it.
+    cluster = spec.model_copy(update={"hosts": "cluster-hosts:1", "hostfile": None, "python": python, "ssh": ssh,
                                       "elastic": None})
     plan = build_plan(cluster, controller=spec.controller or opts.controller, horovodrun=horovodrun)
     assert plan.hosts_at is not None  # build_plan's invariant (not input): a plan that is not elastic has -H

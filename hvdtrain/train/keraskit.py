@@ -11,6 +11,7 @@ import hashlib
 import io
 import json
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,22 @@ from hvdtrain.train.metrics import History
 from hvdtrain.train.report import log
 
 tf = tfkeras.import_tensorflow()
+
+
+def pin_device(local_rank: int, local_size: int, threads: int | None) -> str:
+    """One GPU per process, the local rank's, its memory allocated as needed; on CPU, this host's cores split
+    between its `local_size` ranks (or they oversubscribe each other). Returns what was chosen, for the log."""
+    gpus = tf.config.list_physical_devices("GPU")
+    if gpus:
+        for gpu in gpus:
+            tf.config.experimental.set_memory_growth(gpu, True)
+        tf.config.set_visible_devices(gpus[local_rank], "GPU")
+        return f"GPU {local_rank}"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    n = threads or max(1, cores // local_size)
+    tf.config.threading.set_intra_op_parallelism_threads(n)
+    tf.config.threading.set_inter_op_parallelism_threads(max(1, min(2, n)))
+    return f"CPU ({n} threads)"
 
 
 def channels_last(ds: datasets.ArrayDataset) -> datasets.ArrayDataset:

@@ -69,6 +69,26 @@ def cpu_threads(local_size: int, threads: int | None) -> int:
     return threads or max(1, cores // local_size)
 
 
+def lr_schedule(cfg: TorchConfig, size: int) -> LRSchedule:
+    """The LR: base LR × world size × backward passes per step, linear warmup, step decay (Goyal et al.)."""
+    return LRSchedule(base_lr=cfg.base_lr, size=size, backward_passes_per_step=cfg.backward_passes_per_step,
+                      warmup_epochs=cfg.warmup_epochs, milestones=cfg.lr_milestones, gamma=cfg.lr_gamma)
+
+
+def sgd(cfg: TorchConfig, model: nn.Module, lr: float) -> torch.optim.SGD:
+    return torch.optim.SGD(model.parameters(), lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+
+
+def pin_device(local_rank: int, local_size: int, threads: int | None) -> torch.device:
+    """One GPU per process, chosen by local rank (Horovod never sets CUDA_VISIBLE_DEVICES); on CPU, this host's
+    cores split between its `local_size` ranks, or they oversubscribe each other."""
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    torch.set_num_threads(cpu_threads(local_size, threads))
+    return torch.device("cpu")
+
+
 def model_name(cfg: TorchConfig, splits: datasets.Splits) -> str:
     """--model, or for auto: cnn for digits, resnet for synthetic, else cnn for C,H,W samples and mlp for others."""
     if cfg.model != "auto":

@@ -1,9 +1,21 @@
-"""Prints what a script sees of how it was started (argv, path[0], __file__, __name__, __spec__), and that a
-multiprocessing 'spawn' child can import __main__ and run a function defined in it."""
+"""Prints what a script sees of how it was started (argv, path[0], __file__, __name__, __spec__), that a
+multiprocessing 'spawn' child can import __main__ and run a function defined in it, and that an atexit handler can
+still pickle an object of a class defined in the script."""
 
+import atexit
 import json
 import multiprocessing as mp
+import pickle
 import sys
+
+
+class Point:
+    pass
+
+
+@atexit.register
+def pickle_at_exit() -> None:
+    print(f"atexit pickled {len(pickle.dumps(Point()))} bytes", flush=True)
 
 
 def square(x: int) -> int:
