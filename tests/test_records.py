@@ -35,8 +35,9 @@ def test_a_script_sees_what_python_script_would_give_it(tmp_path):
     wrapped = _facts([sys.executable, "-m", "hvdtrain.rank_main", script, "a", "1:30"], HVDTRAIN_RECORDS=str(tmp_path))
     assert direct.returncode == wrapped.returncode == 0, wrapped.stderr
     assert wrapped.stdout == direct.stdout and wrapped.stderr == direct.stderr == ""
-    lines = direct.stdout.splitlines()  # the spawn child's atexit line, the facts, this process's atexit line
-    facts = json.loads(next(line for line in lines if line.startswith("{")))
+    lines = direct.stdout.splitlines()  # the facts, then the atexit line
+    assert len(lines) == 2, direct.stdout
+    facts = json.loads(lines[0])
     assert facts["spawned"] == [9] and facts["path0"] == str(SCRIPTS)
     assert lines[-1].startswith("atexit pickled ")  # __main__ is still the script's module at exit
     assert list(tmp_path.iterdir()) == []  # a rank that ends well notes nothing

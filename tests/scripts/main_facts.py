@@ -13,7 +13,6 @@ class Point:
     pass
 
 
-@atexit.register
 def pickle_at_exit() -> None:
     print(f"atexit pickled {len(pickle.dumps(Point()))} bytes", flush=True)
 
@@ -23,6 +22,7 @@ def square(x: int) -> int:
 
 
 if __name__ == "__main__":
+    atexit.register(pickle_at_exit)  # in this process only (a spawn child imports this file as __mp_main__)
     with mp.get_context("spawn").Pool(1) as pool:
         spawned = pool.map(square, [3])
     print(json.dumps({"argv": sys.argv, "path0": sys.path[0], "file": __file__, "name": __name__,
