@@ -1,4 +1,4 @@
-"""B3: the PyTorch recipe training from .npy shards on disk vs from synthetic in-memory data, side by side.
+"""B3: the PyTorch recipe training from shards on disk (MDS, streamed) vs from synthetic in-memory data, side by side.
 
     .venv/bin/python bench/recipe_shards_vs_synthetic.py        # np=2, Gloo, about 1.5-2 minutes on 2 CPU cores
     .venv/bin/python bench/recipe_shards_vs_synthetic.py --num-iters 2 --num-batches-per-iter 4 \
@@ -8,15 +8,17 @@ What it measures: samples/s per worker of the recipe's own training loop (`recip
 and `train_epoch()`, timed exactly as the recipe times an epoch; the machinery is recipe_vs_synthetic.py's) on
 two datasets in one horovodrun job:
 - synthetic: `--dataset synthetic`, random samples generated in memory at setup (the throughput ceiling);
-- shards: `--dataset DIR`, a temporary directory of `train/NAME_x.npy` + `train/NAME_y.npy` pairs (`--format npz`:
-  `NAME.npz` files with arrays x and y) and `val/`, written by this script before the job starts and removed after.
+- shards: `--dataset DIR`, a temporary dataset root with `train/` and `val/`, written by this script before the job
+  starts and removed after: `--format mds` (default) MDS shards (`--shard-files` of them), which the recipe
+  streams: the loader's producers read memory-mapped shards batch by batch, shuffle block by shuffle block; `npy`:
+  `NAME_x.npy` + `NAME_y.npy` pairs, `npz`: `NAME.npz` files with arrays x and y, both read into memory at setup.
 The shards hold exactly the samples and labels that the synthetic side generates (same shape, seed, count), so
 the model, batches and work per step are identical; the job checks that the two training sets are equal. Each
 side trains one warmup epoch, then `--num-iters` (16) epochs of `--num-batches-per-iter` (20) steps per rank (more
 than recipe_vs_synthetic.py's Horovod defaults of 10 x 10: the goal is a 5% threshold), alternating
-which side goes first, so machine load drifts hit both alike. The recipe reads the shards into memory in
-`setup()`, so that cost is not in the training rate: it is reported as "load s", the median time of the
-`datasets.load()` call setup() makes (reading the shards vs generating the synthetic data), timed on rank 0.
+which side goes first, so machine load drifts hit both alike. "load s" is the median time of the `datasets.load()`
+call setup() makes, timed on rank 0 (npy/npz: reading the shards into memory, not in the training rate; mds: the
+index only, the shards are read while training; synthetic: generating the data).
 
 Ratio = shards / synthetic samples/s per worker; goal >= 0.95x. Printed, and written to
 bench/out/recipe_shards_vs_synthetic.json. Also reported: each side's data wait share of step time (StallMeter).
@@ -55,7 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = build_parser(__doc__.split("\n\n")[0])
     # Longer and more epochs than Horovod's benchmark defaults: the goal is a 5% threshold.
     p.set_defaults(num_iters=16, num_batches_per_iter=20, num_warmup_batches=20)
-    p.add_argument("--format", choices=("npy", "npz"), default="npy", help="shard file format")
+    p.add_argument("--format", choices=("mds", "npy", "npz"), default="mds", help="shard file format")
     p.add_argument("--shard-files", type=int, default=4, help="training shard files (val: one)")
     p.add_argument("--shards", help=argparse.SUPPRESS)  # inside horovodrun: the directory the driver wrote
     args = check_args(p, p.parse_args(argv))
@@ -76,6 +78,8 @@ def write_shards(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
         if int(split.y.max()) + 1 != args.num_classes:  # the recipe infers the classes from the labels
             raise SystemExit(f"the random labels do not reach class {args.num_classes - 1}: use more samples "
                              "(--num-batches-per-iter) or fewer --num-classes")
+    if args.format == "mds":
+        return write_mds(args, directory, splits)
     files, nbytes = 0, 0
     for name, split, parts in (("train", splits.train, args.shard_files), ("val", splits.val, 1)):
         (directory / name).mkdir()
@@ -91,6 +95,29 @@ def write_shards(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
                 files += 2
             nbytes += x.nbytes + y.nbytes
     return {"train_samples": len(splits.train), "val_samples": len(splits.val), "files": files, "bytes": nbytes}
+
+
+def write_mds(args: argparse.Namespace, directory: Path, splits: Any) -> dict[str, Any]:
+    from hvdtrain.stream import MDSWriter
+    from hvdtrain.stream.encodings import ndarray_encoding
+
+    columns = {"x": ndarray_encoding(splits.train.x[0]), "y": "int64"}
+    files, nbytes = 0, 0
+    for name, split, parts in (("train", splits.train, args.shard_files), ("val", splits.val, 1)):
+        per_shard = -(-len(split) // parts)
+        record = split.x[0].nbytes + 8 + 4
+        with MDSWriter(directory / name, columns, size_limit=per_shard * record + 4096,
+                       meta={"num_classes": args.num_classes}) as w:
+            for x, y in zip(split.x, split.y, strict=True):
+                w.write({"x": x, "y": int(y)})
+        files += len(w.shards) + 1
+        nbytes += sum(s["raw_data"]["bytes"] for s in w.shards)
+    return {"train_samples": len(splits.train), "val_samples": len(splits.val), "files": files, "bytes": nbytes}
+
+
+def training_set(split: Any) -> tuple[np.ndarray, np.ndarray]:
+    """All of a split's samples and labels (a streamed split is read here, once, for the equality check)."""
+    return (split.x, split.y) if hasattr(split, "x") else split.take(np.arange(len(split)))
 
 
 # ---- inside horovodrun ----------------------------------------------------------------------------------------
@@ -121,9 +148,9 @@ def worker(args: argparse.Namespace) -> None:
             sides[name] = recipe_side(args, dataset, OUT / f"recipe-run-{name}")
             stack.callback(sides[name][0].train_loader.close)
         (syn, syn_epoch), (shd, shd_epoch) = sides["synthetic"], sides["shards"]
-        a, b = syn.train_loader.loader.dataset, shd.train_loader.loader.dataset
-        same_data = (syn.cfg.seed == SEED and np.array_equal(a.x, b.x) and np.array_equal(a.y, b.y)
-                     and a.x.dtype == b.x.dtype)
+        (ax, ay), (bx, by) = (training_set(t.train_loader.loader.dataset) for t in (syn, shd))
+        same_data = (syn.cfg.seed == SEED and np.array_equal(ax, bx) and np.array_equal(ay, by)
+                     and ax.dtype == bx.dtype)
         syn_epoch(0)  # one warmup epoch each: worker start-up, first touch of the slots, allocator
         shd_epoch(0)
         synthetic, shards = interleave(syn_epoch, shd_epoch, args.num_iters)
@@ -148,7 +175,7 @@ def report(args: argparse.Namespace, raw: dict[str, Any], written: dict[str, Any
               "mean_data_wait_s": {k: v["mean_wait_s"] for k, v in raw["stall"].items()},
               "same_data": raw["same_data"], "per_iteration": {k: raw[k] for k in ("synthetic", "shards")},
               "wall_s": wall_s, "leaks": leaks}
-    print(f"B3: recipe on {written['files']} .{args.format} shard files ({written['bytes'] / 1e6:.1f} MB, "
+    print(f"B3: recipe on {written['files']} {args.format} files ({written['bytes'] / 1e6:.1f} MB, "
           f"{written['train_samples']} train samples) vs synthetic in memory; ResNet(width {args.width}) on "
           f"{args.shape}, batch {args.batch_size}/rank, np={args.np} ({args.controller}), {args.num_workers} data "
           f"worker(s)/rank; {args.num_iters}×{args.num_batches_per_iter} timed steps each, interleaved")

@@ -91,7 +91,7 @@ def recipe_side(args: argparse.Namespace, dataset: str, run_dir: Path) -> tuple[
     import torch
 
     from hvdtrain.data import DevicePrefetcher, ShmLoader, StallMeter
-    from hvdtrain.train.datasets import ArrayDataset
+    from hvdtrain.train import datasets
     from hvdtrain.train.torchkit import epoch_seed, lr_schedule, model_name, pin_device, sgd
 
     if str(RECIPES) not in sys.path:
@@ -117,8 +117,8 @@ def recipe_side(args: argparse.Namespace, dataset: str, run_dir: Path) -> tuple[
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     loader = DevicePrefetcher(ShmLoader(splits.train, rank=rank, size=size, batch_size=cfg.batch_size,
-                                        num_workers=cfg.num_workers, seed=cfg.seed, fetch=ArrayDataset.take,
-                                        shuffle=True), device)
+                                        num_workers=cfg.num_workers, seed=cfg.seed, fetch=datasets.take,
+                                        order=splits.train.order), device)
     side = SimpleNamespace(cfg=cfg, train_loader=loader, meter=StallMeter(), rank=rank)
 
     def iteration(epoch: int) -> float:

@@ -98,6 +98,90 @@ def _cmd_schema(args: argparse.Namespace) -> int:
     return 0
 
 
+def _convert_arg(name: str):
+    """An argparse `type` calling hvdtrain.stream.convert's parser `name` (imported when used: numpy is slow to
+    import); its ValueError becomes argparse's error, exit 2."""
+
+    def parse(text: str):
+        from hvdtrain.stream import convert
+
+        try:
+            return getattr(convert, name)(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    parse.__name__ = name
+    return parse
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a fraction in [0, 1), e.g. 0.1")
+    return value
+
+
+def _cmd_data_convert(args: argparse.Namespace) -> int:
+    from hvdtrain.stream import StreamError
+    from hvdtrain.stream.convert import convert
+
+    try:
+        summary = convert(args.src, args.dst, shard_bytes=args.shard_size, compression=args.compression,
+                          image_size=args.image_size, val_fraction=args.val_fraction, progress=args.progress)
+    except StreamError as exc:
+        print(f"hvdtrain data convert: error: {exc}", file=sys.stderr)
+        return exitcodes.INVALID_INPUT
+    print(summary.render())
+    return 0
+
+
+def _cmd_data_inspect(args: argparse.Namespace) -> int:
+    import json
+
+    from hvdtrain.stream import StreamError
+    from hvdtrain.stream.inspect import describe, render
+
+    try:
+        desc = describe(args.path)
+    except StreamError as exc:
+        print(f"hvdtrain data inspect: error: {exc}", file=sys.stderr)
+        return exitcodes.INVALID_INPUT
+    print(json.dumps(desc, indent=2) if args.json else render(desc))
+    return 0
+
+
+def _add_data_parser(sub: argparse._SubParsersAction) -> None:
+    from pathlib import Path
+
+    data = sub.add_parser("data", help="convert datasets to MDS shards (streamed training) and describe them")
+    cmds = data.add_subparsers(dest="data_command", required=True, metavar="COMMAND")
+    p = cmds.add_parser("convert", help="write an array shard directory or an image folder as an MDS dataset",
+                        description="Write SRC as an MDS dataset in DST (train/ and val/, one index.json each); "
+                                    "see hvdtrain/stream/convert.py for the layouts read.")
+    p.add_argument("src", type=Path, metavar="SRC", help="*.npz / NAME_x.npy+NAME_y.npy shards, or CLASS/*.jpg|png "
+                   "images; with train/ and val/ subdirectories those are the splits")
+    p.add_argument("dst", type=Path, metavar="DST", help="new (or empty) directory; gets train/ and val/")
+    p.add_argument("--shard-size", type=_convert_arg("parse_size"), default="64MiB", metavar="SIZE",
+                   help="bytes per shard before compression, e.g. 64MiB (default), 1GB, 1000000")
+    p.add_argument("--compression", type=_convert_arg("parse_compression"), default=None, metavar="zstd[:LEVEL]",
+                   help="compress shards with zstd (LEVEL 1..22, default 3); readers decompress them once per "
+                        "node; default: none")
+    p.add_argument("--image-size", type=_convert_arg("parse_image_size"), default=None, metavar="HxW",
+                   help="resize every image to this (default: all images must have one size)")
+    p.add_argument("--val-fraction", type=_fraction, default=0.0, metavar="F",
+                   help="for a SRC without train/ and val/: hold out this fraction, evenly spaced, as val/")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    p.set_defaults(func=_cmd_data_convert)
+
+    p = cmds.add_parser("inspect", help="describe an MDS dataset (splits, samples, shards, columns, sizes)")
+    p.add_argument("path", type=Path, metavar="PATH", help="a dataset root (train/, val/) or one MDS directory")
+    p.add_argument("--json", action="store_true", help="print the description as JSON")
+    p.set_defaults(func=_cmd_data_inspect)
+
+
 def _add_job_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("job", metavar="JOB.yaml", help="job spec (see `hvdtrain schema` and jobs/)")
     p.add_argument("-o", "--override", action="append", default=[], metavar="KEY.PATH=VALUE",
@@ -137,6 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     from hvdtrain.render.command import add_parser as add_render_parser
 
     add_render_parser(sub)
+    _add_data_parser(sub)
     return parser
 
 
@@ -144,7 +229,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _main(argv)
     except KeyboardInterrupt:  # Ctrl-C before a job started (from then on run_plan handles it: NOTE [shutdown])
-        print("hvdtrain: interrupted (SIGINT); no job was started", file=sys.stderr)
+        command = argv[0] if argv else (sys.argv[1] if len(sys.argv) > 1 else "")
+        what = "nothing was written that looks complete" if command == "data" else "no job was started"
+        print(f"hvdtrain: interrupted (SIGINT); {what}", file=sys.stderr)
         return exitcodes.SIGNALLED + signal.SIGINT
 
 

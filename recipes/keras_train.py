@@ -83,7 +83,8 @@ def train_dataset(tf: Any, ds: datasets.ArrayDataset, cfg: Config, rank: int, si
     every rank runs the same number of steps (an uneven shard would leave one rank waiting in an allreduce).
     """
     def epoch_indices(epoch: np.int64) -> np.ndarray:
-        sampler = ShardSampler(len(ds), rank, size, seed=cfg.seed, shuffle=True, batch_size=cfg.batch_size)
+        sampler = ShardSampler(len(ds), rank, size, seed=cfg.seed, shuffle=True, batch_size=cfg.batch_size,
+                               order=ds.order)
         sampler.set_epoch(int(epoch))
         return sampler.indices().astype(np.int64)
 
@@ -93,7 +94,7 @@ def train_dataset(tf: Any, ds: datasets.ArrayDataset, cfg: Config, rank: int, si
 
     def fetch(idx: Any) -> tuple[Any, Any]:
         x, y = tf.numpy_function(ds.take, [idx], (tf.float32, tf.int64), stateful=False)
-        return tf.ensure_shape(x, (None, *ds.x.shape[1:])), tf.ensure_shape(y, (None,))
+        return tf.ensure_shape(x, (None, *ds.sample_shape)), tf.ensure_shape(y, (None,))
 
     return (tf.data.Dataset.range(first, epochs).flat_map(one_epoch)
             .map(fetch, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).prefetch(tf.data.AUTOTUNE))
@@ -153,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # ---- 3. model, LR, optimizer
     tf.keras.utils.set_random_seed(cfg.seed)
-    model = keraskit.build_model(train.x.shape[1:], splits.num_classes, cfg.width)
+    model = keraskit.build_model(train.sample_shape, splits.num_classes, cfg.width)
     # Horovod: scale the LR by the number of workers (the effective batch is size × larger; Goyal et al.).
     lr = cfg.base_lr * size
     # Horovod: wrap the optimizer: gradients are averaged over all ranks by allreduce before they are applied.

@@ -142,11 +142,12 @@ def main(argv: list[str] | None = None) -> int:
     splits = cfg.load_data()
     # Horovod: each rank reads only its shard (ShardSampler inside: strided over a per-epoch permutation that is
     # the same on every rank; padded so that every rank runs the same number of steps — an uneven shard would
-    # leave one rank waiting in an allreduce). Batches are built by producer processes into shared memory; the
-    # prefetcher overlaps host -> GPU copies with compute (a zero-copy pass-through on CPU).
+    # leave one rank waiting in an allreduce). Batches are built by producer processes into shared memory (an MDS
+    # dataset is read there, shuffle block by shuffle block: `order`); the prefetcher overlaps host -> GPU copies
+    # with compute (a zero-copy pass-through on CPU).
     loader = DevicePrefetcher(ShmLoader(
         splits.train, rank=rank, size=size, batch_size=cfg.batch_size * cfg.backward_passes_per_step,
-        num_workers=cfg.num_workers, seed=cfg.seed, fetch=datasets.ArrayDataset.take, shuffle=True), device)
+        num_workers=cfg.num_workers, seed=cfg.seed, fetch=datasets.take, order=splits.train.order), device)
 
     # ---- 3. model, LR, optimizer
     torch.manual_seed(cfg.seed)

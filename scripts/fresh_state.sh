@@ -5,6 +5,7 @@
 #
 # Removes only what hvdtrain or its tests create:
 #   - hvdtrain's cache directory ($HVDTRAIN_CACHE_DIR, else ${XDG_CACHE_HOME:-~/.cache}/hvdtrain);
+#   - the node cache of streamed datasets ($HVDTRAIN_DATA_CACHE, else ${TMPDIR:-/tmp}/hvdtrain-data-UID);
 #   - /run/sshd, if it is empty and no sshd runs (older test runs made it for their namespace hosts);
 #   - ~/.ssh/known_hosts entries for the test hosts' addresses (10.213.20-219.11-12; older test runs recorded them);
 #   - /dev/shm/hvdtrain_<pid>_* segments whose creating process is gone;
@@ -22,6 +23,12 @@ cache="${HVDTRAIN_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/hvdtrain}"
 if [[ -d "$cache" ]]; then
   say "removing hvdtrain's cache $cache"
   rm -rf -- "$cache"
+fi
+
+data_cache="${HVDTRAIN_DATA_CACHE:-${TMPDIR:-/tmp}/hvdtrain-data-$(id -u)}"
+if [[ -d "$data_cache" ]]; then
+  say "removing the dataset cache $data_cache"
+  rm -rf -- "$data_cache"
 fi
 
 if [[ -d "$privsep" ]] && ! pgrep -x sshd >/dev/null; then

@@ -16,10 +16,12 @@ from tests import harness
 
 @pytest.fixture(scope="session", autouse=True)
 def private_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """hvdtrain's cache (the Horovod build probe) lives in this session's temporary directory, for this process and
-    every job it starts: a result must not depend on what an earlier run, or the user, left in ~/.cache/hvdtrain."""
+    """hvdtrain's caches (the Horovod build probe; the node cache of streamed datasets) live in this session's
+    temporary directory, for this process and every job it starts: a result must not depend on what an earlier run,
+    or the user, left in ~/.cache/hvdtrain or /tmp/hvdtrain-data-UID."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("HVDTRAIN_CACHE_DIR", str(tmp_path_factory.mktemp("hvdtrain-cache")))
+        mp.setenv("HVDTRAIN_DATA_CACHE", str(tmp_path_factory.mktemp("hvdtrain-data")))  # streamed datasets' shards
         yield
 
 

@@ -27,8 +27,10 @@ def dead_pid() -> int:
 
 
 def run(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
-    base = {k: v for k, v in os.environ.items() if k not in ("HVDTRAIN_CACHE_DIR", "XDG_CACHE_HOME")}
-    full = {**base, "HOME": str(tmp_path / "home"), "HVDTRAIN_PRIVSEP_DIR": str(tmp_path / "sshd"),
+    base = {k: v for k, v in os.environ.items()
+            if k not in ("HVDTRAIN_CACHE_DIR", "HVDTRAIN_DATA_CACHE", "XDG_CACHE_HOME")}
+    full = {**base, "HOME": str(tmp_path / "home"), "TMPDIR": str(tmp_path / "tmp"),
+            "HVDTRAIN_PRIVSEP_DIR": str(tmp_path / "sshd"),
             "HVDTRAIN_SHM_DIR": str(tmp_path / "shm"), "HVDTRAIN_SKIP_NETNS": "1", **env}
     return subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, timeout=120, env=full,
                           stdin=subprocess.DEVNULL, check=False)
@@ -81,6 +83,19 @@ def test_honours_hvdtrain_cache_dir(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert not cache.exists()
     assert (tmp_path / "home" / ".cache" / "hvdtrain").is_dir()
+
+
+def test_removes_the_dataset_cache_default_or_named(tmp_path):
+    default = tmp_path / "tmp" / f"hvdtrain-data-{os.getuid()}"
+    (default / "digits-0123").mkdir(parents=True)
+    (default / "digits-0123" / "shard.00000.mds").write_bytes(b"x")
+    (tmp_path / "tmp" / "other").mkdir()
+    proc = run(tmp_path)
+    assert proc.returncode == 0 and not default.exists() and (tmp_path / "tmp" / "other").is_dir(), proc.stdout
+    named = tmp_path / "fast-disk" / "cache"
+    named.mkdir(parents=True)
+    proc = run(tmp_path, HVDTRAIN_DATA_CACHE=str(named))
+    assert proc.returncode == 0 and not named.exists() and f"removing the dataset cache {named}" in proc.stdout
 
 
 def test_removes_a_killed_runs_test_hosts_but_not_a_live_one(tmp_path):

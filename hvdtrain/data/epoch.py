@@ -59,10 +59,10 @@ class EpochIterator:
                 return self._finish()
             w, msg = self._receive_due()
             match msg:
-                case WorkerFailed(seq=seq, traceback=tb):
+                case WorkerFailed(seq=seq, traceback=tb, message=message, bad_data=bad_data):
                     self.done = True
                     raise WorkerError(f"data worker {w} of rank {ld.rank} failed in epoch {ld.epoch} at its batch "
-                                      f"{seq}:\n{tb}")
+                                      f"{seq}:\n{tb}", message=message, bad_data=bad_data)
                 case EpochDone():
                     self._advance(w, ended=True)
                 case Batch(slot=slot, layout=layout):

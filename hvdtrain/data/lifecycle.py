@@ -51,7 +51,12 @@ class LoaderError(RuntimeError):
 
 
 class WorkerError(LoaderError):
-    """User code raised in a producer process; the message carries the original traceback."""
+    """User code raised in a producer process; the message carries the original traceback, `message` the original
+    exception's text, `bad_data` whether it was a StreamError (unreadable or invalid data, named in `message`)."""
+
+    def __init__(self, text: str, *, message: str = "", bad_data: bool = False) -> None:
+        super().__init__(text)
+        self.message, self.bad_data = message, bad_data
 
 
 class WorkerDiedError(LoaderError):

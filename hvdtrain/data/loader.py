@@ -71,7 +71,9 @@ class ShmLoader:
     over all ranks (`rank * num_workers + local id`, `size * num_workers`: shard with `range(worker_id, n,
     num_workers)`) and `seed` is derived from (seed, rank, worker, epoch). Every worker also seeds `random`, numpy
     and torch from that seed each epoch. In generator mode `batches_per_epoch` caps an epoch (make it equal on every
-    rank); ranks must otherwise yield the same number of batches themselves.
+    rank); ranks must otherwise yield the same number of batches themselves. `order(seed, epoch) -> permutation`
+    replaces the sampler's uniform shuffle (a `hvdtrain.stream.StreamingDataset`'s `.order`: shuffle blocks of a few
+    shards, so the producers read a few shards at a time).
 
     Iterating yields the batches in a fixed order (worker 0, 1, ... round robin; in dataset mode exactly the
     sampler's order; generator mode with `ordered=False`: as they arrive, so one slow producer does not hold up
@@ -95,17 +97,20 @@ class ShmLoader:
                  fetch: Callable[[Any, np.ndarray], Any] | None = None, shuffle: bool = True,
                  drop_last: bool = False, even: bool = True, prefetch: int = 2, batches_per_epoch: int | None = None,
                  timeout: float = 300.0, poll_s: float = 0.2, start_method: str = "spawn",
-                 import_main: bool = False, ordered: bool = True) -> None:
+                 import_main: bool = False, ordered: bool = True,
+                 order: Callable[[int, int], np.ndarray] | None = None) -> None:
         _check_args(dataset, generator, batch_size, num_workers, prefetch, batches_per_epoch, timeout, poll_s,
                     start_method)
         if not ordered and dataset is not None:
             raise ValueError("ordered=False is for generator mode: a dataset's batches follow its sampler (resume "
                              "state counts them in order)")
+        if order is not None and dataset is None:
+            raise ValueError("order= is for dataset mode (it orders the dataset's samples); a generator orders its own")
         check_rank(rank, size)
         self.sampler: ShardSampler | None = None
         if dataset is not None and batch_size is not None:
             self.sampler = ShardSampler(len(dataset), rank, size, seed=seed, shuffle=shuffle, drop_last=drop_last,
-                                        batch_size=batch_size, even=even)
+                                        batch_size=batch_size, even=even, order=order)
         self.rank, self.size, self.batch_size, self.num_workers = rank, size, batch_size, num_workers
         self.seed, self.prefetch, self.timeout, self.poll_s = seed, prefetch, timeout, poll_s
         self.batches_per_epoch, self.ordered = batches_per_epoch, ordered
@@ -133,7 +138,7 @@ class ShmLoader:
         base = WorkerConfig(0, num_workers, rank, size, seed, poll_s, dataset, collate, fetch, generator,
                             None if dataset is None else {"num_samples": len(dataset), "shuffle": shuffle,
                                                           "drop_last": drop_last, "batch_size": batch_size,
-                                                          "even": even})
+                                                          "even": even, "order": order})
         try:
             self._start(base, mp.get_context(start_method), import_main)
         except BaseException:

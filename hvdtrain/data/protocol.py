@@ -84,11 +84,14 @@ class EpochDone:
 
 @dataclass(frozen=True)
 class WorkerFailed:
-    """User code raised in the worker after it produced `seq` batches; `traceback` is the formatted traceback."""
+    """User code raised in the worker after it produced `seq` batches; `traceback` is the formatted traceback,
+    `message` the exception's text, `bad_data` whether it is a StreamError (the dataset is at fault, not the code)."""
 
     generation: int
     seq: int
     traceback: str
+    message: str = ""
+    bad_data: bool = False
 
 
 ToWorker = FreeSlot | StartEpoch | Stop

@@ -11,7 +11,7 @@ got" is one number (global samples consumed), and a job that changes its world s
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -55,7 +55,9 @@ class ShardSampler:
       differ by at most one sample and batch counts may differ by one — fine for a loop without per-step
       collectives (sum metrics, then allreduce once), never for training.
     - `shuffle=True` draws the order from `(seed, epoch)`: call `set_epoch(e)` every epoch, or every epoch repeats
-      epoch 0's order.
+      epoch 0's order. `order(seed, epoch) -> permutation` replaces the uniform permutation (a sharded dataset's
+      `BlockShuffle`, which keeps each stretch of the epoch inside a few shards); it must not depend on the rank
+      or world size.
     - `batch_size` only gives resume state its unit: `state_dict()` records the epoch and the number of *consumed*
       batches (count them with `advance()` when a batch has been trained on, not when it was fetched; or, having
       counted fetched batches, subtract the `k` not trained on yet with `state_dict(unconsumed=k)`);
@@ -65,7 +67,8 @@ class ShardSampler:
     """
 
     def __init__(self, num_samples: int, rank: int, size: int, *, seed: int = 0, shuffle: bool = True,
-                 drop_last: bool = False, batch_size: int = 1, even: bool = True) -> None:
+                 drop_last: bool = False, batch_size: int = 1, even: bool = True,
+                 order: Callable[[int, int], np.ndarray] | None = None) -> None:
         if not isinstance(num_samples, int) or isinstance(num_samples, bool) or num_samples < 0:
             raise ValueError(f"num_samples must be an integer >= 0, got {num_samples!r}")
         check_rank(rank, size)
@@ -74,7 +77,7 @@ class ShardSampler:
             raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
         self.num_samples, self.rank, self.size = num_samples, rank, size
         self.seed, self.shuffle, self.drop_last, self.batch_size = seed, shuffle, drop_last, batch_size
-        self.even = even
+        self.even, self.order = even, order
         self.epoch = 0
         self.offset = 0  # global samples of this epoch consumed before this sampler's shard began (re-sharding)
         self.batches_consumed = 0
@@ -122,6 +125,12 @@ class ShardSampler:
         """The epoch's order of all samples (identical on every rank)."""
         if not self.shuffle:
             return np.arange(self.num_samples, dtype=np.int64)
+        if self.order is not None:
+            order = np.asarray(self.order(self.seed, self.epoch), dtype=np.int64)
+            if order.shape != (self.num_samples,):
+                raise ValueError(f"order({self.seed}, {self.epoch}) returned an array of shape {order.shape} for "
+                                 f"{self.num_samples} samples; it must be a permutation of range({self.num_samples})")
+            return order
         rng = np.random.default_rng([self.seed, self.epoch])
         return rng.permutation(self.num_samples).astype(np.int64, copy=False)
 

@@ -23,6 +23,7 @@ import numpy as np
 from hvdtrain.data import shm
 from hvdtrain.data.protocol import Batch, EpochDone, FreeSlot, FromWorker, GrowSlot, StartEpoch, Stop, WorkerFailed
 from hvdtrain.data.sharding import ShardSampler
+from hvdtrain.stream.errors import StreamError
 
 
 @dataclass(frozen=True)
@@ -174,8 +175,8 @@ class _Worker:
             self.send(EpochDone(gen, seq))
         except TrainerGone:
             raise
-        except Exception:
-            self.send(WorkerFailed(gen, seq, traceback.format_exc()))
+        except Exception as exc:
+            self.send(WorkerFailed(gen, seq, traceback.format_exc(), str(exc), isinstance(exc, StreamError)))
         finally:
             close = getattr(source, "close", None)
             if close is not None:

@@ -90,7 +90,13 @@ def _converter(kind: Any, optional: bool, flag: str) -> Callable[[str], Any]:
 class RecipeConfig:
     """The flags every recipe takes (data, optimizer details, checkpoints); each recipe's Config adds its own."""
 
-    dataset: str = field(default="digits", metadata={"help": "digits | synthetic | DIR of .npz/.npy shards"})
+    dataset: str = field(default="digits", metadata={
+        "help": "digits | synthetic | DIR of .npz/.npy shards | MDS dataset root (train/ and val/, streamed)"})
+    x_field: str = field(default="x", metadata={"help": "MDS datasets: the input column"})
+    y_field: str = field(default="y", metadata={"help": "MDS datasets: the label column"})
+    shuffle_block: int = field(default=4, metadata={
+        "help": "MDS datasets: shards per shuffle block (samples mix within a block; more: better mixing, more "
+                "shards read at once)"})
     momentum: float = 0.9
     lr_milestones: tuple[int, ...] = field(default=(), metadata={"help": "epochs where LR ×= gamma, e.g. 10,20"})
     lr_gamma: float = 0.1
@@ -112,7 +118,7 @@ class RecipeConfig:
                 "weights), the loss (each epoch)"})
 
     def __post_init__(self) -> None:
-        for name in ("synthetic_samples", "keep_checkpoints"):
+        for name in ("synthetic_samples", "keep_checkpoints", "shuffle_block"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         for name in ("threads", "stop_after_epoch"):
@@ -131,4 +137,5 @@ class RecipeConfig:
 
         return datasets.load(self.dataset, val_fraction=self.val_fraction, split_seed=0,
                              synthetic_shape=self.synthetic_shape, synthetic_samples=self.synthetic_samples,
-                             num_classes=self.num_classes, seed=self.seed, check_finite=self.check_finite)
+                             num_classes=self.num_classes, seed=self.seed, check_finite=self.check_finite,
+                             x_field=self.x_field, y_field=self.y_field, shuffle_block=self.shuffle_block)

@@ -2,6 +2,8 @@
 
 - `digits`: scikit-learn's bundled handwritten digits (1797 8x8 images, 10 classes), a fixed train/val split.
 - `synthetic`: random float32 samples of a chosen shape with random labels: the throughput ceiling.
+- an MDS dataset root (`train/` and `val/`, each with index.json and shards, as `hvdtrain data convert` or
+  mosaicml-streaming write them): streamed, never loaded whole (hvdtrain/train/streamed.py).
 - a directory of shards: `*.npz` files holding arrays `x` (samples) and `y` (integer labels), and/or pairs of
   `NAME_x.npy` + `NAME_y.npy`. With `train/` and `val/` subdirectories those are the split; otherwise the
   shards are concatenated and split like digits. Every shard is checked; a bad one is named in the error.
@@ -16,11 +18,13 @@ from pathlib import Path
 
 import numpy as np
 
+from hvdtrain.stream.errors import StreamError
+
 DIGITS = "digits"
 SYNTHETIC = "synthetic"
 
 
-class DatasetError(ValueError):
+class DatasetError(StreamError):
     """A dataset argument or file is not usable; the message names the file and what was expected."""
 
 
@@ -41,6 +45,20 @@ class ArrayDataset:
         """A whole batch at once (fancy indexing: one copy, no per-sample Python loop)."""
         return self.x[indices], self.y[indices]
 
+    @property
+    def sample_shape(self) -> tuple[int, ...]:
+        return tuple(self.x.shape[1:])
+
+    @property
+    def order(self) -> None:
+        """The sampler's uniform shuffle (a streamed split has shuffle blocks instead)."""
+        return None
+
+
+def take(ds: ArrayDataset, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`ds.take(indices)`: a ShmLoader's `fetch` for an in-memory or a streamed split."""
+    return ds.take(indices)
+
 
 @dataclass(frozen=True)
 class Splits:
@@ -51,13 +69,14 @@ class Splits:
 
     @property
     def sample_shape(self) -> tuple[int, ...]:
-        return tuple(self.train.x.shape[1:])
+        return self.train.sample_shape
 
 
 def load(
     source: str, *, val_fraction: float = 0.2, split_seed: int = 0,
     synthetic_shape: tuple[int, ...] = (3, 32, 32), synthetic_samples: int = 1024,
     num_classes: int | None = None, seed: int = 0, check_finite: bool = True,
+    x_field: str = "x", y_field: str = "y", shuffle_block: int = 4,
 ) -> Splits:
     """`source` is "digits", "synthetic" or a directory of .npy/.npz shards.
 
@@ -73,8 +92,13 @@ def load(
         return synthetic(synthetic_shape, synthetic_samples, num_classes=num_classes or 10, seed=seed)
     path = Path(source)
     if not path.is_dir():
-        raise DatasetError(f"dataset must be {DIGITS!r}, {SYNTHETIC!r} or a directory of .npy/.npz shards; "
-                           f"got {source!r}, which is not a directory")
+        raise DatasetError(f"dataset must be {DIGITS!r}, {SYNTHETIC!r}, an MDS dataset root or a directory of "
+                           f".npy/.npz shards; got {source!r}, which is not a directory")
+    from hvdtrain.train import streamed
+
+    if streamed.is_mds_root(path):
+        return streamed.load_splits(path, num_classes=num_classes, x_field=x_field, y_field=y_field,
+                                    check_finite=check_finite, block_shards=shuffle_block)
     return shard_dir(path, val_fraction=val_fraction, split_seed=split_seed, num_classes=num_classes,
                      check_finite=check_finite)
 

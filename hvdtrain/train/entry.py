@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from hvdtrain import exitcodes, records
+from hvdtrain.data.lifecycle import WorkerError
 from hvdtrain.train.datasets import DatasetError
 from hvdtrain.train.divergence import TrainingDiverged
 from hvdtrain.train.rundir import RunDirBusy
@@ -15,9 +16,16 @@ from hvdtrain.train.rundir import RunDirBusy
 
 def exit_with(main: Callable[[], int], script: str) -> NoReturn:
     """Exit with main()'s code. Errors every rank meets alike exit with one message and no traceback: bad data or a
-    run directory another job holds (before any training): 2; training that diverged (NaN/Inf): 3."""
+    run directory another job holds (before any training): 2; training that diverged (NaN/Inf): 3. Bad data found
+    by a loader's producer process (a streamed shard: unreadable, a label out of range, NaN/Inf) is bad data too."""
     try:
         code = main()
+    except WorkerError as e:
+        if not e.bad_data:
+            raise
+        print(f"{Path(script).name}: error: {e.message}", file=sys.stderr, flush=True)
+        records.note_exception(e, records.directory())
+        code = exitcodes.INVALID_INPUT
     except (DatasetError, RunDirBusy, TrainingDiverged) as e:
         print(f"{Path(script).name}: error: {e}", file=sys.stderr, flush=True)
         records.note_exception(e, records.directory())  # the rank's record names this error, not SystemExit

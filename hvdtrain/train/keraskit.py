@@ -42,8 +42,12 @@ def pin_device(local_rank: int, local_size: int, threads: int | None) -> str:
     return f"CPU ({n} threads)"
 
 
-def channels_last(ds: datasets.ArrayDataset) -> datasets.ArrayDataset:
+def channels_last(ds: Any) -> Any:
     """hvdtrain's datasets are N×C×H×W (PyTorch's layout); Keras convolutions on CPU need N×H×W×C."""
+    from hvdtrain.train import streamed
+
+    if isinstance(ds, streamed.StreamSplit):
+        return streamed.with_channels_last(ds)  # moved per batch as it is read
     if ds.x.ndim != 4:
         return ds
     return datasets.ArrayDataset(np.ascontiguousarray(np.moveaxis(ds.x, 1, -1)), ds.y)

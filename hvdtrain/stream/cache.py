@@ -1,0 +1,101 @@
+"""The per-node cache directory: a file is produced once per node however many processes ask for it.
+
+NOTE [cache files]
+A cached file appears only complete: its producer writes `.NAME.part.PID` next to it, fsyncs, and renames it to NAME
+(a rename within one directory is atomic), so a reader never sees a half-written file. Producers are serialised
+per file by an `flock` on `.NAME.lock`: the first process to take the lock produces the file, the others wait on the
+lock (with a timeout, never forever) and then find it there. The kernel drops an flock when its holder dies, so a
+producer killed mid-write (SIGKILL) blocks nobody: the next process takes the lock, removes the dead producer's
+`.part` file and produces the file again. Lock files are never removed (removing one while another process waits on
+it would let two producers in); they are empty.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import os
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import BinaryIO
+
+from hvdtrain.stream.errors import StreamError
+
+ENV_DIR = "HVDTRAIN_DATA_CACHE"
+
+
+def default_root() -> Path:
+    """`$HVDTRAIN_DATA_CACHE`, else `<tmp>/hvdtrain-data-<uid>` (local to the node)."""
+    env = os.environ.get(ENV_DIR)
+    return Path(env) if env else Path(tempfile.gettempdir()) / f"hvdtrain-data-{os.getuid()}"
+
+
+def dataset_dir(root: Path, source: str) -> Path:
+    """The cache subdirectory of one dataset source (a path or URL), named after it and a digest of it."""
+    tail = "".join(c if c.isalnum() or c in "-_." else "_" for c in source.rstrip("/").rsplit("/", 1)[-1])[:40]
+    return root / f"{tail or 'dataset'}-{hashlib.sha256(source.encode()).hexdigest()[:12]}"
+
+
+@contextlib.contextmanager
+def file_lock(path: Path, timeout: float, what: str) -> Iterator[None]:
+    """Hold an exclusive flock on `path` (created), waiting at most `timeout` s (StreamError naming `what`)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        deadline = time.monotonic() + timeout
+        delay = 0.002
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise StreamError(f"waited {timeout:.0f} s for another process to finish {what} "
+                                      f"(lock {path}); is a process stuck?") from None
+                time.sleep(delay)
+                delay = min(delay * 2, 0.05)
+        yield
+    finally:
+        os.close(fd)  # closing drops the lock
+
+
+def ensure(path: Path, produce: Callable[[BinaryIO], None], *, timeout: float = 600.0,
+           what: str = "a cache file") -> tuple[Path, bool]:
+    """`path`, produced by `produce(file)` unless it exists (see NOTE [cache files]). Returns (path, produced)."""
+    if path.exists():
+        return path, False
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with file_lock(path.with_name(f".{path.name}.lock"), timeout, what):
+        if path.exists():  # another process produced it while we waited
+            return path, False
+        part = path.with_name(f".{path.name}.part.{os.getpid()}")
+        _remove_parts(path)
+        try:
+            with open(part, "wb") as f:
+                produce(f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(part, path)
+        except OSError as e:
+            with contextlib.suppress(FileNotFoundError):
+                part.unlink()
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise StreamError(f"the cache directory {path.parent} is full ({e.strerror}) while writing "
+                                  f"{what}: free space, set {ENV_DIR} to a bigger disk, or lower the cache "
+                                  "limit") from None
+            raise
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                part.unlink()
+            raise
+    return path, True
+
+
+def _remove_parts(path: Path) -> None:
+    """Partial files of `path` left by producers that died (we hold the lock: no live producer writes one)."""
+    for stale in path.parent.glob(f".{path.name}.part.*"):
+        with contextlib.suppress(FileNotFoundError):
+            stale.unlink()

@@ -1,0 +1,167 @@
+"""StreamingDataset: an MDS dataset read lazily, shard by shard, in whichever process indexes it.
+
+Constructing one reads only `index.json`. Shards are memory-mapped when a sample of theirs is first asked for, in
+the process asking: a ShmLoader's producer processes (the dataset pickles without its open shards), so the trainer
+never reads shard files and memory per process is the page cache's business, not the dataset size's. Compressed
+shards are decompressed once per node into the cache directory (NOTE [cache files] in cache.py), never next to the
+source, which may be read-only or shared.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hvdtrain.stream import cache, mds
+from hvdtrain.stream.errors import StreamError
+from hvdtrain.stream.order import BlockShuffle
+
+
+class StreamingDataset:
+    """The MDS dataset in directory `source` (its `index.json` and shard files).
+
+    `fields`: the columns `take()` returns (default: every column that decodes to an array); `block_shards`: shards
+    per shuffle block (`order`); `cache_dir`: the node's cache root (default `cache.default_root()`)."""
+
+    def __init__(self, source: str | Path, *, fields: tuple[str, ...] | None = None, block_shards: int = 4,
+                 cache_dir: str | Path | None = None) -> None:
+        self.source = str(source)
+        root = Path(self.source)
+        index_path = root / mds.INDEX
+        try:
+            text = index_path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise StreamError(f"{index_path} does not exist: not an MDS dataset (write one with `hvdtrain data "
+                              "convert SRC DST`)") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise StreamError(f"{index_path}: cannot read ({e})") from None
+        self.index = mds.parse_index(text, str(index_path))
+        self.columns = dict(self.index.shards[0].columns)
+        arrays = tuple(n for n, enc in self.columns.items() if enc.array_like)
+        self.fields = tuple(fields) if fields is not None else arrays
+        for name in self.fields:
+            if name not in self.columns:
+                raise StreamError(f"{self.source}: no column {name!r}; columns: {sorted(self.columns)}")
+            if not self.columns[name].array_like:
+                raise StreamError(f"{self.source}: column {name!r} is {self.columns[name].text!r}, which does not "
+                                  f"decode to an array; batchable columns: {list(arrays)}")
+        sizes = np.asarray([s.samples for s in self.index.shards], dtype=np.int64)
+        self.ends = np.cumsum(sizes)
+        self.starts = self.ends - sizes
+        self.order = BlockShuffle.of(sizes.tolist(), block_shards)
+        self.cache_dir = cache.dataset_dir(Path(cache_dir) if cache_dir else cache.default_root(), self.source)
+        self._readers: dict[int, mds.ShardReader] = {}
+
+    # ---- size and layout -----------------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return int(self.ends[-1])
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.index.shards)
+
+    @property
+    def meta(self) -> dict[str, Any]:
+        return dict(self.index.meta)
+
+    def locate(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(shard, row) of each global sample index; IndexError for one out of range."""
+        idx = np.asarray(indices, dtype=np.int64)
+        if idx.size and (idx.min() < 0 or idx.max() >= len(self)):
+            bad = idx[(idx < 0) | (idx >= len(self))][0]
+            raise IndexError(f"sample {bad} is out of range for {self.source} ({len(self)} samples)")
+        shard = np.searchsorted(self.ends, idx, side="right")
+        return shard, idx - self.starts[shard]
+
+    # ---- reading -------------------------------------------------------------------------------------------
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        """Every column of sample `i`, decoded (arrays copied out of the shard)."""
+        shard, row = self.locate(np.asarray([i]))
+        sample = self.reader(int(shard[0])).sample(int(row[0]))
+        return {k: v.copy() if isinstance(v, np.ndarray) else v for k, v in sample.items()}
+
+    def take(self, indices: np.ndarray) -> dict[str, np.ndarray]:
+        """The `fields` of the samples `indices`, stacked into arrays in that order (one copy per shard touched
+        when every column has a fixed size; else decoded sample by sample)."""
+        shard, rows = self.locate(indices)
+        out: dict[str, np.ndarray] = {}
+        for s in np.unique(shard):
+            where = np.flatnonzero(shard == s)
+            part = self._read_rows(int(s), rows[where])
+            for name in self.fields:
+                if name not in out:
+                    out[name] = np.empty((len(shard), *part[name].shape[1:]), part[name].dtype)
+                elif out[name].shape[1:] != part[name].shape[1:] or out[name].dtype != part[name].dtype:
+                    raise StreamError(f"{self.source}: column {name!r} is {part[name].dtype}{part[name].shape[1:]} "
+                                      f"in {self.shard_name(int(s))} but {out[name].dtype}{out[name].shape[1:]} in "
+                                      "another shard; a batch needs one shape")
+                out[name][where] = part[name]
+        return out
+
+    def _read_rows(self, s: int, rows: np.ndarray) -> dict[str, np.ndarray]:
+        reader = self.reader(s)
+        block = reader.column_block(rows)
+        if block is not None:
+            return {k: block[k] for k in self.fields}
+        samples = [reader.sample(int(r)) for r in rows]
+        out = {}
+        for name in self.fields:
+            values = [np.asarray(sample[name]) for sample in samples]
+            shapes = {v.shape for v in values}
+            if len(shapes) > 1:
+                raise StreamError(f"{self.shard_name(s)}: column {name!r} has samples of shapes {sorted(shapes)}; "
+                                  "a batch needs one shape (resize when converting)")
+            out[name] = np.stack(values)
+        return out
+
+    def shard_name(self, s: int) -> str:
+        return f"{self.source.rstrip('/')}/{self.index.shards[s].remote_file.basename}"
+
+    def reader(self, s: int) -> mds.ShardReader:
+        """Shard `s` memory-mapped (decompressed into the cache first if it is compressed)."""
+        reader = self._readers.get(s)
+        if reader is None:
+            reader = self._readers[s] = mds.ShardReader(self.local_file(s), self.index.shards[s])
+        return reader
+
+    def local_file(self, s: int) -> Path:
+        """Shard `s`'s raw file on this node."""
+        info = self.index.shards[s]
+        root = Path(self.source)
+        if info.zip is None:
+            return root / info.raw.basename
+        target = self.cache_dir / info.raw.basename
+
+        def produce(f: Any) -> None:
+            src = root / info.zip.basename  # type: ignore[union-attr]
+            try:
+                data = src.read_bytes()
+            except FileNotFoundError:
+                raise StreamError(f"{src}: listed in {root / mds.INDEX} but missing") from None
+            mds.check_hashes(info.zip, data, str(src))  # type: ignore[arg-type]
+            try:
+                raw = mds.decompress(info.compression or "zstd", data)
+            except Exception as e:  # zstandard raises its own ZstdError
+                raise StreamError(f"{src}: cannot decompress ({e}) (corrupt shard)") from None
+            mds.check_hashes(info.raw, raw, f"{src} (decompressed)")
+            f.write(raw)
+
+        path, _ = cache.ensure(target, produce, what=f"decompressing {self.shard_name(s)}")
+        return path
+
+    def close(self) -> None:
+        for reader in self._readers.values():
+            reader.close()
+        self._readers.clear()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_readers"] = {}  # open mappings stay in their process
+        return state
+
+    def __repr__(self) -> str:
+        return f"StreamingDataset({self.source!r}, samples={len(self)}, shards={self.num_shards})"

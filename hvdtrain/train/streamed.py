@@ -1,0 +1,120 @@
+"""The recipes' view of an MDS dataset root (`train/` and `val/` splits): batches of (float32 x, int64 y), read and
+checked in the loader's producer processes, never loaded whole.
+
+`load_splits` reads only the two index.json files. `StreamSplit.take` is what a producer runs per batch: it reads
+the samples from memory-mapped shards, turns uint8 samples into float32 in [0, 1] and images stored as H×W×C
+(jpeg/png/pil columns) into C×H×W, and checks labels and NaN/Inf as the in-memory path does at load — naming the
+shard file and the row, as a DatasetError that ends the job with exit 2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from hvdtrain.stream import StreamError, StreamingDataset
+from hvdtrain.stream.order import BlockShuffle
+from hvdtrain.train import datasets
+
+
+def is_mds_root(path: Path) -> bool:
+    return (path / "train" / "index.json").is_file() or (path / "index.json").is_file()
+
+
+@dataclass(frozen=True)
+class StreamSplit:
+    """One split: `take(indices) -> (x float32, y int64)`, `len()`, `order` (shuffle blocks of shards)."""
+
+    data: StreamingDataset
+    x_field: str = "x"
+    y_field: str = "y"
+    num_classes: int = 10
+    check_finite: bool = True
+    channels_last: bool = False
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    @property
+    def order(self) -> BlockShuffle:
+        return self.data.order
+
+    @property
+    def sample_shape(self) -> tuple[int, ...]:
+        """From the column's static shape when the index has one (nothing read), else from sample 0."""
+        enc = self.data.columns[self.x_field]
+        if enc.kind == "ndarray" and enc.shape is not None:
+            shape = enc.shape
+            return (*shape[1:], shape[0]) if self.channels_last and len(shape) == 3 else tuple(shape)
+        return tuple(self.take(np.array([0]))[0].shape[1:])
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        x, y = self.take(np.array([i]))
+        return x[0], y[0]
+
+    def take(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        idx = np.asarray(indices, dtype=np.int64)
+        batch = self.data.take(idx)
+        x, y = batch[self.x_field], batch[self.y_field]
+        if self.data.columns[self.x_field].kind == "image" and x.ndim == 4 and not self.channels_last:
+            x = np.moveaxis(x, -1, 1)  # decoded images are N×H×W×C
+        elif self.channels_last and x.ndim == 4 and self.data.columns[self.x_field].kind != "image":
+            x = np.moveaxis(x, 1, -1)
+        x = x.astype(np.float32) / 255.0 if x.dtype == np.uint8 else x.astype(np.float32, copy=False)
+        x = np.ascontiguousarray(x)
+        self._check(idx, x, y)
+        return x, y.astype(np.int64, copy=False).reshape(len(idx))
+
+    def _check(self, idx: np.ndarray, x: np.ndarray, y: np.ndarray) -> None:
+        if y.dtype.kind not in "iu" or y.shape[1:] not in ((), (1,)):
+            raise datasets.DatasetError(f"{self.data.source}: field {self.y_field!r} holds {y.dtype} of shape "
+                                        f"{y.shape[1:]} per sample; labels must be one integer per sample")
+        labels = y.reshape(len(idx))
+        bad = np.flatnonzero((labels < 0) | (labels >= self.num_classes))
+        if bad.size:
+            where = self._where(int(idx[bad[0]]))
+            raise datasets.DatasetError(f"{where} field {self.y_field!r}: label {labels[bad[0]]} is out of range for "
+                                        f"--num-classes {self.num_classes} (labels must be 0..{self.num_classes - 1})")
+        if self.check_finite:
+            flat = x.reshape(len(idx), -1)
+            finite = np.isfinite(flat).all(axis=1)
+            if not finite.all():
+                row = int(np.flatnonzero(~finite)[0])
+                pos = int(np.flatnonzero(~np.isfinite(flat[row]))[0])
+                raise datasets.DatasetError(f"{self._where(int(idx[row]))} field {self.x_field!r}: value "
+                                            f"{flat[row, pos]} at position {pos} (NaN/Inf samples cannot be trained "
+                                            "on; fix the data or pass --no-check-finite)")
+
+    def _where(self, index: int) -> str:
+        shard, row = self.data.locate(np.array([index]))
+        return f"{self.data.shard_name(int(shard[0]))} sample {int(row[0])} (index {index})"
+
+
+def load_splits(root: Path, *, num_classes: int | None, x_field: str = "x", y_field: str = "y",
+                check_finite: bool = True, block_shards: int = 4) -> datasets.Splits:
+    """The train/ and val/ splits under `root` (Mosaic's layout), or DatasetError saying what is missing."""
+    if (root / "index.json").is_file() and not (root / "train").is_dir():
+        raise datasets.DatasetError(f"{root} is one MDS split; a dataset root holds train/ and val/ splits (each with "
+                                    "its index.json), as `hvdtrain data convert` writes them")
+    splits = {}
+    for name in ("train", "val"):
+        try:
+            splits[name] = StreamingDataset(root / name, fields=(x_field, y_field), block_shards=block_shards)
+        except StreamError as e:
+            raise datasets.DatasetError(str(e).replace("does not exist: not an MDS dataset",
+                                                       f"does not exist: the dataset has no {name}/ split")) from None
+    classes = num_classes or splits["train"].meta.get("num_classes")
+    if classes is None:
+        raise datasets.DatasetError(f"{root}: the number of classes is not in its index (the 'hvdtrain' metadata "
+                                    "`hvdtrain data convert` writes): pass --num-classes N")
+    if not isinstance(classes, int) or classes < 2:
+        raise datasets.DatasetError(f"{root}: its index says num_classes={classes!r}; training needs 2 or more "
+                                    "classes (labels 0..N-1): fix the labels, or pass --num-classes N")
+    train, val = (StreamSplit(splits[n], x_field, y_field, classes, check_finite) for n in ("train", "val"))
+    return datasets.Splits(train=train, val=val, num_classes=classes, name=str(root))  # type: ignore[arg-type]
+
+
+def with_channels_last(split: StreamSplit) -> StreamSplit:
+    return replace(split, channels_last=True)

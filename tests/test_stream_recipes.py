@@ -1,0 +1,110 @@
+"""The recipes on an MDS dataset root (train/ and val/ of zstd shards) with real Horovod ranks: the PyTorch recipe
+learns with identical weights on both ranks, the elastic recipe and the Keras recipe train on it, and a bad label
+deep inside a shard stops the job with exit 2 naming the shard file and sample."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from hvdtrain.stream import MDSWriter, StreamingDataset, cache
+from hvdtrain.train import datasets
+from tests.harness import REPO, expect_ok, horovodrun, run_bounded
+
+TIMEOUT = 300
+COLUMNS = {"x": "ndarray:float32:1,8,8", "y": "int64"}
+
+
+def write_digits(root: Path, *, bad_label_at: int | None = None) -> Path:
+    """scikit-learn's digits as an MDS root: zstd shards of ~100 samples, the number of classes in the index."""
+    splits = datasets.load("digits")
+    for name, split in (("train", splits.train), ("val", splits.val)):
+        with MDSWriter(root / name, COLUMNS, compression="zstd", size_limit=100 * 280,
+                       meta={"num_classes": 10}) as w:
+            for i in range(len(split)):
+                label = 12 if (name == "train" and i == bad_label_at) else int(split.y[i])
+                w.write({"x": split.x[i], "y": label})
+    return root
+
+
+@pytest.fixture(scope="module")
+def digits_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The digits as .npz train/val shards, converted by `hvdtrain data convert` (zstd, ~28 KB shards)."""
+    base = tmp_path_factory.mktemp("mds")
+    splits = datasets.load("digits")
+    for name, split in (("train", splits.train), ("val", splits.val)):
+        (base / "npz" / name).mkdir(parents=True)
+        for i, part in enumerate(np.array_split(np.arange(len(split)), 3)):
+            np.savez(base / "npz" / name / f"part{i}.npz", x=split.x[part], y=split.y[part])
+    expect_ok(run_bounded([str(REPO / ".venv" / "bin" / "hvdtrain"), "data", "convert", str(base / "npz"),
+                           str(base / "digits"), "--compression", "zstd", "--shard-size", "28KB", "--no-progress"],
+                          timeout=TIMEOUT))
+    return base / "digits"
+
+
+def env_for(tmp_path: Path) -> dict[str, str]:
+    return {cache.ENV_DIR: str(tmp_path / "node-cache"), "TF_CPP_MIN_LOG_LEVEL": "2"}
+
+
+@pytest.mark.slow
+def test_pytorch_recipe_learns_from_streamed_shards(digits_root: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    expect_ok(horovodrun(REPO / "recipes" / "pytorch_train.py", "--dataset", str(digits_root), "--epochs", "4",
+                         "--warmup-epochs", "1", "--run-dir", str(run_dir), "--no-tensorboard", timeout=TIMEOUT,
+                         env=env_for(tmp_path)))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["epochs_completed"] == 4 and summary["val_accuracy"] > 0.8, summary["history"]
+    digests = summary["weights_sha256_by_rank"]
+    assert len(digests) == 2 and digests[0] == digests[1]
+    shards = json.loads((digits_root / "train" / "index.json").read_text())["shards"]
+    cached = sorted(p.name for p in (tmp_path / "node-cache").rglob("shard.*.mds"))
+    assert len(shards) > 5 and len(cached) == len(shards) + len(  # train and val, each decompressed once
+        json.loads((digits_root / "val" / "index.json").read_text())["shards"])
+
+
+def test_bad_label_inside_a_shard_stops_with_exit_2_naming_it(tmp_path: Path) -> None:
+    root = write_digits(tmp_path / "digits", bad_label_at=700)
+    result = run_bounded([str(REPO / ".venv" / "bin" / "python"), str(REPO / "recipes" / "pytorch_train.py"),
+                          "--dataset", str(root), "--epochs", "1", "--run-dir", str(tmp_path / "r"),
+                          "--no-tensorboard"], timeout=TIMEOUT, env=env_for(tmp_path))
+    assert result.returncode == 2, result.describe()
+    shard, row = StreamingDataset(root / "train").locate(np.array([700]))
+    assert int(shard[0]) > 0 and int(row[0]) > 0  # deep inside the dataset
+    assert (f"pytorch_train.py: error: {root / 'train'}/shard.{int(shard[0]):05}.mds.zstd sample {int(row[0])} "
+            "(index 700) field 'y': label 12 is out of range for --num-classes 10 (labels must be 0..9)"
+            ) in result.output
+    assert "Traceback" not in result.output
+
+
+@pytest.mark.slow
+def test_elastic_recipe_trains_on_streamed_shards(digits_root: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    job = tmp_path / "elastic.yaml"
+    job.write_text(yaml.safe_dump({
+        "script": str(REPO / "recipes" / "pytorch_elastic.py"), "np": 2, "controller": "gloo",
+        "network_interfaces": ["lo"], "env": env_for(tmp_path),
+        "elastic": {"discovery_script": str(REPO / "jobs" / "discover_hosts.sh"), "min_np": 2, "max_np": 2,
+                    "timeout_s": 120},
+        "args": ["--dataset", str(digits_root), "--epochs", "3", "--warmup-epochs", "1", "--threads", "1",
+                 "--run-dir", str(run_dir)]}))
+    expect_ok(run_bounded([str(REPO / ".venv" / "bin" / "hvdtrain"), "run", str(job)], timeout=TIMEOUT))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["epochs_completed"] == 3 and summary["val_accuracy"] > 0.7, summary["history"]
+    assert len(set(summary["weights_sha256_by_rank"])) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None, reason="TensorFlow is not installed")
+def test_keras_recipe_trains_on_streamed_shards(digits_root: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    expect_ok(horovodrun(REPO / "recipes" / "keras_train.py", "--dataset", str(digits_root), "--epochs", "3",
+                         "--warmup-epochs", "1", "--verbose", "0", "--run-dir", str(run_dir), timeout=TIMEOUT,
+                         env=env_for(tmp_path)))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["epochs_completed"] == 3 and summary["val_accuracy"] > 0.7, summary["history"]
+    assert np.all(np.isfinite([row["train_loss"] for row in summary["history"]]))
