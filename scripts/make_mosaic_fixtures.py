@@ -6,7 +6,6 @@ hvdtrain does not depend on mosaicml-streaming (it pins numpy<2.2); run this in 
 The expected values are recomputed by tests/test_mds.py from the same seeds (`sample(i)` below is copied there).
 """
 
-import io
 import shutil
 import sys
 from pathlib import Path
