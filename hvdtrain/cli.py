@@ -134,6 +134,10 @@ def _cmd_data_convert(args: argparse.Namespace) -> int:
     except StreamError as exc:
         print(f"hvdtrain data convert: error: {exc}", file=sys.stderr)
         return exitcodes.INVALID_INPUT
+    except OSError as exc:  # DST not writable, a file where a directory must be, a full disk
+        print(f"hvdtrain data convert: error: {exc.strerror or exc}: {exc.filename or args.dst} (nothing that "
+              "looks complete was written: the index is written last)", file=sys.stderr)
+        return exitcodes.INVALID_INPUT
     print(summary.render())
     return 0
 

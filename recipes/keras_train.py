@@ -92,8 +92,12 @@ def train_dataset(tf: Any, ds: datasets.ArrayDataset, cfg: Config, rank: int, si
         idx = tf.numpy_function(epoch_indices, [epoch], tf.int64, stateful=False)
         return tf.data.Dataset.from_tensor_slices(idx).batch(cfg.batch_size)
 
+    from hvdtrain.train import keraskit
+
+    take = keraskit.remember_data_errors(ds.take)  # bad data in a streamed shard: exit 2, not TF's traceback
+
     def fetch(idx: Any) -> tuple[Any, Any]:
-        x, y = tf.numpy_function(ds.take, [idx], (tf.float32, tf.int64), stateful=False)
+        x, y = tf.numpy_function(take, [idx], (tf.float32, tf.int64), stateful=False)
         return tf.ensure_shape(x, (None, *ds.sample_shape)), tf.ensure_shape(y, (None,))
 
     return (tf.data.Dataset.range(first, epochs).flat_map(one_epoch)
@@ -212,9 +216,10 @@ def main(argv: list[str] | None = None) -> int:
             callbacks.append(tf.keras.callbacks.TensorBoard(log_dir=str(run_dir / "tensorboard"), write_graph=False,
                                                             profile_batch=0))
     if first < epochs:
-        model.fit(train_dataset(tf, train, cfg, rank, size, first, epochs), steps_per_epoch=steps, epochs=epochs,
-                  initial_epoch=first, validation_data=val_dataset(tf, val, rank, size), callbacks=callbacks,
-                  verbose=cfg.verbose if rank == 0 else 0)  # Horovod: Keras output on rank 0 only.
+        with keraskit.data_errors_reraised(tf):
+            model.fit(train_dataset(tf, train, cfg, rank, size, first, epochs), steps_per_epoch=steps,
+                      epochs=epochs, initial_epoch=first, validation_data=val_dataset(tf, val, rank, size),
+                      callbacks=callbacks, verbose=cfg.verbose if rank == 0 else 0)  # Horovod: output on rank 0 only
 
     # ---- 6. the end
     # Horovod: every rank must end with identical weights; gather each rank's digest and compare.

@@ -64,18 +64,19 @@ def test_writer_writes_mosaics_bytes(tmp_path: Path) -> None:
         for i in range(len(source)):
             sample = mosaic_sample(i)
             s, row = source.locate(np.array([i]))
-            reader = source.reader(int(s[0]))
-            begin, end = int(reader.offsets[row[0]]), int(reader.offsets[row[0] + 1])
-            sample["png"] = _column_bytes(reader, bytes(reader.buf[begin:end]), "png")
+            info = source.index.shards[int(s[0])]
+            data = (MOSAIC / "raw" / info.raw.basename).read_bytes()
+            offsets = np.frombuffer(data, np.uint32, count=info.samples + 1, offset=4)
+            sample["png"] = _column_bytes(info, data[offsets[row[0]]:offsets[row[0] + 1]], "png")
             writer.write(sample)
     for f in sorted((MOSAIC / "raw").iterdir()):
         assert (tmp_path / "ours" / f.name).read_bytes() == f.read_bytes(), f.name
     assert sorted(p.name for p in (tmp_path / "ours").iterdir()) == sorted(p.name for p in (MOSAIC / "raw").iterdir())
 
 
-def _column_bytes(reader: mds.ShardReader, raw: bytes, name: str) -> bytes:
-    names = [n for n, _ in reader.info.columns]
-    encs = [e for _, e in reader.info.columns]
+def _column_bytes(info: mds.ShardInfo, raw: bytes, name: str) -> bytes:
+    names = [n for n, _ in info.columns]
+    encs = [e for _, e in info.columns]
     var = [i for i, e in enumerate(encs) if e.size is None]
     sizes = np.frombuffer(raw, np.uint32, count=len(var))
     pos = 4 * len(var)
@@ -97,7 +98,7 @@ def test_zstd_round_trip_and_one_decompression(tmp_path: Path, _cache_dir: Path)
     assert ds.num_shards > 3 and all(s.zip is not None for s in ds.index.shards)
     batch = ds.take(np.arange(100)[::-1])
     assert np.array_equal(batch["x"], x[::-1]) and batch["y"].tolist() == list(range(99, -1, -1))
-    cached = sorted(p.name for p in _cache_dir.rglob("shard.*"))
+    cached = sorted(p.name.rsplit(".", 1)[0] for p in _cache_dir.rglob("shard.*"))  # NAME.<version digest>
     assert cached == sorted(s.raw.basename for s in ds.index.shards)  # raw files in the cache, not in the source
     assert not list((tmp_path / "d").glob("*.mds"))
 
@@ -125,7 +126,8 @@ def test_corrupt_compressed_shard_fails_its_checksum(tmp_path: Path, _cache_dir:
     ds = StreamingDataset(tmp_path / "d", fields=("x",))
     with pytest.raises(StreamError, match=r"shard\.00002\.mds\.zstd: sha1 checksum .* \(corrupt shard\)"):
         ds.take(np.arange(len(ds)))
-    assert not list(_cache_dir.rglob("shard.00002.mds"))  # nothing half-made is left to be read later
+    left = [p for p in _cache_dir.rglob("*shard.00002.mds*") if not p.name.endswith(".lock")]
+    assert not left  # nothing half-made is left to be read later
 
 
 @pytest.mark.parametrize("edit, message", [
@@ -134,7 +136,8 @@ def test_corrupt_compressed_shard_fails_its_checksum(tmp_path: Path, _cache_dir:
     (lambda t: t.replace('"ndarray:float32:2,3"', '"pkl"'), "'pkl' is not read"),
     (lambda t: t.replace('"ndarray:float32:2,3"', '"ndarray:complex64"'), "dtype 'complex64'"),
     (lambda t: t.replace('"format": "mds"', '"format": "json"', 1), r"shards\[0\]: format 'json' is not read"),
-    (lambda t: t.replace('"basename": "shard.00000.mds"', '"basename": "../etc/passwd"', 1), "plain file name"),
+    (lambda t: t.replace('"basename": "shard.00000.mds"', '"basename": "../etc/passwd"', 1), r"no '\.\.'"),
+    (lambda t: t.replace('"basename": "shard.00000.mds"', '"basename": "/etc/passwd"', 1), "not absolute"),
 ])
 def test_bad_index_is_named(tmp_path: Path, edit, message: str) -> None:
     shutil.copytree(MOSAIC / "raw", tmp_path / "d")
@@ -180,7 +183,10 @@ def test_dataset_pickles_without_open_shards() -> None:
 
 # ---- the node cache: once per node, never half-written, a killed producer blocks nobody ------------------------
 
-def _slow_ensure(path: str, started: mp.synchronize.Event, delay: float, out: mp.Queue) -> None:
+def _slow_ensure(path: str, started: mp.synchronize.Event, delay: float, out: mp.Queue, barrier=None) -> None:
+    if barrier is not None:
+        barrier.wait(60)  # all ask at once: the lock, not luck, must make one of them the producer
+
     def produce(f) -> None:
         started.set()
         f.write(b"a" * 1000)
@@ -194,8 +200,9 @@ def _slow_ensure(path: str, started: mp.synchronize.Event, delay: float, out: mp
 
 def test_cache_file_is_produced_once_by_racing_processes(tmp_path: Path) -> None:
     ctx = mp.get_context("spawn")
-    started, out = ctx.Event(), ctx.Queue()
-    procs = [ctx.Process(target=_slow_ensure, args=(str(tmp_path / "f"), started, 0.5, out)) for _ in range(4)]
+    started, out, barrier = ctx.Event(), ctx.Queue(), ctx.Barrier(4)
+    procs = [ctx.Process(target=_slow_ensure, args=(str(tmp_path / "f"), started, 0.5, out, barrier))
+             for _ in range(4)]
     for p in procs:
         p.start()
     results = [out.get(timeout=60) for _ in procs]
@@ -232,3 +239,90 @@ def test_writer_refuses_a_bad_level_and_an_empty_dataset(tmp_path: Path) -> None
     with pytest.raises(StreamError, match="no samples were written"):
         MDSWriter(tmp_path / "b", {"y": "int64"}).finish()
     assert not (tmp_path / "b" / "index.json").exists()
+
+
+def test_unusable_cache_directory_is_named(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("not a directory")
+    with pytest.raises(StreamError, match=r"cannot use the cache directory .*file/sub while shard 3: .*HVDTRAIN"):
+        cache.ensure(tmp_path / "file" / "sub" / "f", lambda f: f.write(b"x"), timeout=5, what="shard 3")
+
+
+# ---- damaged samples, stale caches, many shards, merged indexes ---------------------------------------------
+
+def _rewrite_sample(path: Path, edit) -> None:
+    data = bytearray(path.read_bytes())
+    edit(data, int(np.frombuffer(bytes(data[4:8]), np.uint32)[0]))  # the first sample's offset
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("edit, message", [
+    # the 'blob' column's size (first of the size table) made huge, or one byte smaller (shifting later columns)
+    (lambda d, at: d.__setitem__(slice(at, at + 4), np.uint32(1 << 30).tobytes()), "do not add up"),
+    (lambda d, at: d.__setitem__(slice(at, at + 4), (np.frombuffer(bytes(d[at:at + 4]), np.uint32) + 1).tobytes()),
+     "do not add up"),
+])
+def test_a_damaged_sample_size_table_is_named_not_misread(tmp_path: Path, edit, message: str) -> None:
+    shutil.copytree(MOSAIC / "raw", tmp_path / "d")
+    _rewrite_sample(tmp_path / "d" / "shard.00000.mds", edit)
+    ds = StreamingDataset(tmp_path / "d", fields=("x", "y"))
+    with pytest.raises(StreamError, match=rf"shard\.00000\.mds: sample 0's column sizes .* {message}"):
+        ds.take(np.array([0]))
+
+
+def test_fixed_size_shard_with_wrong_offsets_is_refused(tmp_path: Path) -> None:
+    with MDSWriter(tmp_path / "d", {"x": "ndarray:float32:2", "y": "int64"}) as w:
+        for i in range(4):
+            w.write({"x": np.full(2, i, np.float32), "y": i})
+    shard = tmp_path / "d" / "shard.00000.mds"
+    data = bytearray(shard.read_bytes())
+    off = np.frombuffer(bytes(data[4:24]), np.uint32).copy()
+    off[2] += 4  # sample 1 longer, sample 2 shorter: same file size
+    data[4:24] = off.tobytes()
+    shard.write_bytes(bytes(data))
+    with pytest.raises(StreamError, match="samples are not 16 bytes each"):
+        StreamingDataset(tmp_path / "d").take(np.array([0]))
+
+
+def test_a_rewritten_dataset_never_reads_the_old_cached_copy(tmp_path: Path, monkeypatch) -> None:
+    """Same path, same sizes, new values (no hashes in the index): the cache must not serve the old shards."""
+    def write(value: float) -> None:
+        shutil.rmtree(tmp_path / "d", ignore_errors=True)
+        with MDSWriter(tmp_path / "d", {"x": "ndarray:float32:2"}, compression="zstd", hashes=()) as w:
+            for _ in range(3):
+                w.write({"x": np.full(2, value, np.float32)})
+
+    write(1.0)
+    assert StreamingDataset(tmp_path / "d").take(np.arange(3))["x"].tolist() == [[1.0, 1.0]] * 3
+    time.sleep(0.01)  # a new mtime
+    write(2.0)
+    assert StreamingDataset(tmp_path / "d").take(np.arange(3))["x"].tolist() == [[2.0, 2.0]] * 3
+    monkeypatch.chdir(tmp_path)  # a relative path names the same dataset, and only it
+    assert StreamingDataset("d").cache_dir == StreamingDataset(tmp_path / "d").cache_dir
+
+
+def test_many_shards_keep_few_mapped(tmp_path: Path) -> None:
+    with MDSWriter(tmp_path / "d", {"x": "ndarray:int64:1"}, size_limit=200) as w:
+        for i in range(300):
+            w.write({"x": np.array([i])})
+    ds = StreamingDataset(tmp_path / "d", block_shards=2)
+    assert ds.num_shards > 40
+    fds = len(os.listdir("/proc/self/fd"))
+    got = ds.take(np.random.default_rng(0).permutation(300))["x"][:, 0]
+    assert sorted(got.tolist()) == list(range(300))
+    assert len(ds._readers) == ds.max_open == 8 and len(os.listdir("/proc/self/fd")) <= fds + 8
+    ds.close()
+    assert len(ds._readers) == 0
+
+
+def test_a_merged_index_with_shards_in_subdirectories_reads(tmp_path: Path) -> None:
+    """Mosaic's merge_index names shards SUBDIR/shard.NNNNN.mds (parallel conversion)."""
+    index = json.loads((MOSAIC / "zstd" / "index.json").read_text())
+    for i, shard in enumerate(index["shards"]):
+        sub = tmp_path / "d" / str(i)
+        sub.mkdir(parents=True)
+        shutil.copy(MOSAIC / "zstd" / shard["zip_data"]["basename"], sub)
+        shard["zip_data"]["basename"] = f"{i}/{shard['zip_data']['basename']}"
+        shard["raw_data"]["basename"] = f"{i}/{shard['raw_data']['basename']}"
+    (tmp_path / "d" / "index.json").write_text(json.dumps(index))
+    ds = StreamingDataset(tmp_path / "d")
+    assert [ds[i]["name"] for i in range(len(ds))] == [f"sample-{i}" for i in range(23)]

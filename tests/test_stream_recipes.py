@@ -62,23 +62,32 @@ def test_pytorch_recipe_learns_from_streamed_shards(digits_root: Path, tmp_path:
     digests = summary["weights_sha256_by_rank"]
     assert len(digests) == 2 and digests[0] == digests[1]
     shards = json.loads((digits_root / "train" / "index.json").read_text())["shards"]
-    cached = sorted(p.name for p in (tmp_path / "node-cache").rglob("shard.*.mds"))
+    cached = sorted(p.name for p in (tmp_path / "node-cache").rglob("shard.*.mds.*"))
     assert len(shards) > 5 and len(cached) == len(shards) + len(  # train and val, each decompressed once
         json.loads((digits_root / "val" / "index.json").read_text())["shards"])
 
 
-def test_bad_label_inside_a_shard_stops_with_exit_2_naming_it(tmp_path: Path) -> None:
+@pytest.mark.slow
+def test_bad_label_inside_a_shard_stops_the_job_with_exit_2_naming_it(tmp_path: Path) -> None:
+    """Only the rank whose shard holds the sample meets it: it exits 2 with the message; Horovod then stops the
+    other rank (its allreduce fails), and `hvdtrain run` names the first rank's error as the cause, exit 2."""
     root = write_digits(tmp_path / "digits", bad_label_at=700)
-    result = run_bounded([str(REPO / ".venv" / "bin" / "python"), str(REPO / "recipes" / "pytorch_train.py"),
-                          "--dataset", str(root), "--epochs", "1", "--run-dir", str(tmp_path / "r"),
-                          "--no-tensorboard"], timeout=TIMEOUT, env=env_for(tmp_path))
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump({"script": str(REPO / "recipes" / "pytorch_train.py"), "np": 2,
+                                   "env": env_for(tmp_path), "args": ["--dataset", str(root), "--epochs", "1",
+                                                                      "--run-dir", str(tmp_path / "r"),
+                                                                      "--no-tensorboard"]}))
+    result = run_bounded([str(REPO / ".venv" / "bin" / "hvdtrain"), "run", str(job)], timeout=TIMEOUT)
     assert result.returncode == 2, result.describe()
     shard, row = StreamingDataset(root / "train").locate(np.array([700]))
     assert int(shard[0]) > 0 and int(row[0]) > 0  # deep inside the dataset
-    assert (f"pytorch_train.py: error: {root / 'train'}/shard.{int(shard[0]):05}.mds.zstd sample {int(row[0])} "
-            "(index 700) field 'y': label 12 is out of range for --num-classes 10 (labels must be 0..9)"
-            ) in result.output
-    assert "Traceback" not in result.output
+    message = (f"{root / 'train'}/shard.{int(shard[0]):05}.mds.zstd sample {int(row[0])} (index 700) field 'y': "
+               "label 12 is out of range for --num-classes 10 (labels must be 0..9)")
+    lines = result.output.splitlines()
+    cause = next(i for i, line in enumerate(lines) if line.startswith("hvdtrain: rank "))
+    assert f"raised StreamError: {message} and exited with code 2 (the cause)" in lines[cause], result.output
+    assert f"pytorch_train.py: error: {message}" in result.output  # the rank's own line, no traceback of its own
+    assert not any("Traceback" in line and "[0]" in line for line in lines), result.output
 
 
 @pytest.mark.slow
@@ -108,3 +117,18 @@ def test_keras_recipe_trains_on_streamed_shards(digits_root: Path, tmp_path: Pat
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["epochs_completed"] == 3 and summary["val_accuracy"] > 0.7, summary["history"]
     assert np.all(np.isfinite([row["train_loss"] for row in summary["history"]]))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None, reason="TensorFlow is not installed")
+def test_keras_recipe_names_a_bad_label_in_a_shard_with_exit_2(tmp_path: Path) -> None:
+    """The sample is read inside tf.data (tf.numpy_function), which re-raises errors as TensorFlow's own: the
+    recipe still ends with the data error's message and exit 2, not a TensorFlow traceback."""
+    root = write_digits(tmp_path / "digits", bad_label_at=5)
+    result = run_bounded([str(REPO / ".venv" / "bin" / "python"), str(REPO / "recipes" / "keras_train.py"),
+                          "--dataset", str(root), "--epochs", "1", "--verbose", "0", "--run-dir",
+                          str(tmp_path / "r")], timeout=TIMEOUT, env=env_for(tmp_path))
+    assert result.returncode == 2, result.describe()
+    assert "keras_train.py: error: " in result.output and "(index 5) field 'y': label 12 is out of range" \
+        in result.output, result.output
+    assert "Traceback" not in result.output

@@ -180,7 +180,15 @@ class ShardSampler:
         batches = self.batches_consumed - check_unconsumed(unconsumed, self.batches_consumed)
         return {"epoch": self.epoch, "batches_consumed": batches, "batch_size": self.batch_size,
                 "size": self.size, "offset": self.offset, "samples_consumed": self._samples_after(batches),
-                "num_samples": self.num_samples, "seed": self.seed, "shuffle": self.shuffle}
+                "num_samples": self.num_samples, "seed": self.seed, "shuffle": self.shuffle,
+                "order": self.order_name}
+
+    @property
+    def order_name(self) -> str:
+        """What orders the epoch: 'uniform' (a permutation), 'none' (no shuffle), or `order.fingerprint`."""
+        if not self.shuffle:
+            return "none"
+        return "uniform" if self.order is None else str(getattr(self.order, "fingerprint", repr(self.order)))
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume at `state`. Same world size and batch size: exactly where it stopped. Otherwise the samples
@@ -188,10 +196,11 @@ class ShardSampler:
         missing = {"epoch", "batches_consumed", "batch_size", "size", "offset"} - set(state)
         if missing:
             raise ValueError(f"sampler state is missing {sorted(missing)}; got keys {sorted(state)}")
-        for key in ("num_samples", "seed", "shuffle"):
-            if key in state and state[key] != getattr(self, key):
-                raise ValueError(f"sampler state has {key}={state[key]!r} but this sampler has "
-                                 f"{key}={getattr(self, key)!r}: it belongs to another data set or order")
+        for key in ("num_samples", "seed", "shuffle", "order_name"):
+            saved = "order" if key == "order_name" else key  # states of older versions lack "order": accepted
+            if saved in state and state[saved] != getattr(self, key):
+                raise ValueError(f"sampler state has {saved}={state[saved]!r} but this sampler has "
+                                 f"{saved}={getattr(self, key)!r}: it belongs to another data set or order")
         self.epoch = int(state["epoch"])
         if state["size"] == self.size and state["batch_size"] == self.batch_size:
             self.offset, self.batches_consumed = int(state["offset"]), 0

@@ -67,31 +67,33 @@ def ensure(path: Path, produce: Callable[[BinaryIO], None], *, timeout: float = 
     """`path`, produced by `produce(file)` unless it exists (see NOTE [cache files]). Returns (path, produced)."""
     if path.exists():
         return path, False
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with file_lock(path.with_name(f".{path.name}.lock"), timeout, what):
-        if path.exists():  # another process produced it while we waited
-            return path, False
-        part = path.with_name(f".{path.name}.part.{os.getpid()}")
-        _remove_parts(path)
-        try:
+    part = path.with_name(f".{path.name}.part.{os.getpid()}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with file_lock(path.with_name(f".{path.name}.lock"), timeout, what):
+            if path.exists():  # another process produced it while we waited
+                return path, False
+            _remove_parts(path)
             with open(part, "wb") as f:
                 produce(f)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(part, path)
-        except OSError as e:
-            with contextlib.suppress(FileNotFoundError):
-                part.unlink()
-            if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise StreamError(f"the cache directory {path.parent} is full ({e.strerror}) while writing "
-                                  f"{what}: free space, set {ENV_DIR} to a bigger disk, or lower the cache "
-                                  "limit") from None
-            raise
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                part.unlink()
-            raise
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            part.unlink()
+        if isinstance(e, OSError) and not isinstance(e, StreamError):
+            raise _cache_error(e, path, what) from None
+        raise
     return path, True
+
+
+def _cache_error(e: OSError, path: Path, what: str) -> StreamError:
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return StreamError(f"the cache directory {path.parent} is full ({e.strerror}) while {what}: free space "
+                           f"there, or set {ENV_DIR} to a directory on a bigger disk")
+    return StreamError(f"cannot use the cache directory {path.parent} while {what}: {e.strerror or e} "
+                       f"({e.filename or path}); set {ENV_DIR} to a writable local directory")
 
 
 def _remove_parts(path: Path) -> None:

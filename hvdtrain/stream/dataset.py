@@ -9,6 +9,10 @@ source, which may be read-only or shared.
 
 from __future__ import annotations
 
+import hashlib
+import os
+import threading
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +27,13 @@ class StreamingDataset:
     """The MDS dataset in directory `source` (its `index.json` and shard files).
 
     `fields`: the columns `take()` returns (default: every column that decodes to an array); `block_shards`: shards
-    per shuffle block (`order`); `cache_dir`: the node's cache root (default `cache.default_root()`)."""
+    per shuffle block (`order`); `cache_dir`: the node's cache root (default `cache.default_root()`);
+    `max_open`: shards kept memory-mapped per process (the least recently used is unmapped beyond it: each mapping
+    holds a file descriptor). Safe to read from several threads (tf.data's)."""
 
     def __init__(self, source: str | Path, *, fields: tuple[str, ...] | None = None, block_shards: int = 4,
-                 cache_dir: str | Path | None = None) -> None:
-        self.source = str(source)
+                 cache_dir: str | Path | None = None, max_open: int | None = None) -> None:
+        self.source = os.path.abspath(source)
         root = Path(self.source)
         index_path = root / mds.INDEX
         try:
@@ -52,7 +58,9 @@ class StreamingDataset:
         self.starts = self.ends - sizes
         self.order = BlockShuffle.of(sizes.tolist(), block_shards)
         self.cache_dir = cache.dataset_dir(Path(cache_dir) if cache_dir else cache.default_root(), self.source)
-        self._readers: dict[int, mds.ShardReader] = {}
+        self.max_open = max_open or max(8, 2 * block_shards + 2)
+        self._readers: OrderedDict[int, mds.ShardReader] = OrderedDict()
+        self._lock = threading.Lock()
 
     # ---- size and layout -----------------------------------------------------------------------------------
 
@@ -79,10 +87,11 @@ class StreamingDataset:
     # ---- reading -------------------------------------------------------------------------------------------
 
     def __getitem__(self, i: int) -> dict[str, Any]:
-        """Every column of sample `i`, decoded (arrays copied out of the shard)."""
+        """Every column of sample `i`, decoded (copied out of the shard)."""
         shard, row = self.locate(np.asarray([i]))
-        sample = self.reader(int(shard[0])).sample(int(row[0]))
-        return {k: v.copy() if isinstance(v, np.ndarray) else v for k, v in sample.items()}
+        with self._lock:
+            sample = self._reader(int(shard[0])).sample(int(row[0]))
+        return {k: v.copy() if isinstance(v, np.ndarray) else v for k, v in sample.items()}  # writable
 
     def take(self, indices: np.ndarray) -> dict[str, np.ndarray]:
         """The `fields` of the samples `indices`, stacked into arrays in that order (one copy per shard touched
@@ -103,11 +112,12 @@ class StreamingDataset:
         return out
 
     def _read_rows(self, s: int, rows: np.ndarray) -> dict[str, np.ndarray]:
-        reader = self.reader(s)
-        block = reader.column_block(rows)
-        if block is not None:
-            return {k: block[k] for k in self.fields}
-        samples = [reader.sample(int(r)) for r in rows]
+        with self._lock:  # a reader may be unmapped by another thread's _reader() otherwise
+            reader = self._reader(s)
+            block = reader.column_block(rows, self.fields)
+            if block is not None:
+                return block
+            samples = [reader.sample(int(r), self.fields) for r in rows]
         out = {}
         for name in self.fields:
             values = [np.asarray(sample[name]) for sample in samples]
@@ -121,11 +131,16 @@ class StreamingDataset:
     def shard_name(self, s: int) -> str:
         return f"{self.source.rstrip('/')}/{self.index.shards[s].remote_file.basename}"
 
-    def reader(self, s: int) -> mds.ShardReader:
-        """Shard `s` memory-mapped (decompressed into the cache first if it is compressed)."""
+    def _reader(self, s: int) -> mds.ShardReader:
+        """Shard `s` memory-mapped (decompressed into the cache first if it is compressed); call with the lock
+        held. Beyond `max_open` mapped shards the least recently used one is unmapped."""
         reader = self._readers.get(s)
-        if reader is None:
-            reader = self._readers[s] = mds.ShardReader(self.local_file(s), self.index.shards[s])
+        if reader is not None:
+            self._readers.move_to_end(s)
+            return reader
+        reader = self._readers[s] = mds.ShardReader(self.local_file(s), self.index.shards[s])
+        while len(self._readers) > self.max_open:
+            self._readers.popitem(last=False)[1].close()
         return reader
 
     def local_file(self, s: int) -> Path:
@@ -134,7 +149,7 @@ class StreamingDataset:
         root = Path(self.source)
         if info.zip is None:
             return root / info.raw.basename
-        target = self.cache_dir / info.raw.basename
+        target = self.cache_dir / self._cache_name(s)
 
         def produce(f: Any) -> None:
             src = root / info.zip.basename  # type: ignore[union-attr]
@@ -153,15 +168,35 @@ class StreamingDataset:
         path, _ = cache.ensure(target, produce, what=f"decompressing {self.shard_name(s)}")
         return path
 
+    def _cache_name(self, s: int) -> str:
+        """The cached raw file's name: the shard's name plus a digest of what identifies this version of it (its
+        index entry and the compressed file's size and mtime), so a rewritten dataset never reads an old copy."""
+        info = self.index.shards[s]
+        zip_info = info.zip
+        if zip_info is None:  # a raw shard is read where it is, never cached
+            return info.raw.basename.replace("/", "_")
+        try:
+            st = os.stat(Path(self.source) / zip_info.basename)
+            stamp = f"{st.st_size}:{st.st_mtime_ns}"
+        except FileNotFoundError:
+            stamp = "missing"  # produce() names the missing file
+        key = f"{zip_info.basename}|{zip_info.bytes}|{sorted(zip_info.hashes.items())}|{info.raw.bytes}|{stamp}"
+        return f"{info.raw.basename.replace('/', '_')}.{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+
     def close(self) -> None:
-        for reader in self._readers.values():
-            reader.close()
-        self._readers.clear()
+        with self._lock:
+            while self._readers:
+                self._readers.popitem()[1].close()
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state["_readers"] = {}  # open mappings stay in their process
+        state["_readers"] = OrderedDict()  # open mappings stay in their process
+        del state["_lock"]
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"StreamingDataset({self.source!r}, samples={len(self)}, shards={self.num_shards})"

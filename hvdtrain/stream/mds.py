@@ -119,8 +119,10 @@ def _shard_info(entry: Any, where: str) -> ShardInfo:
 
 def _file_info(obj: Mapping[str, Any]) -> FileInfo:
     name = str(obj["basename"])
-    if "/" in name or name in ("", ".", ".."):
-        raise ValueError(f"basename {name!r} must be a plain file name")
+    parts = name.split("/")  # merged indexes (Mosaic's merge_index) name shards as SUBDIR/shard.NNNNN.mds
+    if name.startswith("/") or any(p in ("", ".", "..") for p in parts):
+        raise ValueError(f"basename {name!r} must be a file name or a relative path inside the dataset "
+                         "(no '..', not absolute)")
     return FileInfo(name, int(obj["bytes"]), dict(obj.get("hashes") or {}))
 
 
@@ -162,7 +164,9 @@ def decompress(compression: str, data: bytes | memoryview) -> bytes:
 # ---- reading --------------------------------------------------------------------------------------------------
 
 class ShardReader:
-    """A raw (uncompressed) shard file, memory-mapped read-only: samples are decoded from the page cache."""
+    """A raw (uncompressed) shard file, memory-mapped read-only: samples are decoded from the page cache.
+
+    Every value returned is a copy (nothing handed out views the mapping), so `close()` can always unmap it."""
 
     def __init__(self, path: Path, info: ShardInfo) -> None:
         self.path, self.info = path, info
@@ -171,53 +175,85 @@ class ShardReader:
             if size != info.raw.bytes or size < 8:
                 raise StreamError(f"{path}: {size} bytes, the index says {info.raw.bytes} (truncated or replaced)")
             self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        self.buf = memoryview(self.map)
-        n = int(np.frombuffer(self.buf, np.uint32, count=1)[0])
-        if n != info.samples:
-            raise StreamError(f"{path}: holds {n} samples, the index says {info.samples}")
-        self.offsets = np.frombuffer(self.buf, np.uint32, count=n + 1, offset=4).astype(np.int64)
-        if n and (self.offsets[-1] != size or np.any(np.diff(self.offsets) < 0)):
-            raise StreamError(f"{path}: sample offsets are inconsistent with the file size {size} (corrupt shard)")
+        try:
+            self.offsets = self._read_offsets(size)
+        except BaseException:
+            self.map.close()
+            raise
         self.variable = [i for i, (_, enc) in enumerate(info.columns) if enc.size is None]
+        self.stride = info.fixed_stride
+        if self.stride is not None and np.any(np.diff(self.offsets) != self.stride):
+            self.map.close()
+            raise StreamError(f"{path}: samples are not {self.stride} bytes each as its fixed-size columns say "
+                              "(corrupt shard)")
 
-    def sample(self, i: int) -> dict[str, Any]:
-        """Sample `i`'s columns decoded (arrays view the mapping: copy them before `close()`)."""
+    def _read_offsets(self, size: int) -> np.ndarray:
+        n = int(np.frombuffer(self.map, np.uint32, count=1)[0])
+        if n != self.info.samples or 4 * (n + 2) > size:
+            raise StreamError(f"{self.path}: holds {n} samples, the index says {self.info.samples} (corrupt shard)")
+        offsets = np.frombuffer(self.map, np.uint32, count=n + 1, offset=4).astype(np.int64)
+        if offsets[-1] != size or offsets[0] < 4 * (n + 2) or np.any(np.diff(offsets) < 0):
+            raise StreamError(f"{self.path}: sample offsets are inconsistent with the file size {size} "
+                              "(corrupt shard)")
+        return offsets
+
+    def sample(self, i: int, fields: Sequence[str] | None = None) -> dict[str, Any]:
+        """Sample `i`'s columns (only `fields`, if given) decoded and copied out of the mapping."""
         begin, end = int(self.offsets[i]), int(self.offsets[i + 1])
-        raw = self.buf[begin:end]
-        nvar = len(self.variable)
-        var_sizes = np.frombuffer(raw, np.uint32, count=nvar) if nvar else ()
-        pos, out, v = 4 * nvar, {}, 0
-        for name, enc in self.info.columns:
-            size = enc.size
-            if size is None:
-                size, v = int(var_sizes[v]), v + 1
-            try:
-                out[name] = encodings.decode(enc, raw[pos:pos + size])
-            except (EncodingError, ValueError, OSError) as e:
-                raise StreamError(f"{self.path}: sample {i} column {name!r} ({enc.text}): {e}") from None
+        sizes = self._column_sizes(i, end - begin)
+        pos, out = begin + 4 * len(self.variable), {}
+        for (name, enc), size in zip(self.info.columns, sizes, strict=True):
+            if fields is None or name in fields:
+                try:
+                    value = encodings.decode(enc, self.map[pos:pos + size])
+                except (EncodingError, ValueError, IndexError, ArithmeticError, OSError) as e:
+                    raise StreamError(f"{self.path}: sample {i} column {name!r} ({enc.text}): cannot decode "
+                                      f"({type(e).__name__}: {e}) (corrupt shard)") from None
+                out[name] = value
             pos += size
         return out
 
-    def column_block(self, rows: np.ndarray) -> dict[str, np.ndarray] | None:
-        """Columns of the samples `rows` as stacked arrays in one copy each, when every column has a fixed size
-        and decodes to an array (else None: decode sample by sample)."""
-        stride = self.info.fixed_stride
-        if stride is None or not all(enc.kind in ("scalar", "ndarray") for _, enc in self.info.columns):
+    def _column_sizes(self, i: int, length: int) -> list[int]:
+        """Each column's bytes in sample `i` (the sample's size table for variable ones), checked to add up."""
+        nvar = len(self.variable)
+        if 4 * nvar > length:
+            raise StreamError(f"{self.path}: sample {i} is {length} bytes, too short for its size table (corrupt "
+                              "shard)")
+        begin = int(self.offsets[i])
+        var = np.frombuffer(self.map, np.uint32, count=nvar, offset=begin).tolist() if nvar else []
+        sizes, v = [], 0
+        for _, enc in self.info.columns:
+            if enc.size is None:
+                sizes.append(int(var[v]))
+                v += 1
+            else:
+                sizes.append(enc.size)
+        if 4 * nvar + sum(sizes) != length:
+            raise StreamError(f"{self.path}: sample {i}'s column sizes {sizes} do not add up to its {length} bytes "
+                              "(corrupt shard)")
+        return sizes
+
+    def column_block(self, rows: np.ndarray, fields: Sequence[str]) -> dict[str, np.ndarray] | None:
+        """`fields` of the samples `rows` as stacked arrays, one copy out of the mapping, when every column has a
+        fixed size and the fields decode to arrays (else None: decode sample by sample)."""
+        columns = dict(self.info.columns)
+        if self.stride is None or not all(columns[f].kind in ("scalar", "ndarray") for f in fields):
             return None
         start, n = int(self.offsets[0]), self.info.samples
-        table = np.frombuffer(self.buf, np.uint8, count=n * stride, offset=start).reshape(n, stride)
-        picked = table[rows]  # one copy out of the mapping
+        table = np.frombuffer(self.map, np.uint8, count=n * self.stride, offset=start).reshape(n, self.stride)
+        picked = table[rows]  # the one copy out of the mapping
+        del table
         out, pos = {}, 0
         for name, enc in self.info.columns:
             size = enc.size or 0
-            shape = () if enc.kind == "scalar" else enc.shape
-            out[name] = picked[:, pos:pos + size].copy().view(enc.dtype).reshape(len(rows), *shape)
+            if name in fields:
+                shape = () if enc.kind == "scalar" else enc.shape
+                out[name] = picked[:, pos:pos + size].copy().view(enc.dtype).reshape(len(rows), *shape)
             pos += size
         return out
 
     def close(self) -> None:
-        self.offsets = np.empty(0, np.int64)
-        self.buf.release()
+        """Unmap the file (nothing handed out views it)."""
         self.map.close()
 
 

@@ -37,6 +37,14 @@ class BlockShuffle:
         return cls(tuple(int(s) for s in shard_sizes), block_shards)
 
     @property
+    def fingerprint(self) -> str:
+        """Identifies the order (block size and shard sizes): a resume state saved under another order is refused."""
+        import hashlib
+
+        digest = hashlib.sha256(",".join(map(str, self.shard_sizes)).encode()).hexdigest()[:12]
+        return f"blocks of {self.block_shards} over {len(self.shard_sizes)} shards ({digest})"
+
+    @property
     def num_samples(self) -> int:
         return int(sum(self.shard_sizes))
 

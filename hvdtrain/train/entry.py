@@ -9,7 +9,7 @@ from typing import NoReturn
 
 from hvdtrain import exitcodes, records
 from hvdtrain.data.lifecycle import WorkerError
-from hvdtrain.train.datasets import DatasetError
+from hvdtrain.stream.errors import StreamError
 from hvdtrain.train.divergence import TrainingDiverged
 from hvdtrain.train.rundir import RunDirBusy
 
@@ -24,9 +24,9 @@ def exit_with(main: Callable[[], int], script: str) -> NoReturn:
         if not e.bad_data:
             raise
         print(f"{Path(script).name}: error: {e.message}", file=sys.stderr, flush=True)
-        records.note_exception(e, records.directory())
+        records.note_exception(StreamError(e.message), records.directory())  # the data's fault, not a traceback
         code = exitcodes.INVALID_INPUT
-    except (DatasetError, RunDirBusy, TrainingDiverged) as e:
+    except (StreamError, RunDirBusy, TrainingDiverged) as e:
         print(f"{Path(script).name}: error: {e}", file=sys.stderr, flush=True)
         records.note_exception(e, records.directory())  # the rank's record names this error, not SystemExit
         code = exitcodes.DIVERGED if isinstance(e, TrainingDiverged) else exitcodes.INVALID_INPUT

@@ -7,18 +7,21 @@ inside main(), after its own Keras-3 guard has run.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
 import math
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from hvdtrain import tfkeras
+from hvdtrain.stream.errors import StreamError
 from hvdtrain.train import checkpoint, datasets, divergence
 from hvdtrain.train.metrics import History
 from hvdtrain.train.report import log
@@ -169,3 +172,35 @@ class StopOnNonFinite(tf.keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         divergence.check_epoch(epoch, {k: float(v) for k, v in (logs or {}).items() if k in ("loss", "val_loss")})
+
+
+# ---- bad data met inside tf.data ------------------------------------------------------------------------------
+
+_DATA_ERRORS: list[StreamError] = []
+
+
+def remember_data_errors(fn: Any) -> Any:
+    """`fn` (run by tf.numpy_function), remembering a StreamError it raises: TensorFlow re-raises it as its own
+    error type, so the recipe could not tell bad data from a bug (see `data_errors_reraised`)."""
+
+    def call(*args: Any) -> Any:
+        try:
+            return fn(*args)
+        except StreamError as e:
+            _DATA_ERRORS.append(e)
+            raise
+
+    return call
+
+
+@contextlib.contextmanager
+def data_errors_reraised(tf: Any) -> Iterator[None]:
+    """Around `model.fit`: a TensorFlow error caused by bad data is re-raised as the StreamError itself (exit 2
+    with its message, through `exit_with`)."""
+    _DATA_ERRORS.clear()
+    try:
+        yield
+    except tf.errors.OpError:
+        if _DATA_ERRORS:
+            raise _DATA_ERRORS[0] from None
+        raise

@@ -2,9 +2,11 @@
 checked in the loader's producer processes, never loaded whole.
 
 `load_splits` reads only the two index.json files. `StreamSplit.take` is what a producer runs per batch: it reads
-the samples from memory-mapped shards, turns uint8 samples into float32 in [0, 1] and images stored as H×W×C
-(jpeg/png/pil columns) into C×H×W, and checks labels and NaN/Inf as the in-memory path does at load — naming the
-shard file and the row, as a DatasetError that ends the job with exit 2.
+the samples from memory-mapped shards, casts x to float32 — times the index's `x_scale` (`hvdtrain data convert`
+writes 1/255 for image folders) or 1/255 for image columns (jpeg/png/pil, decoded as H×W×C and moved to C×H×W);
+arrays are otherwise trained on as stored, as the in-memory shard reader does — and checks labels and NaN/Inf as
+the in-memory path does at load, naming the shard file and the row, as a DatasetError that ends the job with
+exit 2.
 """
 
 from __future__ import annotations
@@ -38,6 +40,13 @@ class StreamSplit:
         return len(self.data)
 
     @property
+    def x_scale(self) -> float:
+        scale = self.data.meta.get("x_scale")
+        if isinstance(scale, int | float) and not isinstance(scale, bool):
+            return float(scale)
+        return 1 / 255 if self.data.columns[self.x_field].kind == "image" else 1.0
+
+    @property
     def order(self) -> BlockShuffle:
         return self.data.order
 
@@ -62,8 +71,9 @@ class StreamSplit:
             x = np.moveaxis(x, -1, 1)  # decoded images are N×H×W×C
         elif self.channels_last and x.ndim == 4 and self.data.columns[self.x_field].kind != "image":
             x = np.moveaxis(x, 1, -1)
-        x = x.astype(np.float32) / 255.0 if x.dtype == np.uint8 else x.astype(np.float32, copy=False)
-        x = np.ascontiguousarray(x)
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        if self.x_scale != 1.0:
+            x *= np.float32(self.x_scale)
         self._check(idx, x, y)
         return x, y.astype(np.int64, copy=False).reshape(len(idx))
 
