@@ -256,7 +256,8 @@ def _scan_arrays(dirs: dict[str, Path]) -> Source:
                 top, distinct = max(top, int(y.max())), distinct | set(np.unique(y).tolist())
         if not counts[split]:
             raise StreamError(f"{directory}: its shards hold no samples")
-    assert first is not None
+    if first is None:  # unreachable: every split holds samples (checked above), so some shard set `first`
+        raise StreamError(f"{', '.join(map(str, dirs.values()))}: no shard holds samples")
     x_encoding = encodings.ndarray_encoding(np.empty(first[1], first[2]))
     source = Source("arrays", items, counts, x_encoding, {"num_classes": top + 1, "x_shape": list(first[1])})
     if top + 1 > 2 * len(distinct):
