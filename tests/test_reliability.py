@@ -201,7 +201,9 @@ def test_sigkill_at_random_moments_and_mid_checkpoint_never_loses_a_checkpoint(t
         run = Job(job, tmp_path)
         old_temps = temp_files(ckpt_dir)
         wait_for(lambda job=run: TRAINING.search(job.output()), 180, "training to start", run, poll=0.1)
-        if trial % 2 == 0:  # while rank 0 writes a checkpoint: the temp file exists, the rename has not happened
+        # While rank 0 writes a checkpoint (the temp file exists, the rename has not happened): every other trial,
+        # and every trial until one kill has landed inside a write (a small model's write can finish first).
+        if trial % 2 == 0 or not any(t["killed_mid_write"] for t in trials):
             tree = run.tree()  # taken now, so that the kill follows the temp file within a millisecond
             wait_for(new_temp_file(ckpt_dir), 180, "a checkpoint write", run, poll=0.0005)
             run.kill_everything(tree)
