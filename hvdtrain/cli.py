@@ -157,6 +157,22 @@ def _cmd_data_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_data_upload(args: argparse.Namespace) -> int:
+    from hvdtrain.stream import StreamError
+    from hvdtrain.stream.upload import render, upload
+
+    try:
+        result = upload(args.src, args.url, progress=args.progress)
+    except StreamError as exc:
+        print(f"hvdtrain data upload: error: {exc}", file=sys.stderr)
+        return exitcodes.INVALID_INPUT
+    except OSError as exc:
+        print(f"hvdtrain data upload: error: {exc.strerror or exc}: {exc.filename or args.src}", file=sys.stderr)
+        return exitcodes.INVALID_INPUT
+    print(render(result))
+    return 0
+
+
 def _add_data_parser(sub: argparse._SubParsersAction) -> None:
     from pathlib import Path
 
@@ -181,9 +197,18 @@ def _add_data_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_data_convert)
 
     p = cmds.add_parser("inspect", help="describe an MDS dataset (splits, samples, shards, columns, sizes)")
-    p.add_argument("path", type=Path, metavar="PATH", help="a dataset root (train/, val/) or one MDS directory")
+    p.add_argument("path", metavar="PATH", help="a dataset root (train/, val/) or one MDS directory, or its "
+                   "s3:// gs:// http(s):// URL")
     p.add_argument("--json", action="store_true", help="print the description as JSON")
     p.set_defaults(func=_cmd_data_inspect)
+
+    p = cmds.add_parser("upload", help="copy an MDS dataset to an object store (s3://, gs://, http(s)://)",
+                        description="Put every file of the MDS dataset SRC under URL, each split's index.json last. "
+                                    "S3 reads the AWS_* environment variables (AWS_ENDPOINT_URL for MinIO, moto...).")
+    p.add_argument("src", type=Path, metavar="SRC", help="a dataset root (train/, val/) or one MDS directory")
+    p.add_argument("url", metavar="URL", help="s3://BUCKET/PREFIX, gs://BUCKET/PREFIX or http(s)://HOST/PREFIX")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    p.set_defaults(func=_cmd_data_upload)
 
 
 def _add_job_args(p: argparse.ArgumentParser) -> None:

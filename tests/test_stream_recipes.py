@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -133,3 +134,32 @@ def test_keras_recipe_names_a_bad_label_in_a_shard_with_exit_2(tmp_path: Path) -
     assert "keras_train.py: error: " in result.output and "(index 5) field 'y': label 12 is out of range" \
         in result.output, result.output
     assert "Traceback" not in result.output
+
+
+@pytest.mark.slow
+def test_shipped_s3_job_trains_the_digits_streamed_from_a_local_s3_server(tmp_path: Path) -> None:
+    """jobs/digits-s3.yaml as the README runs it: scripts/local_s3.py (moto's S3 server, the digits uploaded with
+    `hvdtrain data upload`), then `hvdtrain run` on the job: 2 ranks read the shards through a node cache smaller
+    than the training split."""
+    from tests.stores import free_port
+
+    port = free_port()
+    server = subprocess.Popen([str(REPO / ".venv" / "bin" / "python"), str(REPO / "scripts" / "local_s3.py"),
+                               "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                              start_new_session=True)
+    try:
+        ready = server.stdout.readline()  # type: ignore[union-attr]
+        while ready and not ready.startswith("ready: "):
+            ready = server.stdout.readline()  # type: ignore[union-attr]
+        assert ready.startswith("ready: s3://hvdtrain-demo/digits"), ready
+        result = run_bounded([str(REPO / ".venv" / "bin" / "hvdtrain"), "run", str(REPO / "jobs" / "digits-s3.yaml"),
+                              "-o", f"env.AWS_ENDPOINT_URL=http://127.0.0.1:{port}",
+                              "-o", f"env.{cache.ENV_DIR}={tmp_path / 'node-cache'}"], timeout=TIMEOUT, cwd=tmp_path)
+        expect_ok(result)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    summary = json.loads((tmp_path / "runs" / "digits-s3" / "summary.json").read_text())
+    assert summary["epochs_completed"] == 6 and summary["val_accuracy"] > 0.9, summary["history"]
+    cached = sum(p.stat().st_size for p in (tmp_path / "node-cache").glob("train-*/shard.*"))
+    assert 0 < cached <= 256 * 1024  # the job's --cache-limit held

@@ -192,6 +192,9 @@ class _Worker:
         sampler = ShardSampler(rank=cfg.rank, size=cfg.size, seed=cfg.seed, **(cfg.sampler_args or {}))
         if state is not None:
             sampler.load_state_dict(state)
+        plan = getattr(cfg.dataset, "plan_epoch", None)
+        if callable(plan) and sampler.shuffle:  # a streamed dataset fetches ahead (hvdtrain.stream.fetcher)
+            plan(sampler.seed, sampler.epoch)
         collate = cfg.collate or default_collate
         for idx in sampler.batches()[cfg.local_id::cfg.workers_per_rank]:
             if cfg.fetch is not None:

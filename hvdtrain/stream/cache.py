@@ -1,7 +1,7 @@
 """The per-node cache directory: a file is produced once per node however many processes ask for it.
 
 NOTE [cache files]
-A cached file appears only complete: its producer writes `.NAME.part.PID` next to it, fsyncs, and renames it to NAME
+A cached file appears only complete: its producer writes `.NAME.part.PID.TID` next to it, fsyncs, and renames it to NAME
 (a rename within one directory is atomic), so a reader never sees a half-written file. Producers are serialised
 per file by an `flock` on `.NAME.lock`: the first process to take the lock produces the file, the others wait on the
 lock (with a timeout, never forever) and then find it there. The kernel drops an flock when its holder dies, so a
@@ -18,6 +18,7 @@ import fcntl
 import hashlib
 import os
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -40,9 +41,14 @@ def dataset_dir(root: Path, source: str) -> Path:
     return root / f"{tail or 'dataset'}-{hashlib.sha256(source.encode()).hexdigest()[:12]}"
 
 
+class Busy(StreamError):
+    """Another process holds the lock (and `file_lock` was told not to wait, or waited its whole timeout)."""
+
+
 @contextlib.contextmanager
 def file_lock(path: Path, timeout: float, what: str) -> Iterator[None]:
-    """Hold an exclusive flock on `path` (created), waiting at most `timeout` s (StreamError naming `what`)."""
+    """Hold an exclusive flock on `path` (created), waiting at most `timeout` s (`Busy` naming `what`; with
+    `timeout` 0: one try)."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
     try:
         deadline = time.monotonic() + timeout
@@ -52,8 +58,10 @@ def file_lock(path: Path, timeout: float, what: str) -> Iterator[None]:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise StreamError(f"waited {timeout:.0f} s for another process to finish {what} "
+                if time.monotonic() >= deadline:
+                    if timeout <= 0:
+                        raise Busy(f"{what}: another process holds {path}") from None
+                    raise Busy(f"waited {timeout:.0f} s for another process to finish {what} "
                                       f"(lock {path}); is a process stuck?") from None
                 time.sleep(delay)
                 delay = min(delay * 2, 0.05)
@@ -62,23 +70,31 @@ def file_lock(path: Path, timeout: float, what: str) -> Iterator[None]:
         os.close(fd)  # closing drops the lock
 
 
-def ensure(path: Path, produce: Callable[[BinaryIO], None], *, timeout: float = 600.0,
-           what: str = "a cache file") -> tuple[Path, bool]:
-    """`path`, produced by `produce(file)` unless it exists (see NOTE [cache files]). Returns (path, produced)."""
+def ensure(path: Path, produce: Callable[[BinaryIO], None] | None = None, *, timeout: float = 600.0,
+           what: str = "a cache file", fetch: Callable[[], bytes] | None = None,
+           room: Callable[[int], contextlib.AbstractContextManager[None]] | None = None) -> tuple[Path, bool]:
+    """`path`, produced unless it exists (see NOTE [cache files]); returns (path, produced). Either
+    `produce(file)` writes it, or `fetch()` returns its bytes; then `room(nbytes)`, if given, is held around
+    writing and renaming them into place (NodeCache's byte limit)."""
     if path.exists():
         return path, False
-    part = path.with_name(f".{path.name}.part.{os.getpid()}")
+    part = path.with_name(f".{path.name}.part.{os.getpid()}.{threading.get_native_id()}")  # per thread too
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with file_lock(path.with_name(f".{path.name}.lock"), timeout, what):
             if path.exists():  # another process produced it while we waited
                 return path, False
             _remove_parts(path)
-            with open(part, "wb") as f:
-                produce(f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(part, path)
+            data = fetch() if fetch is not None else None
+            with room(len(data)) if room is not None and data is not None else contextlib.nullcontext():
+                with open(part, "wb") as f:
+                    if data is not None:
+                        f.write(data)
+                    elif produce is not None:
+                        produce(f)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(part, path)
     except BaseException as e:
         with contextlib.suppress(OSError):
             part.unlink()

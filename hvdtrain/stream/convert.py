@@ -35,7 +35,8 @@ DEFAULT_SHARD_BYTES = 64 << 20
 MAX_SHARD_BYTES = (1 << 32) - 1  # MDS's offsets are 32-bit
 SPLITS = ("train", "val")
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
-UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
+UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 1 << 10, "mib": 1 << 20,
+         "gib": 1 << 30, "tib": 1 << 40}
 
 
 @dataclass(frozen=True)
@@ -83,14 +84,19 @@ class Source:
 
 # ---- option parsing (shared with the CLI) -------------------------------------------------------------------
 
-def parse_size(text: str) -> int:
-    """Bytes from '1000000', '64MiB', '1GB', '512 KiB' (KB/MB/GB are powers of 1000, KiB/MiB/GiB of 1024)."""
+def parse_bytes(text: str) -> int:
+    """Bytes from '1000000', '64MiB', '1GB', '512 KiB', '2TiB' (KB/MB/GB/TB are powers of 1000, KiB/... of 1024)."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
     unit = m and m.group(2).lower()
     if not m or unit not in UNITS:
         raise ValueError(f"{text!r} is not a size: give bytes (1000000) or a number with a unit "
-                         "B, KB, MB, GB, KiB, MiB, GiB (e.g. 64MiB)")
-    size = int(float(m.group(1)) * UNITS[unit])
+                         "B, KB, MB, GB, TB, KiB, MiB, GiB, TiB (e.g. 64MiB)")
+    return int(float(m.group(1)) * UNITS[unit])
+
+
+def parse_size(text: str) -> int:
+    """A shard size: `parse_bytes`, 1 byte .. 4 GiB - 1."""
+    size = parse_bytes(text)
     if not 1 <= size <= MAX_SHARD_BYTES:
         raise ValueError(f"{text!r} is {size} bytes; a shard size must be 1 byte .. 4GiB - 1 (MDS's 32-bit offsets)")
     return size

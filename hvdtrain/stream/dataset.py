@@ -18,8 +18,10 @@ from typing import Any
 
 import numpy as np
 
-from hvdtrain.stream import cache, mds
+from hvdtrain.stream import cache, mds, store
 from hvdtrain.stream.errors import StreamError
+from hvdtrain.stream.fetcher import Fetcher
+from hvdtrain.stream.nodecache import NodeCache
 from hvdtrain.stream.order import BlockShuffle
 
 
@@ -32,18 +34,12 @@ class StreamingDataset:
     holds a file descriptor). Safe to read from several threads (tf.data's)."""
 
     def __init__(self, source: str | Path, *, fields: tuple[str, ...] | None = None, block_shards: int = 4,
-                 cache_dir: str | Path | None = None, max_open: int | None = None) -> None:
-        self.source = os.path.abspath(source)
-        root = Path(self.source)
-        index_path = root / mds.INDEX
-        try:
-            text = index_path.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise StreamError(f"{index_path} does not exist: not an MDS dataset (write one with `hvdtrain data "
-                              "convert SRC DST`)") from None
-        except (OSError, UnicodeDecodeError) as e:
-            raise StreamError(f"{index_path}: cannot read ({e})") from None
-        self.index = mds.parse_index(text, str(index_path))
+                 cache_dir: str | Path | None = None, max_open: int | None = None, cache_limit: int | None = None,
+                 ahead: int | None = None, fetch_threads: int = 2) -> None:
+        self.source = store.normalise(source)
+        self.store = store.open_store(self.source)
+        text = self._index_text()
+        self.index = mds.parse_index(text, self.store.url(mds.INDEX))
         self.columns = dict(self.index.shards[0].columns)
         arrays = tuple(n for n, enc in self.columns.items() if enc.array_like)
         self.fields = tuple(fields) if fields is not None else arrays
@@ -57,10 +53,30 @@ class StreamingDataset:
         self.ends = np.cumsum(sizes)
         self.starts = self.ends - sizes
         self.order = BlockShuffle.of(sizes.tolist(), block_shards)
-        self.cache_dir = cache.dataset_dir(Path(cache_dir) if cache_dir else cache.default_root(), self.source)
+        self._index_digest = hashlib.sha256(text.encode()).hexdigest()
+        self.node = NodeCache(
+            cache.dataset_dir(Path(cache_dir) if cache_dir else cache.default_root(), self.source),
+            [self._cache_name(s) for s in range(self.num_shards)], [s.raw.bytes for s in self.index.shards],
+            self.order, limit=cache_limit, ahead=block_shards if ahead is None else ahead)
+        self.cache_dir = self.node.dir
         self.max_open = max_open or max(8, 2 * block_shards + 2)
+        self.fetch_threads = fetch_threads
         self._readers: OrderedDict[int, mds.ShardReader] = OrderedDict()
         self._lock = threading.Lock()
+        self._fetcher = Fetcher(self)
+
+    def _index_text(self) -> str:
+        try:
+            data = self.store.get(mds.INDEX)
+        except StreamError as e:
+            if self.store.local_dir is not None and not (self.store.local_dir / mds.INDEX).exists():
+                raise StreamError(f"{self.store.url(mds.INDEX)} does not exist: not an MDS dataset (write one with "
+                                  "`hvdtrain data convert SRC DST`)") from None
+            raise StreamError(f"cannot read the dataset's index: {e}") from None
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise StreamError(f"{self.store.url(mds.INDEX)}: cannot read ({e})") from None
 
     # ---- size and layout -----------------------------------------------------------------------------------
 
@@ -98,7 +114,8 @@ class StreamingDataset:
         when every column has a fixed size; else decoded sample by sample)."""
         shard, rows = self.locate(indices)
         out: dict[str, np.ndarray] = {}
-        for s in np.unique(shard):
+        touched = np.unique(shard)
+        for s in touched:
             where = np.flatnonzero(shard == s)
             part = self._read_rows(int(s), rows[where])
             for name in self.fields:
@@ -109,6 +126,7 @@ class StreamingDataset:
                                       f"in {self.shard_name(int(s))} but {out[name].dtype}{out[name].shape[1:]} in "
                                       "another shard; a batch needs one shape")
                 out[name][where] = part[name]
+        self._noted(touched)
         return out
 
     def _read_rows(self, s: int, rows: np.ndarray) -> dict[str, np.ndarray]:
@@ -129,61 +147,103 @@ class StreamingDataset:
         return out
 
     def shard_name(self, s: int) -> str:
-        return f"{self.source.rstrip('/')}/{self.index.shards[s].remote_file.basename}"
+        return self.store.url(self.index.shards[s].remote_file.basename)
 
     def _reader(self, s: int) -> mds.ShardReader:
-        """Shard `s` memory-mapped (decompressed into the cache first if it is compressed); call with the lock
-        held. Beyond `max_open` mapped shards the least recently used one is unmapped."""
+        """Shard `s` memory-mapped (fetched or decompressed into the node cache first unless it is a raw shard on
+        a filesystem); call with the lock held. Beyond `max_open` mapped shards the least recently used one is
+        unmapped."""
         reader = self._readers.get(s)
         if reader is not None:
             self._readers.move_to_end(s)
             return reader
-        reader = self._readers[s] = mds.ShardReader(self.local_file(s), self.index.shards[s])
+        for attempt in range(3):
+            try:
+                reader = mds.ShardReader(self.local_file(s), self.index.shards[s])
+                break
+            except FileNotFoundError:  # evicted by another process between ensure() and open: fetch it again
+                if attempt == 2:
+                    raise StreamError(f"{self.shard_name(s)}: its cached copy in {self.cache_dir} keeps "
+                                      "disappearing (is the cache limit far too small?)") from None
+        self._readers[s] = reader
         while len(self._readers) > self.max_open:
             self._readers.popitem(last=False)[1].close()
         return reader
 
+    def _in_place(self, s: int) -> bool:
+        return self.store.local_dir is not None and self.index.shards[s].zip is None
+
     def local_file(self, s: int) -> Path:
-        """Shard `s`'s raw file on this node."""
+        """Shard `s`'s raw file on this node: read in place (a raw shard on a filesystem) or in the node cache."""
+        if self._in_place(s):
+            return self.store.local_dir / self.index.shards[s].raw.basename  # type: ignore[operator]
+        return self.node.ensure(s, lambda: self.fetch_raw(s), what=f"fetching {self.shard_name(s)}")
+
+    def fetch_raw(self, s: int) -> bytes:
+        """Shard `s`'s raw bytes from the store, checked against the index (size, hashes) and decompressed."""
         info = self.index.shards[s]
-        root = Path(self.source)
+        remote, url = info.remote_file, self.shard_name(s)
+        try:
+            data = self.store.get(remote.basename)
+        except StreamError:
+            if self.store.local_dir is not None and not (self.store.local_dir / remote.basename).exists():
+                raise StreamError(f"{url}: listed in {self.store.url(mds.INDEX)} but missing") from None
+            raise
+        if len(data) != remote.bytes:
+            raise StreamError(f"{url}: {len(data)} bytes, but the index says {remote.bytes} (a truncated or "
+                              "replaced shard: corrupt; upload it again)")
+        mds.check_hashes(remote, data, url)
         if info.zip is None:
-            return root / info.raw.basename
-        target = self.cache_dir / self._cache_name(s)
-
-        def produce(f: Any) -> None:
-            src = root / info.zip.basename  # type: ignore[union-attr]
-            try:
-                data = src.read_bytes()
-            except FileNotFoundError:
-                raise StreamError(f"{src}: listed in {root / mds.INDEX} but missing") from None
-            mds.check_hashes(info.zip, data, str(src))  # type: ignore[arg-type]
-            try:
-                raw = mds.decompress(info.compression or "zstd", data)
-            except Exception as e:  # zstandard raises its own ZstdError
-                raise StreamError(f"{src}: cannot decompress ({e}) (corrupt shard)") from None
-            mds.check_hashes(info.raw, raw, f"{src} (decompressed)")
-            f.write(raw)
-
-        path, _ = cache.ensure(target, produce, what=f"decompressing {self.shard_name(s)}")
-        return path
+            return data
+        try:
+            raw = mds.decompress(info.compression or "zstd", data)
+        except Exception as e:  # zstandard raises its own ZstdError
+            raise StreamError(f"{url}: cannot decompress ({e}) (corrupt shard)") from None
+        mds.check_hashes(info.raw, raw, f"{url} (decompressed)")
+        return raw
 
     def _cache_name(self, s: int) -> str:
         """The cached raw file's name: the shard's name plus a digest of what identifies this version of it (its
-        index entry and the compressed file's size and mtime), so a rewritten dataset never reads an old copy."""
+        index entry; for a local compressed shard also its size and mtime; for a remote one the whole index), so a
+        rewritten dataset never reads an old copy."""
         info = self.index.shards[s]
-        zip_info = info.zip
-        if zip_info is None:  # a raw shard is read where it is, never cached
-            return info.raw.basename.replace("/", "_")
-        try:
-            st = os.stat(Path(self.source) / zip_info.basename)
-            stamp = f"{st.st_size}:{st.st_mtime_ns}"
-        except FileNotFoundError:
-            stamp = "missing"  # produce() names the missing file
-        key = f"{zip_info.basename}|{zip_info.bytes}|{sorted(zip_info.hashes.items())}|{info.raw.bytes}|{stamp}"
+        remote = info.remote_file
+        if self.store.local_dir is not None:
+            try:
+                st = os.stat(self.store.local_dir / remote.basename)
+                stamp = f"{st.st_size}:{st.st_mtime_ns}"
+            except FileNotFoundError:
+                stamp = "missing"  # fetch_raw() names the missing file
+        else:
+            stamp = self._index_digest
+        key = f"{remote.basename}|{remote.bytes}|{sorted(remote.hashes.items())}|{info.raw.bytes}|{stamp}"
         return f"{info.raw.basename.replace('/', '_')}.{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
+    # ---- the loader's plan: fetch ahead, evict by next use ------------------------------------------------------
+
+    def plan_epoch(self, seed: int, epoch: int) -> None:
+        """The coming reads follow `BlockShuffle(seed, epoch)` (the loader's producers call this): shards are
+        fetched ahead of that order in the background and evicted by next use (NOTE [eviction by next use])."""
+        self.node.plan(seed, epoch)
+        self._fetcher.wake()
+
+    def _noted(self, shards: np.ndarray) -> None:
+        """After reading `shards`: move the cursor, wake the fetcher, unmap shards outside the protected window
+        (so the disk blocks of evicted ones are freed)."""
+        if self.node.epoch_order is None:
+            return
+        before = self.node.cursor
+        for s in shards:
+            self.node.note_read(int(s))
+        if self.node.cursor != before:
+            self._fetcher.wake()
+            keep = self.node.protected()
+            with self._lock:
+                for s in [s for s in self._readers if s not in keep]:
+                    self._readers.pop(s).close()
+
     def close(self) -> None:
+        self._fetcher.stop()
         with self._lock:
             while self._readers:
                 self._readers.popitem()[1].close()
@@ -191,12 +251,13 @@ class StreamingDataset:
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state["_readers"] = OrderedDict()  # open mappings stay in their process
-        del state["_lock"]
+        del state["_lock"], state["_fetcher"]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._lock = threading.Lock()
+        self._fetcher = Fetcher(self)
 
     def __repr__(self) -> str:
         return f"StreamingDataset({self.source!r}, samples={len(self)}, shards={self.num_shards})"

@@ -1,7 +1,8 @@
 """`hvdtrain data inspect PATH`: what an MDS dataset holds, from its index.json files only (no shard is read).
 
 PATH is one MDS directory (its own index.json) or a dataset root whose subdirectories (train/, val/, ...) are MDS
-directories. `describe` returns a JSON-able dict; `render` turns it into text.
+directories, or the URL of either (a URL root's splits are train/ and val/: a store is not listed).
+`describe` returns a JSON-able dict; `render` turns it into text.
 """
 
 from __future__ import annotations
@@ -9,15 +10,18 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from hvdtrain.stream import mds
+from hvdtrain.stream import mds, store
 from hvdtrain.stream.errors import StreamError
 
 ORDER = {"train": 0, "val": 1}  # these first, then the other splits by name
 
 
-def describe(path: Path) -> dict[str, Any]:
+def describe(path: str | Path) -> dict[str, Any]:
     """{"path", "layout": "root" | "split", "splits": {name: split description}}; StreamError when `path` is
-    neither an MDS directory nor a root of them, or an index is unreadable."""
+    neither an MDS directory nor a root of them, or an index is unreadable. A URL (s3://, gs://, http(s)://) is read
+    from its store: its own index.json, else those of its train/ and val/."""
+    if store.is_url(path):
+        return _describe_url(store.normalise(path))
     path = Path(path)
     if not path.is_dir():
         raise StreamError(f"{path}: not a directory; give an MDS dataset directory (with index.json) or a dataset "
@@ -32,6 +36,27 @@ def describe(path: Path) -> dict[str, Any]:
     return {"path": str(path), "layout": "root", "splits": {d.name: _split(d) for d in subdirs}}
 
 
+def _describe_url(url: str) -> dict[str, Any]:
+    def index_of(source: str) -> mds.Index | None:
+        try:
+            text = store.open_store(source).get(mds.INDEX)
+        except StreamError as e:
+            if "not found (404)" in str(e):
+                return None
+            raise
+        return mds.parse_index(text.decode("utf-8", errors="replace"), store.join(source, mds.INDEX))
+
+    own = index_of(url)
+    if own is not None:
+        return {"path": url, "layout": "split", "splits": {url.rsplit("/", 1)[-1]: _summary(url, own, [])}}
+    splits = {name: index for name in ORDER if (index := index_of(store.join(url, name))) is not None}
+    if not splits:
+        raise StreamError(f"{url}: no {mds.INDEX} there or under train/ and val/: not an MDS dataset (upload one "
+                          "with `hvdtrain data upload DIR URL`)")
+    return {"path": url, "layout": "root",
+            "splits": {name: _summary(store.join(url, name), index, []) for name, index in splits.items()}}
+
+
 def _split(directory: Path) -> dict[str, Any]:
     index_path = directory / mds.INDEX
     try:
@@ -39,11 +64,16 @@ def _split(directory: Path) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError) as e:
         raise StreamError(f"{index_path}: cannot read ({e})") from None
     index = mds.parse_index(text, str(index_path))
+    missing = [s.remote_file.basename for s in index.shards if not (directory / s.remote_file.basename).is_file()]
+    return _summary(str(directory), index, missing)
+
+
+def _summary(where: str, index: mds.Index, missing: list[str]) -> dict[str, Any]:
+    """One split's description (`missing`: shard files listed but absent, checked for local directories only)."""
     shards = index.shards
     hashes = sorted({algo for s in shards for f in (s.raw, s.zip) if f is not None for algo in f.hashes})
-    missing = [s.remote_file.basename for s in shards if not (directory / s.remote_file.basename).is_file()]
     return {
-        "path": str(directory),
+        "path": where,
         "samples": sum(s.samples for s in shards),
         "shards": len(shards),
         "columns": [{"name": name, "encoding": enc.text, "bytes_per_sample": enc.size}

@@ -91,12 +91,16 @@ class RecipeConfig:
     """The flags every recipe takes (data, optimizer details, checkpoints); each recipe's Config adds its own."""
 
     dataset: str = field(default="digits", metadata={
-        "help": "digits | synthetic | DIR of .npz/.npy shards | MDS dataset root (train/ and val/, streamed)"})
+        "help": "digits | synthetic | DIR of .npz/.npy shards | MDS dataset root (train/ and val/, streamed): a "
+                "directory or s3:// gs:// http(s):// URL"})
     x_field: str = field(default="x", metadata={"help": "MDS datasets: the input column"})
     y_field: str = field(default="y", metadata={"help": "MDS datasets: the label column"})
     shuffle_block: int = field(default=4, metadata={
         "help": "MDS datasets: shards per shuffle block (samples mix within a block; more: better mixing, more "
                 "shards read at once)"})
+    cache_limit: str | None = field(default=None, metadata={
+        "help": "streamed datasets: bytes of shards the node's cache keeps, e.g. 20GiB (none: no limit); the "
+                "shards needed furthest in the future are evicted first"})
     momentum: float = 0.9
     lr_milestones: tuple[int, ...] = field(default=(), metadata={"help": "epochs where LR ×= gamma, e.g. 10,20"})
     lr_gamma: float = 0.1
@@ -126,10 +130,26 @@ class RecipeConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1 (or none), got {getattr(self, name)}")
         if self.num_classes is not None and self.num_classes < 2:
             raise ValueError(f"--num-classes must be >= 2 (or none), got {self.num_classes}")
+        if self.cache_limit is not None:
+            self.cache_limit_bytes  # noqa: B018 (checked now: a bad value is a usage error before any process starts)
         if not self.momentum >= 0:
             raise ValueError(f"--momentum must be >= 0, got {self.momentum}")
         if not 0 < self.val_fraction < 1:
             raise ValueError(f"--val-fraction must be in (0, 1), got {self.val_fraction}")
+
+    @property
+    def cache_limit_bytes(self) -> int | None:
+        if self.cache_limit is None:
+            return None
+        from hvdtrain.stream.convert import parse_bytes
+
+        try:
+            value = parse_bytes(self.cache_limit)
+        except ValueError as e:
+            raise ValueError(f"--cache-limit: {e}") from None
+        if value < 1:
+            raise ValueError(f"--cache-limit must be at least 1 byte (or none), got {self.cache_limit!r}")
+        return value
 
     def load_data(self) -> Any:
         """The dataset's train/val splits (hvdtrain.train.datasets.load, checked)."""
@@ -138,4 +158,5 @@ class RecipeConfig:
         return datasets.load(self.dataset, val_fraction=self.val_fraction, split_seed=0,
                              synthetic_shape=self.synthetic_shape, synthetic_samples=self.synthetic_samples,
                              num_classes=self.num_classes, seed=self.seed, check_finite=self.check_finite,
-                             x_field=self.x_field, y_field=self.y_field, shuffle_block=self.shuffle_block)
+                             x_field=self.x_field, y_field=self.y_field, shuffle_block=self.shuffle_block,
+                             cache_limit=self.cache_limit_bytes)

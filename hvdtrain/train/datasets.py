@@ -76,7 +76,7 @@ def load(
     source: str, *, val_fraction: float = 0.2, split_seed: int = 0,
     synthetic_shape: tuple[int, ...] = (3, 32, 32), synthetic_samples: int = 1024,
     num_classes: int | None = None, seed: int = 0, check_finite: bool = True,
-    x_field: str = "x", y_field: str = "y", shuffle_block: int = 4,
+    x_field: str = "x", y_field: str = "y", shuffle_block: int = 4, cache_limit: int | None = None,
 ) -> Splits:
     """`source` is "digits", "synthetic" or a directory of .npy/.npz shards.
 
@@ -90,15 +90,24 @@ def load(
         return digits(val_fraction=val_fraction, split_seed=split_seed, num_classes=num_classes)
     if source == SYNTHETIC:
         return synthetic(synthetic_shape, synthetic_samples, num_classes=num_classes or 10, seed=seed)
-    path = Path(source)
-    if not path.is_dir():
-        raise DatasetError(f"dataset must be {DIGITS!r}, {SYNTHETIC!r}, an MDS dataset root or a directory of "
-                           f".npy/.npz shards; got {source!r}, which is not a directory")
+    from hvdtrain.stream import StreamError, store
     from hvdtrain.train import streamed
 
+    stream_args = dict(num_classes=num_classes, x_field=x_field, y_field=y_field, check_finite=check_finite,
+                       block_shards=shuffle_block, cache_limit=cache_limit)
+    try:
+        remote = store.is_url(source)
+    except StreamError as e:
+        raise DatasetError(str(e)) from None
+    if remote:
+        return streamed.load_splits(source, **stream_args)  # type: ignore[arg-type]
+    path = Path(source)
+    if not path.is_dir():
+        raise DatasetError(f"dataset must be {DIGITS!r}, {SYNTHETIC!r}, an MDS dataset root (a directory or an "
+                           f"s3://, gs://, http(s):// URL) or a directory of .npy/.npz shards; got {source!r}, which "
+                           "is not a directory")
     if streamed.is_mds_root(path):
-        return streamed.load_splits(path, num_classes=num_classes, x_field=x_field, y_field=y_field,
-                                    check_finite=check_finite, block_shards=shuffle_block)
+        return streamed.load_splits(path, **stream_args)  # type: ignore[arg-type]
     return shard_dir(path, val_fraction=val_fraction, split_seed=split_seed, num_classes=num_classes,
                      check_finite=check_finite)
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hvdtrain.stream import StreamError, StreamingDataset
+from hvdtrain.stream import StreamError, StreamingDataset, store
 from hvdtrain.stream.order import BlockShuffle
 from hvdtrain.train import datasets
 
@@ -58,6 +58,10 @@ class StreamSplit:
             shape = enc.shape
             return (*shape[1:], shape[0]) if self.channels_last and len(shape) == 3 else tuple(shape)
         return tuple(self.take(np.array([0]))[0].shape[1:])
+
+    def plan_epoch(self, seed: int, epoch: int) -> None:
+        """Called by the loader's producers: fetch ahead of this epoch's order (StreamingDataset.plan_epoch)."""
+        self.data.plan_epoch(seed, epoch)
 
     def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         x, y = self.take(np.array([i]))
@@ -102,19 +106,24 @@ class StreamSplit:
         return f"{self.data.shard_name(int(shard[0]))} sample {int(row[0])} (index {index})"
 
 
-def load_splits(root: Path, *, num_classes: int | None, x_field: str = "x", y_field: str = "y",
-                check_finite: bool = True, block_shards: int = 4) -> datasets.Splits:
-    """The train/ and val/ splits under `root` (Mosaic's layout), or DatasetError saying what is missing."""
-    if (root / "index.json").is_file() and not (root / "train").is_dir():
+def load_splits(root: str | Path, *, num_classes: int | None, x_field: str = "x", y_field: str = "y",
+                check_finite: bool = True, block_shards: int = 4, cache_limit: int | None = None) -> datasets.Splits:
+    """The train/ and val/ splits under `root` (a directory or a URL; Mosaic's layout), or DatasetError saying what
+    is missing."""
+    if not store.is_url(root) and (Path(root) / "index.json").is_file() and not (Path(root) / "train").is_dir():
         raise datasets.DatasetError(f"{root} is one MDS split; a dataset root holds train/ and val/ splits (each with "
                                     "its index.json), as `hvdtrain data convert` writes them")
+    root = store.normalise(root)
     splits = {}
     for name in ("train", "val"):
         try:
-            splits[name] = StreamingDataset(root / name, fields=(x_field, y_field), block_shards=block_shards)
+            splits[name] = StreamingDataset(store.join(root, name), fields=(x_field, y_field),
+                                            block_shards=block_shards, cache_limit=cache_limit)
         except StreamError as e:
-            raise datasets.DatasetError(str(e).replace("does not exist: not an MDS dataset",
-                                                       f"does not exist: the dataset has no {name}/ split")) from None
+            text = str(e).replace("does not exist: not an MDS dataset", f"does not exist: the dataset has no {name}/ "
+                                  "split")
+            text = text.replace("was the upload complete?", f"does the dataset have a {name}/ split?")
+            raise datasets.DatasetError(text) from None
     classes = num_classes or splits["train"].meta.get("num_classes")
     if classes is None:
         raise datasets.DatasetError(f"{root}: the number of classes is not in its index (the 'hvdtrain' metadata "
@@ -123,7 +132,7 @@ def load_splits(root: Path, *, num_classes: int | None, x_field: str = "x", y_fi
         raise datasets.DatasetError(f"{root}: its index says num_classes={classes!r}; training needs 2 or more "
                                     "classes (labels 0..N-1): fix the labels, or pass --num-classes N")
     train, val = (StreamSplit(splits[n], x_field, y_field, classes, check_finite) for n in ("train", "val"))
-    return datasets.Splits(train=train, val=val, num_classes=classes, name=str(root))  # type: ignore[arg-type]
+    return datasets.Splits(train=train, val=val, num_classes=classes, name=root)  # type: ignore[arg-type]
 
 
 def with_channels_last(split: StreamSplit) -> StreamSplit:

@@ -1,0 +1,66 @@
+"""A static file server for the remote-store tests: `python http_store.py ROOT PORT_FILE [--delay-per-mib S]`.
+
+Serves ROOT on 127.0.0.1 (`--port`, default a free one; written to PORT_FILE once listening) with Python's
+ThreadingHTTPServer.
+Every GET is logged to stdout as `GET <path> <status>` (flushed), so a test counts the requests the server answered.
+A path containing `forbidden` answers 403. `--delay-per-mib` sends bodies slowly (a download in flight a test can
+kill).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+import time
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+
+class Server(ThreadingHTTPServer):
+    allow_reuse_address = True
+    daemon_threads = True
+
+
+class Handler(SimpleHTTPRequestHandler):
+    delay_per_mib = 0.0
+
+    def do_GET(self) -> None:
+        if "forbidden" in self.path:
+            self.send_error(403, "Forbidden")
+            return
+        super().do_GET()
+
+    def copyfile(self, source, outputfile) -> None:  # type: ignore[no-untyped-def]
+        if not self.delay_per_mib:
+            super().copyfile(source, outputfile)
+            return
+        while chunk := source.read(64 << 10):
+            outputfile.write(chunk)
+            time.sleep(self.delay_per_mib / 16)
+
+    def log_request(self, code: int | str = "-", size: int | str = "-") -> None:
+        sys.stdout.write(f"{self.command} {self.path} {code}\n")
+        sys.stdout.flush()
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("root", type=Path)
+    parser.add_argument("port_file", type=Path)
+    parser.add_argument("--delay-per-mib", type=float, default=0.0)
+    parser.add_argument("--port", type=int, default=0)
+    args = parser.parse_args()
+    Handler.delay_per_mib = args.delay_per_mib
+    server = Server(("127.0.0.1", args.port), functools.partial(Handler, directory=str(args.root)))
+    tmp = args.port_file.with_suffix(".tmp")
+    tmp.write_text(str(server.server_address[1]))
+    tmp.rename(args.port_file)
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    main()
