@@ -59,8 +59,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.set_defaults(num_iters=16, num_batches_per_iter=20, num_warmup_batches=20)
     p.add_argument("--format", choices=("mds", "npy", "npz"), default="mds", help="shard file format")
     p.add_argument("--shard-files", type=int, default=4, help="training shard files (val: one)")
+    p.add_argument("--store", choices=("disk", "s3"), default="disk",
+                   help="mds: read the shards from local disk, or from a local S3 server (moto, 127.0.0.1) through "
+                        "the node cache: the warmup epoch fetches them, the timed epochs read the cache (epoch 2)")
     p.add_argument("--shards", help=argparse.SUPPRESS)  # inside horovodrun: the directory the driver wrote
     args = check_args(p, p.parse_args(argv))
+    if args.store == "s3" and args.format != "mds":
+        p.error("--store s3 streams MDS shards: use it with --format mds")
     if not 1 <= args.shard_files <= args.batch_size * args.num_batches_per_iter * args.np:
         p.error(f"--shard-files must be between 1 and the number of training samples, got {args.shard_files}")
     return args
@@ -82,7 +87,7 @@ def write_shards(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
         return write_mds(args, directory, splits)
     files, nbytes = 0, 0
     for name, split, parts in (("train", splits.train, args.shard_files), ("val", splits.val, 1)):
-        (directory / name).mkdir()
+        (directory / name).mkdir(parents=True)
         for i, (x, y) in enumerate(zip(np.array_split(split.x, parts), np.array_split(split.y, parts),
                                        strict=True)):
             stem = directory / name / f"part{i:03d}"
@@ -175,7 +180,8 @@ def report(args: argparse.Namespace, raw: dict[str, Any], written: dict[str, Any
               "mean_data_wait_s": {k: v["mean_wait_s"] for k, v in raw["stall"].items()},
               "same_data": raw["same_data"], "per_iteration": {k: raw[k] for k in ("synthetic", "shards")},
               "wall_s": wall_s, "leaks": leaks}
-    print(f"B3: recipe on {written['files']} {args.format} files ({written['bytes'] / 1e6:.1f} MB, "
+    where = " from S3" if args.store == "s3" else ""
+    print(f"B3: recipe on {written['files']} {args.format} files{where} ({written['bytes'] / 1e6:.1f} MB, "
           f"{written['train_samples']} train samples) vs synthetic in memory; ResNet(width {args.width}) on "
           f"{args.shape}, batch {args.batch_size}/rank, np={args.np} ({args.controller}), {args.num_workers} data "
           f"worker(s)/rank; {args.num_iters}×{args.num_batches_per_iter} timed steps each, interleaved")
@@ -192,15 +198,43 @@ def report(args: argparse.Namespace, raw: dict[str, Any], written: dict[str, Any
     return result
 
 
+@contextlib.contextmanager
+def s3_copy(local: Path, cache: Path) -> Any:
+    """`local` uploaded to a moto S3 server on 127.0.0.1 (this process), the job's environment pointed at it and at an
+    empty node cache; yields the dataset URL."""
+    import os
+
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    from hvdtrain.stream.upload import upload
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        env = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1",
+               "AWS_ENDPOINT_URL": f"http://{host}:{port}", "HVDTRAIN_DATA_CACHE": str(cache)}
+        os.environ.update(env)
+        boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], region_name="us-east-1").create_bucket(Bucket="bench")
+        upload(local, "s3://bench/shards", progress=False)
+        yield "s3://bench/shards"
+    finally:
+        server.stop()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker:
         worker(args)
         return 0
     start, before = time.perf_counter(), shm_segments()
-    with tempfile.TemporaryDirectory(prefix="hvdtrain-bench-shards-") as tmp:
-        written = write_shards(args, Path(tmp))
-        raw = run_bench_job(args, Path(__file__), [*forwarded(args), "--shards", tmp])
+    with tempfile.TemporaryDirectory(prefix="hvdtrain-bench-shards-") as tmp, contextlib.ExitStack() as stack:
+        written = write_shards(args, Path(tmp) / "data")
+        source = str(Path(tmp) / "data")
+        if args.store == "s3":
+            source = stack.enter_context(s3_copy(Path(source), Path(tmp) / "node-cache"))
+        raw = run_bench_job(args, Path(__file__), [*forwarded(args), "--shards", source])
     result = report(args, raw, written, time.perf_counter() - start, check_clean(before))
     path = write_json(OUT / "recipe_shards_vs_synthetic.json", result)
     print(f"  wall {result['wall_s']:.0f} s; written to {path}")

@@ -150,6 +150,35 @@ def test_two_ranks_of_four_producers_fetch_each_shard_once_per_node(tmp_path: Pa
         assert s3.gets(f"/pernode/{key}") == 1, key  # 8 producers with prefetch threads, 2 epochs: one GET each
 
 
+def test_mid_epoch_resume_on_another_world_size_reads_the_rest_exactly_once(tmp_path: Path, s3: MotoS3) -> None:
+    """3 ranks (real producers, S3, a cache of about half the dataset) train 3 batches each of epoch 1 and save the
+    loader state; 2 ranks (the job shrank, elastic) resume from it: together every sample exactly once."""
+    local = write_dataset(tmp_path / "ds", 305, per_shard=10)  # 305 - 45 consumed: 130 per rank, no padding
+    url = f"s3://{BUCKET}/elastic"
+    upload(local, url)
+    shard_bytes = max(s.raw.bytes for s in StreamingDataset(url).index.shards)
+    ds = StreamingDataset(url, block_shards=2, ahead=2, cache_limit=16 * shard_bytes)
+
+    def loader(rank: int, size: int) -> ShmLoader:
+        return ShmLoader(ds, batch_size=5, rank=rank, size=size, num_workers=2, fetch=StreamingDataset.take,
+                         order=ds.order, seed=11, timeout=60)
+
+    consumed: list[int] = []
+    state = None
+    for rank in range(3):
+        with loader(rank, 3) as first:
+            first.set_epoch(1)
+            it = iter(first)
+            consumed += [int(v) for _ in range(3) for v in next(it)["x"][:, 0]]
+            state = first.state_dict()
+    rest: list[int] = []
+    for rank in range(2):
+        with loader(rank, 2) as second:
+            second.load_state_dict(state)
+            rest += [int(v) for batch in second for v in batch["x"][:, 0]]
+    assert sorted(consumed + rest) == list(range(305))
+
+
 # ---- the byte limit and eviction by next use ---------------------------------------------------------------
 
 
@@ -376,3 +405,15 @@ def test_cli_upload_then_inspect_the_url_and_upload_errors(tmp_path: Path, s3: M
                                 text=True, timeout=60)
         assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
         assert re.search(message, result.stderr), result.stderr
+
+
+def test_the_s3_endpoint_may_come_from_aws_endpoint_url_s3(tmp_path: Path, s3: MotoS3,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """obstore drops AWS_ALLOW_HTTP when client options are passed: an http:// endpoint from any of the variables
+    it reads must still be allowed."""
+    local = write_dataset(tmp_path / "ds", 20)
+    url = f"s3://{BUCKET}/endpoint-s3"
+    upload(local, url)
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", s3.endpoint)
+    assert np.array_equal(StreamingDataset(url).take(np.arange(20))["x"][:, 0], np.arange(20))

@@ -71,7 +71,7 @@ def file_lock(path: Path, timeout: float, what: str) -> Iterator[None]:
 
 
 def ensure(path: Path, produce: Callable[[BinaryIO], None] | None = None, *, timeout: float = 600.0,
-           what: str = "a cache file", fetch: Callable[[], bytes] | None = None,
+           what: str = "a cache file", fetch: Callable[[], bytes | memoryview] | None = None,
            room: Callable[[int], contextlib.AbstractContextManager[None]] | None = None) -> tuple[Path, bool]:
     """`path`, produced unless it exists (see NOTE [cache files]); returns (path, produced). Either
     `produce(file)` writes it, or `fetch()` returns its bytes; then `room(nbytes)`, if given, is held around

@@ -74,7 +74,7 @@ class StreamingDataset:
                                   "`hvdtrain data convert SRC DST`)") from None
             raise StreamError(f"cannot read the dataset's index: {e}") from None
         try:
-            return data.decode("utf-8")
+            return bytes(data).decode("utf-8")
         except UnicodeDecodeError as e:
             raise StreamError(f"{self.store.url(mds.INDEX)}: cannot read ({e})") from None
 
@@ -179,7 +179,7 @@ class StreamingDataset:
             return self.store.local_dir / self.index.shards[s].raw.basename  # type: ignore[operator]
         return self.node.ensure(s, lambda: self.fetch_raw(s), what=f"fetching {self.shard_name(s)}")
 
-    def fetch_raw(self, s: int) -> bytes:
+    def fetch_raw(self, s: int) -> bytes | memoryview:
         """Shard `s`'s raw bytes from the store, checked against the index (size, hashes) and decompressed."""
         info = self.index.shards[s]
         remote, url = info.remote_file, self.shard_name(s)

@@ -44,7 +44,7 @@ def _describe_url(url: str) -> dict[str, Any]:
             if "not found (404)" in str(e):
                 return None
             raise
-        return mds.parse_index(text.decode("utf-8", errors="replace"), store.join(source, mds.INDEX))
+        return mds.parse_index(bytes(text).decode("utf-8", errors="replace"), store.join(source, mds.INDEX))
 
     own = index_of(url)
     if own is not None:

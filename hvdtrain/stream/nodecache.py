@@ -135,7 +135,7 @@ class NodeCache:
     def path(self, s: int) -> Path:
         return self.dir / self.names[s]
 
-    def ensure(self, s: int, fetch: Callable[[], bytes], *, wait: bool = True, what: str) -> Path:
+    def ensure(self, s: int, fetch: Callable[[], bytes | memoryview], *, wait: bool = True, what: str) -> Path:
         """Shard `s`'s local file, produced by `fetch()` unless present (`wait=False`: `cache.Busy` when another
         process is producing it)."""
 
@@ -165,7 +165,7 @@ class NodeCache:
 
     def _evict_lock(self) -> contextlib.AbstractContextManager[None]:
         self.dir.mkdir(parents=True, exist_ok=True)
-        return cache.file_lock(self.dir / EVICT_LOCK, 60.0, "making room in the data cache")
+        return cache.file_lock(self.dir / EVICT_LOCK, 600.0, "making room in the data cache")
 
     def make_room(self, nbytes: int) -> list[str]:
         """Delete files needed furthest in the future until `nbytes` more fit under the limit; the names deleted."""
