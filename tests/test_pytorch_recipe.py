@@ -267,7 +267,8 @@ def test_bad_shards_are_reported_naming_the_file(tmp_path, make, message):
 
 
 def test_an_unknown_dataset_name_says_what_is_allowed(tmp_path):
-    with pytest.raises(DatasetError, match=r"'digits', 'synthetic', an MDS dataset root or a directory.*'mnist'"):
+    with pytest.raises(DatasetError, match=r"'digits', 'synthetic', an MDS dataset root \(a directory or an "
+                                           r"s3://.*\) or a directory.*'mnist'"):
         load("mnist")
 
 
