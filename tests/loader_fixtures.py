@@ -82,3 +82,15 @@ def slow(worker_id: int, num_workers: int, epoch: int, seed: int) -> Iterator[np
 
 def bad_type(worker_id: int, num_workers: int, epoch: int, seed: int) -> Iterator[object]:
     yield {"x": np.zeros(2), "meta": {"nested": "dicts are not arrays"}}
+
+
+def logged_fetch(ds: IndexDataset, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A batch of IndexDataset, appending "epoch first-index" to $HVDTRAIN_TEST_LOG for every batch produced."""
+    info = worker_info()
+    line = f"{info.epoch if info else -1} {int(indices[0])}\n".encode()
+    fd = os.open(os.environ["HVDTRAIN_TEST_LOG"], os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    try:
+        os.write(fd, line)
+    finally:
+        os.close(fd)
+    return np.repeat(indices.astype(np.float32)[:, None], 3, axis=1), indices.astype(np.int64)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from multiprocessing.connection import wait
 from typing import TYPE_CHECKING, Any
 
 from hvdtrain.data.lifecycle import LoaderError, LoaderTimeoutError, WorkerError
@@ -65,14 +64,14 @@ class EpochIterator:
                                       f"{seq}:\n{tb}", message=message, bad_data=bad_data)
                 case EpochDone():
                     self._advance(w, ended=True)
-                case Batch(slot=slot, layout=layout):
+                case Batch(slot=slot):
                     self._advance(w, ended=False)
                     ld._count_consumed()
                     if self.skip > 0:
                         self.skip -= 1
                         ld._give_back(slot)
                         continue
-                    return self._lend(slot, layout)
+                    return self._lend(slot, ld._layouts[slot])
 
     def _lend(self, slot: int, layout: Layout) -> Any:
         ld = self.loader
@@ -99,6 +98,8 @@ class EpochIterator:
         self.done = True
         ld = self.loader
         ld._completed_epoch = ld.epoch
+        if not self.active:  # the epoch ended: the next one can start now (NOTE [epoch ahead] in loader.py)
+            ld._start_ahead()
         raise StopIteration
 
     # ---- receiving -------------------------------------------------------------------------------------------
@@ -118,36 +119,34 @@ class EpochIterator:
         this iteration — has arrived; returns (key, message)."""
         ld = self.loader
         for w in [key[0]] if key is not None else range(ld.num_workers):
-            self._drain(w, what)  # fast path: it is usually there already
+            self._drain(w, what, until=key)  # fast path: it is usually there already
         deadline = time.monotonic() + ld.timeout
-        conns, procs = ld._res.conns, ld._res.procs
-        sentinels = {p.sentinel: w for w, p in enumerate(procs)}
         while (key not in self.stash) if key is not None else not self.stash:
             ld._lender.flush()  # batches released by other threads: NOTE [batch lifetime] (d)
             left = deadline - time.monotonic()
             if left <= 0:
                 raise LoaderTimeoutError(f"no {what} from the data workers of rank {ld.rank} within "
                                          f"{ld.timeout:g} s (epoch {ld.epoch}); the workers are alive")
-            ready = wait([*conns, *sentinels], timeout=min(left, ld.poll_s))
-            for w, conn in enumerate(conns):
-                if conn in ready:
-                    self._drain(w, what)
-            for sentinel, w in sentinels.items():
-                if sentinel in ready:
-                    ld._fail_dead(w, f"while the trainer waited for {what}")
+            piped, exited = ld._watch.wait(min(left, ld.poll_s))
+            for w in piped:  # a dead worker's last messages (its failure) are read before its death is reported
+                self._drain(w, what)
+            for w in exited:
+                ld._fail_dead(w, f"while the trainer waited for {what}")
         key = key if key is not None else next(iter(self.stash))  # arrival order
         return key, self.stash.pop(key)
 
-    def _drain(self, w: int, what: str) -> None:
-        """Take in every message worker `w` has sent so far."""
-        conn = self.loader._res.conns[w]
+    def _drain(self, w: int, what: str, until: Key | None = None) -> None:
+        """Take in every message worker `w` has sent so far (or only up to message `until`)."""
+        conn, watch, stash = self.loader._res.conns[w], self.loader._watch, self.stash
         try:
-            while conn.poll(0):
+            while (until is None or until not in stash) and watch.readable(w):
                 self._on_message(w, conn.recv())
         except (EOFError, OSError):
             self.loader._fail_dead(w, f"while the trainer waited for {what}")
 
     def _on_message(self, w: int, msg: FromWorker) -> None:
+        if isinstance(msg, Batch) and msg.layout is not None:  # every Batch is read, in order: protocol.Batch
+            self.loader._layouts[msg.slot] = msg.layout
         match msg:
             case GrowSlot(slot=slot, nbytes=nbytes):
                 self.loader._grow(slot, nbytes)

@@ -28,11 +28,10 @@ hands out tensors that live as long as the user holds them; hvdtrain's batches m
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -53,16 +52,18 @@ class Lender:
         self.owner = threading.get_ident()
         self.copies = 0  # batches handed out as copies to keep a worker from starving: NOTE [batch lifetime] (c)
 
-    @contextlib.contextmanager
-    def talking(self) -> Iterator[None]:
-        """Around the loader's own pipe traffic: a release meanwhile (GC, this thread) only queues its slot, which is
-        given back at the end: NOTE [batch lifetime] (d)."""
+    def talking(self) -> Lender:
+        """`with lender.talking():` around the loader's own pipe traffic: a release meanwhile (GC, this thread) only
+        queues its slot, which is given back at the end: NOTE [batch lifetime] (d). (A plain class context manager:
+        it runs once per batch, where a generator-based one costs more than the rest of a small batch's hand-off.)"""
+        return self
+
+    def __enter__(self) -> None:
         self.owner, self.busy = threading.get_ident(), True
-        try:
-            yield
-        finally:
-            self.busy = False
-            self.flush()
+
+    def __exit__(self, *exc: object) -> None:
+        self.busy = False
+        self.flush()
 
     def held(self, worker: int) -> int:
         """Slots of `worker` the user holds (queued returns given back first)."""

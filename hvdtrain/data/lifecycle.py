@@ -23,7 +23,7 @@ Who owns what, and how everything ends — normally, on an exception, on interpr
   reads Stop(), when the pipe reports EOF (the trainer is gone: checked at least every
   `poll_s` while it waits and between batches), or when a segment it must attach was already unlinked.
 - The trainer never blocks without a deadline: it waits on the worker pipes *and* the process sentinels with
-  `multiprocessing.connection.wait(timeout=poll_s)`, so a dead worker is reported at once (WorkerDiedError, and
+  `Watch.wait(timeout=poll_s)` (one poll(2) set), so a dead worker is reported at once (WorkerDiedError, and
   the loader closes itself), an exception in a worker is re-raised with its traceback (WorkerError), and a silent
   worker raises LoaderTimeoutError after `timeout` s.
 - Batches the user still holds keep their mapping alive after close (a lent batch holds a memoryview export that
@@ -34,6 +34,8 @@ Who owns what, and how everything ends — normally, on an exception, on interpr
 from __future__ import annotations
 
 import contextlib
+import math
+import select
 import signal
 import sys
 import time
@@ -93,6 +95,37 @@ class Resources:
                 proc.join(timeout=2.0)
         for conn in self.conns:
             conn.close()
+
+
+class Watch:
+    """One persistent poll(2) set over the workers' pipes and process sentinels, made once per loader.
+
+    `multiprocessing.connection.wait` and `Connection.poll` build a selector on every call (~10-40 µs), more than
+    the rest of a small batch's hand-off; these are one system call each."""
+
+    def __init__(self, conns: list[Connection], procs: list[Any]) -> None:
+        self._all = select.poll()
+        self._one: list[Any] = []
+        self._owner: dict[int, tuple[int, bool]] = {}  # fd -> (worker, is its process sentinel)
+        for w, (conn, proc) in enumerate(zip(conns, procs, strict=True)):
+            for fd, sentinel in ((conn.fileno(), False), (proc.sentinel, True)):
+                self._all.register(fd, select.POLLIN)
+                self._owner[fd] = (w, sentinel)
+            one = select.poll()
+            one.register(conn.fileno(), select.POLLIN)
+            self._one.append(one)
+
+    def readable(self, w: int) -> bool:
+        """Whether worker `w`'s pipe has a message (or its end was closed: the read then says so)."""
+        return bool(self._one[w].poll(0))
+
+    def wait(self, timeout: float) -> tuple[list[int], list[int]]:
+        """Wait up to `timeout` s for any pipe or process; (workers with pipe events, workers that exited)."""
+        piped, exited = [], []
+        for fd, _ in self._all.poll(max(0, math.ceil(timeout * 1000))):
+            w, sentinel = self._owner[fd]
+            (exited if sentinel else piped).append(w)
+        return piped, exited
 
 
 def describe_exit(code: int | None) -> str:

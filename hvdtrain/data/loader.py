@@ -2,11 +2,33 @@
 
 The producer side is workers.py, the messages between the two protocol.py, one pass over an epoch (receiving and
 ordering the batches) epoch.py. Process and segment lifetimes, errors and shutdown: NOTE [shutdown] in lifecycle.py.
+
+NOTE [epoch ahead]
+An epoch's first batch used to cost the trainer a round trip at every `iter()`: StartEpoch to the workers, which
+only then built the epoch's shard and produced (about 1-3 ms on 2 busy cores; on the quickstart's 23-step epochs,
+most of its data wait). The order of the epoch that comes next is known, so the loader starts it before it is
+asked for:
+(a) When an iteration has received every worker's EpochDone (the loop ran to its end), the loader sends StartEpoch
+    for the iteration it expects next — the next epoch from its first batch, or the same epoch again if the user's
+    last iteration repeated its epoch without a resume — under a new generation, and remembers (generation, start
+    state). The workers fill their free slots as for any iteration; nobody reads their pipes until the next
+    `iter()`. Not at construction: a resumed run asks for another epoch first, and a streamed dataset would fetch
+    shards of an epoch nobody reads.
+(b) `iter()` takes that iteration over when its own start state is the one remembered (no load_state_dict(), the
+    epoch guessed): it reads that generation and sends nothing. Otherwise it starts a new generation as before: the
+    workers drop the early one at their next batch, and its batches are given back as they are read (a stale
+    generation), so a wrong guess costs at most `prefetch + 2` batches of work per worker, never a wrong batch.
+(c) Dataset mode only: a generator's epochs are user code that need not be repeatable, so they start when asked.
+    A failure in an epoch started early is reported only if that epoch is taken over (the iteration that replaces
+    a dropped one meets it again).
+(d) After the last epoch the workers make the first batches of an epoch nobody asks for, until `close()`; a
+    streamed dataset also fetches that epoch's first shards ahead (hvdtrain/stream/fetcher.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import multiprocessing as mp
 import warnings
 import weakref
@@ -22,6 +44,7 @@ from hvdtrain.data.lifecycle import (
     LoaderError,
     LoaderTimeoutError,
     Resources,
+    Watch,
     WorkerDiedError,
     WorkerError,
     describe_exit,
@@ -120,6 +143,11 @@ class ShmLoader:
         self._consumed = 0  # generator mode's resume position: batches of this epoch consumed (else the sampler's)
         self._resume_pending = False
         self._completed_epoch: int | None = None
+        # NOTE [epoch ahead]: the iteration started before `iter()` asked for it, as (generation, sampler state),
+        # and whether the user's iterations move on to the next epoch (else the same epoch is predicted).
+        self._ahead: tuple[int, dict[str, Any]] | None = None
+        self._last_epoch: int | None = None
+        self._advancing = True
         self._spw = prefetch + 1  # slots per worker: prefetch ahead + the one the step holds
         self_ref = weakref.ref(self)  # the lender must not keep the loader (and its workers) alive
 
@@ -132,6 +160,7 @@ class ShmLoader:
         # The current iteration's messages received ahead of their turn: its EpochIterator's `stash`, kept here so
         # that the next iteration gives their slots back even if that iterator is gone.
         self._unclaimed: dict[Key, EpochMessage] = {}
+        self._layouts: dict[int, shm.Layout] = {}  # slot -> layout of the last batch received in it
         self._res = Resources()
         self._finalizer = weakref.finalize(self, _shut_down, self._res, self._lender)
         self._closed = False
@@ -161,6 +190,7 @@ class ShmLoader:
             theirs.close()
             for slot in range(w * self._spw, (w + 1) * self._spw):
                 mine.send(FreeSlot(slot, None, 0))
+        self._watch = Watch(self._res.conns, self._res.procs)
 
     # ---- public API ----------------------------------------------------------------------------------------
 
@@ -207,13 +237,19 @@ class ShmLoader:
                 and self.sampler.shuffle):
             warnings.warn(f"ShmLoader: iterating epoch {self.epoch} again with the same order; call "
                           "set_epoch(epoch) every epoch", stacklevel=2)
-        self._gen += 1
         # Generator mode resumes by producing and skipping the consumed batches (the order is deterministic).
         skip = self._consumed if self._resume_pending and self.sampler is None else 0
         if not self._resume_pending and self.sampler is not None:
             self.sampler.rewind()
+        resumed = self._resume_pending
         self._consumed, self._resume_pending = 0, False
         state = None if self.sampler is None else self.sampler.state_dict()
+        ahead, self._ahead = self._ahead, None
+        adopt = ahead is not None and ahead == (self._gen, state)  # NOTE [epoch ahead]
+        self._advancing = self.epoch != self._last_epoch or resumed  # a resumed epoch is followed by the next
+        self._last_epoch = self.epoch
+        if not adopt:
+            self._gen += 1
         it = EpochIterator(self, self._gen, skip)
         with self._lender.talking():
             for msg in self._unclaimed.values():  # received by the previous iteration, never yielded
@@ -221,9 +257,26 @@ class ShmLoader:
                     self._give_back(msg.slot)
             self._unclaimed.clear()
             self._unclaimed = it.stash
-            for w in range(self.num_workers):
-                self._send(w, StartEpoch(self._gen, self.epoch, state))
+            if not adopt:
+                for w in range(self.num_workers):
+                    self._send(w, StartEpoch(self._gen, self.epoch, state))
         return it
+
+    def _start_ahead(self) -> None:
+        """Have the workers start the epoch the next `iter()` is expected to ask for, from its beginning, so that its
+        first batches are ready when it is (NOTE [epoch ahead]). Called when an epoch ends; dataset mode only."""
+        if self.sampler is None or self._closed:
+            return
+        epoch = self.epoch + 1 if self._advancing else self.epoch
+        start = copy.copy(self.sampler)
+        start.set_epoch(epoch)
+        start.rewind()
+        state = start.state_dict()
+        self._gen += 1
+        self._ahead = (self._gen, state)
+        for conn in self._res.conns:  # a dead worker is reported by the next iteration's wait, not here
+            with contextlib.suppress(OSError):
+                conn.send(StartEpoch(self._gen, epoch, state))
 
     def close(self) -> None:
         """Stop the workers and free every segment (idempotent; see NOTE [shutdown])."""

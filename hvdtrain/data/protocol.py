@@ -8,7 +8,8 @@ and its message names the slot and the `shm.Layout` to read it with. Both ends d
                                                                  memory yet; the first batch asks for some)
                         StartEpoch(generation, epoch, sampler_state)  produce this epoch (aborts the current one)
                         Stop()
-    worker -> trainer   Batch(generation, seq, slot, layout)     batch `seq` of this worker is in `slot`
+    worker -> trainer   Batch(generation, seq, slot, layout)     batch `seq` of this worker is in `slot` (layout
+                                                                 None: as the slot's previous batch)
                         GrowSlot(slot, nbytes)                   `slot` is too small: send it back bigger
                         EpochDone(generation, seq)               no more batches (`seq` = how many there were)
                         WorkerFailed(generation, seq, traceback) user code raised before batch `seq`
@@ -58,12 +59,14 @@ class Stop:
 
 @dataclass(frozen=True)
 class Batch:
-    """The worker's batch number `seq` of this epoch is in `slot`, laid out as `layout`."""
+    """The worker's batch number `seq` of this epoch is in `slot`, laid out as `layout`; None: laid out as the
+    previous batch written into that slot (the trainer keeps each slot's last layout: pickling a layout costs more
+    than the rest of a small batch's message)."""
 
     generation: int
     seq: int
     slot: int
-    layout: Layout
+    layout: Layout | None
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,9 @@ lifecycle.py for how the worker ends.
 
 from __future__ import annotations
 
+import math
 import random
+import select
 import signal
 import sys
 import traceback
@@ -115,12 +117,15 @@ class _Worker:
         self.mapped: dict[int, shm.Segment] = {}
         self.free: deque[int] = deque()
         self.growing: set[int] = set()  # slots sent back to be grown, not yet returned
+        self.layouts: dict[int, shm.Layout] = {}  # slot -> layout of the last batch sent in it (protocol.Batch)
         self.pending: deque[StartEpoch | Stop] = deque()
+        self.poller = select.poll()  # persistent: Connection.poll builds a selector on every call
+        self.poller.register(conn.fileno(), select.POLLIN)
 
     def pump(self, timeout: float) -> None:
         """Take in whatever the trainer sent within `timeout` s (slots are kept, commands queued)."""
         try:
-            if not self.conn.poll(timeout):
+            if not self.poller.poll(math.ceil(timeout * 1000)):
                 return
             while True:
                 match self.conn.recv():
@@ -134,7 +139,7 @@ class _Worker:
                         self.pending.append(msg)
                     case msg:
                         raise TypeError(f"unexpected message from the trainer: {msg!r}")
-                if not self.conn.poll(0):
+                if not self.poller.poll(0):
                     return
         except (EOFError, OSError) as exc:
             raise TrainerGone from exc
@@ -214,7 +219,9 @@ class _Worker:
         if slot is None:
             return False
         shm.write_batch(self.mapped[slot].buf, layout, arrays)
-        self.send(Batch(gen, seq, slot, layout))
+        same = self.layouts.get(slot) == layout
+        self.layouts[slot] = layout
+        self.send(Batch(gen, seq, slot, None if same else layout))
         return True
 
     def acquire(self, nbytes: int) -> int | None:
