@@ -11,14 +11,15 @@ two datasets in one horovodrun job:
 - shards: `--dataset DIR`, a temporary dataset root with `train/` and `val/`, written by this script before the job
   starts and removed after: `--format mds` (default) MDS shards (`--shard-files` of them), which the recipe
   streams: the loader's producers read memory-mapped shards batch by batch, shuffle block by shuffle block; `npy`:
-  `NAME_x.npy` + `NAME_y.npy` pairs, `npz`: `NAME.npz` files with arrays x and y, both read into memory at setup.
+  `NAME_x.npy` + `NAME_y.npy` pairs, `npz`: `NAME.npz` files with arrays x and y, both memory-mapped and read batch
+  by batch in the producers too (hvdtrain/train/npyshards.py; an `.npz` is CRC-checked once at load).
 The shards hold exactly the samples and labels that the synthetic side generates (same shape, seed, count), so
 the model, batches and work per step are identical; the job checks that the two training sets are equal. Each
 side trains one warmup epoch, then `--num-iters` (16) epochs of `--num-batches-per-iter` (20) steps per rank (more
 than recipe_vs_synthetic.py's Horovod defaults of 10 x 10: the goal is a 5% threshold), alternating
 which side goes first, so machine load drifts hit both alike. "load s" is the median time of the `datasets.load()`
-call setup() makes, timed on rank 0 (npy/npz: reading the shards into memory, not in the training rate; mds: the
-index only, the shards are read while training; synthetic: generating the data).
+call setup() makes, timed on rank 0 (npy: headers and labels; npz: also the CRC check of each archive; mds: the
+index only; the samples are read while training; synthetic: generating the data).
 
 Ratio = shards / synthetic samples/s per worker; goal >= 0.95x. Printed, and written to
 bench/out/recipe_shards_vs_synthetic.json. Also reported: each side's data wait share of step time (StallMeter).

@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from hvdtrain import exitcodes
-from hvdtrain.train import checkpoint, datasets, divergence
+from hvdtrain.train import checkpoint, datasets, divergence, npyshards
 from hvdtrain.train.datasets import DatasetError, load
 from hvdtrain.train.entry import exit_with
 from tests.harness import REPO, JobResult, horovodrun, run_bounded
@@ -195,18 +195,24 @@ def test_every_unreadable_shard_is_one_error_naming_the_file_and_the_reason(tmp_
 
 # ---- NaN/Inf samples -----------------------------------------------------------------------------------------
 
+def read_every_sample(splits: datasets.Splits) -> np.ndarray:
+    """Every sample of both splits, as the loaders read them (batches through `take`)."""
+    return np.concatenate([split.take(np.arange(len(split)))[0] for split in (splits.train, splits.val)])
+
+
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 def test_a_nan_or_inf_sample_is_named_with_its_index_and_position(tmp_path, bad):
     np.savez(tmp_path / "a.npz", x=samples(20), y=labels(20))
     x = samples(20)
     x[13, 0, 2, 5] = bad
     np.savez(tmp_path / "b.npz", x=x, y=labels(20))
+    splits = load(str(tmp_path))  # samples are checked where their batch is read (tests/test_npy_shards.py)
     with pytest.raises(DatasetError, match=re.escape(
             f"{tmp_path / 'b.npz'}['x'][13]: sample holds {bad} at position (0, 2, 5); fix the data, or pass "
             "--no-check-finite")):
-        load(str(tmp_path))
+        read_every_sample(splits)
     loaded = load(str(tmp_path), check_finite=False)
-    assert (~np.isfinite(np.concatenate([loaded.train.x, loaded.val.x]))).sum() == 1
+    assert (~np.isfinite(read_every_sample(loaded))).sum() == 1
 
 
 def test_a_float64_sample_beyond_float32_range_is_named_not_trained_as_inf(tmp_path):
@@ -216,10 +222,10 @@ def test_a_float64_sample_beyond_float32_range_is_named_not_trained_as_inf(tmp_p
     with pytest.raises(DatasetError, match=re.escape(
             f"{tmp_path / 'a.npz'}['x'][4]: sample holds inf at position (1,) (as float32; the file holds float64: "
             "a value beyond float32's range is inf)")):
-        load(str(tmp_path))
+        read_every_sample(load(str(tmp_path)))
 
 
-def test_loading_shards_peaks_at_twice_the_samples_not_three_times(tmp_path):
+def test_loading_shards_reads_labels_not_samples(tmp_path):
     import tracemalloc
 
     for i in range(4):  # 4 MB of float32 samples each
@@ -231,7 +237,8 @@ def test_loading_shards_peaks_at_twice_the_samples_not_three_times(tmp_path):
     finally:
         tracemalloc.stop()
     total = (len(splits.train) + len(splits.val)) * 1000 * 4
-    assert peak < 2.5 * total, f"peak {peak / 1e6:.1f} MB for {total / 1e6:.1f} MB of samples"
+    # the archives' CRC-32 check reads chunks of READ_CHUNK bytes (zipfile buffers about one more); samples stay put
+    assert peak < min(0.2 * total, 3 * npyshards.READ_CHUNK), f"peak {peak / 1e6:.1f} MB for {total / 1e6:.1f} MB"
 
 
 def test_the_sample_check_scans_in_blocks_and_still_names_the_right_sample(monkeypatch):

@@ -246,7 +246,8 @@ def test_npy_pairs_and_train_val_subdirectories(tmp_path):
         save_pair(tmp_path / sub, "a", np.ones((n, 5), np.float64), np.arange(n) % 3)
     s = load(str(tmp_path))
     assert (len(s.train), len(s.val), s.num_classes, s.sample_shape) == (10, 4, 3, (5,))
-    assert s.train.x.dtype == np.float32
+    x, y = s.train.take(np.arange(10))
+    assert x.dtype == np.float32 and np.array_equal(x, np.ones((10, 5))) and np.array_equal(y, np.arange(10) % 3)
 
 
 @pytest.mark.parametrize("make,message", [

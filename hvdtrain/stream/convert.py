@@ -2,7 +2,7 @@
 
 Sources (a split layout when SRC has both `train/` and `val/`; else SRC is the one, training split):
 - arrays: `*.npz` files holding `x` (samples, N × ...) and `y` (integer labels, N), and/or `NAME_x.npy` +
-  `NAME_y.npy` pairs (hvdtrain/train/datasets.py's shard directory). `x` keeps its dtype; one file is in memory at a
+  `NAME_y.npy` pairs (hvdtrain/train/npyshards.py's shard directory). `x` keeps its dtype; one file is in memory at a
   time.
 - images: `<class>/*.jpg|jpeg|png` (class directories directly under SRC or under each split). Classes are numbered
   by their sorted directory names (over every split); images are decoded to RGB, resized to `image_size` (H, W)
@@ -227,7 +227,7 @@ def _samples(source: Source, items: list[Any], bar: Any) -> Iterator[tuple[np.nd
 
 # ---- array shard directories ------------------------------------------------------------------------------
 
-ShardSrc = Path | tuple[Path, Path]  # a .npz file or (NAME_x.npy, NAME_y.npy), from datasets._shard_files
+ShardSrc = Path | tuple[Path, Path]  # a .npz file or (NAME_x.npy, NAME_y.npy), from npyfiles.shard_files
 
 
 def _scan(dirs: dict[str, Path], image_size: tuple[int, int] | None) -> Source:
@@ -241,14 +241,14 @@ def _scan(dirs: dict[str, Path], image_size: tuple[int, int] | None) -> Source:
 
 def _scan_arrays(dirs: dict[str, Path]) -> Source:
     """Every shard's x header and labels checked (x's data is not read); one x dtype and sample shape in all."""
-    from hvdtrain.train.datasets import _shard_files
+    from hvdtrain.train.npyfiles import shard_files
 
     items: dict[str, list[Any]] = {}
     counts: dict[str, int] = {}
     first: tuple[str, tuple[int, ...], np.dtype] | None = None
     top, distinct = -1, set[int]()
     for split, directory in dirs.items():
-        items[split], counts[split] = [src for _, src in _shard_files(directory)], 0
+        items[split], counts[split] = [src for _, src in shard_files(directory)], 0
         for src in items[split]:
             shape, dtype = _x_header(src)
             y = _load_array(src, "y")
@@ -281,7 +281,7 @@ def _where(src: ShardSrc, key: str) -> tuple[Path, str]:
 
 def _x_header(src: ShardSrc) -> tuple[tuple[int, ...], np.dtype]:
     """x's shape and dtype from its .npy header (its data is not read); StreamError when MDS cannot store it."""
-    from hvdtrain.train.datasets import UNREADABLE, _unreadable
+    from hvdtrain.train.npyfiles import UNREADABLE, unreadable
 
     path, name = _where(src, "x")
     try:
@@ -294,7 +294,7 @@ def _x_header(src: ShardSrc) -> tuple[tuple[int, ...], np.dtype]:
     except UNREADABLE as e:
         if isinstance(e, StreamError):
             raise
-        raise _unreadable(name, e) from None
+        raise unreadable(name, e) from None
     if len(shape) < 2 or 0 in shape[1:]:
         raise StreamError(f"{name}: samples must be an array of shape (N, ...) with non-empty samples, got shape "
                           f"{shape}")
@@ -327,9 +327,9 @@ def _check_labels(src: ShardSrc, samples: int, y: np.ndarray) -> None:
 
 def _npz(path: Path, key: str) -> Any:
     """The open .npz archive `path`, which holds `key`; StreamError otherwise."""
-    from hvdtrain.train.datasets import _np_load
+    from hvdtrain.train.npyfiles import np_load
 
-    data = _np_load(path)
+    data = np_load(path)
     if not isinstance(data, np.lib.npyio.NpzFile):
         raise StreamError(f"{path}: a single array, not a .npz archive holding 'x' and 'y'")
     if key not in data.files:
@@ -340,11 +340,11 @@ def _npz(path: Path, key: str) -> Any:
 
 
 def _load_array(src: ShardSrc, key: str) -> np.ndarray:
-    from hvdtrain.train.datasets import UNREADABLE, _np_load, _unreadable
+    from hvdtrain.train.npyfiles import UNREADABLE, np_load, unreadable
 
     path, name = _where(src, key)
     if isinstance(src, tuple):
-        data = _np_load(path)
+        data = np_load(path)
         if not isinstance(data, np.ndarray):
             data.close()
             raise StreamError(f"{path}: a .npz archive, not a .npy array")
@@ -353,7 +353,7 @@ def _load_array(src: ShardSrc, key: str) -> np.ndarray:
         try:
             return npz[key]
         except UNREADABLE as e:
-            raise _unreadable(name, e) from None
+            raise unreadable(name, e) from None
 
 
 # ---- image folders ----------------------------------------------------------------------------------------
