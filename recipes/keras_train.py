@@ -14,13 +14,17 @@ Keras 2 only: `horovod.tensorflow.keras` does not work with Keras 3 (TF >= 2.16'
 DistributedOptimizer silently stops averaging gradients. This script sets `TF_USE_LEGACY_KERAS=1` before TensorFlow
 is imported (so `tf.keras` is the `tf-keras` package, which must match TF's minor version) and stops with the fix
 if `tf.keras` is still Keras 3 (see hvdtrain/tfkeras.py). `--dataset`, resume and `--run-dir` work as in
-recipes/pytorch_train.py: re-running the same command resumes from the newest intact checkpoint. `--help` lists all.
+recipes/pytorch_train.py (a directory, an MDS dataset root or its URL: the same loader, sharding and node cache
+as the PyTorch recipes); re-running the same command resumes from the newest intact checkpoint. `--help` lists all.
 
 What each rank does, in order (Horovod's six Keras steps, plus resume):
  1. hvd.init(); pin one GPU per process (visible device = local rank, memory growth), or on CPU split the
     cores between the local ranks (tf.config.threading); rank 0 locks the run directory (a second job on it
     stops with exit 2, naming the holder).
- 2. tf.data input sharded per rank with hvdtrain's ShardSampler (same steps on every rank), prefetch(AUTOTUNE).
+ 2. Each rank's shard of the training set (hvdtrain's ShardSampler: the same steps on every rank) from the
+    loader's producer processes (ShmLoader: batches read, checked and moved to N×H×W×C there, an MDS dataset or
+    URL streamed with fetch ahead) through tf.data (to_tf_dataset), one loader epoch per Keras epoch; this
+    rank's share of the validation set read in the trainer, batch by batch.
  3. LR = base LR × world size; wrap the optimizer in hvd.DistributedOptimizer.
  4. Callbacks in Horovod's order: BroadcastGlobalVariablesCallback(0), MetricAverageCallback(),
     LearningRateWarmupCallback, LR schedules; a NaN/Inf check of the weights after each step (every rank stops
@@ -37,11 +41,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from hvdtrain import tfkeras
-from hvdtrain.data import ShardSampler, expected_batches
-from hvdtrain.train import checkpoint, datasets, rundir
+from hvdtrain.data import ShmLoader, expected_batches, sweep_stale_segments
+from hvdtrain.train import checkpoint, layout, rundir
 from hvdtrain.train.config import RecipeConfig, parse_config
 from hvdtrain.train.entry import exit_with
 from hvdtrain.train.lr import scaled_epochs
@@ -56,6 +58,7 @@ class Config(RecipeConfig):
     scale_epochs_by_size: bool = field(default=False, metadata={
         "help": "run ceil(epochs / world size) epochs, as Horovod's Keras examples do"})
     batch_size: int = field(default=32, metadata={"help": "samples per rank per step"})
+    num_workers: int = field(default=1, metadata={"help": "data producer processes per rank"})
     base_lr: float = field(default=0.05, metadata={"help": "single-process LR; × world size"})
     warmup_epochs: int = field(default=2, metadata={"help": "epochs of linear LR warmup (0: none)"})
     run_dir: str = field(default="runs/keras", metadata={"help": "checkpoints, TensorBoard, summary.json"})
@@ -63,7 +66,7 @@ class Config(RecipeConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name in ("width", "epochs", "batch_size"):
+        for name in ("width", "epochs", "batch_size", "num_workers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.warmup_epochs < 0:
@@ -72,42 +75,6 @@ class Config(RecipeConfig):
             raise ValueError(f"--base-lr must be a finite number > 0, got {self.base_lr}")
         if list(self.lr_milestones) != sorted(set(self.lr_milestones)) or any(m < 1 for m in self.lr_milestones):
             raise ValueError(f"--lr-milestones must be increasing epochs >= 1, got {self.lr_milestones}")
-
-
-def train_dataset(tf: Any, ds: datasets.ArrayDataset, cfg: Config, rank: int, size: int, first: int,
-                  epochs: int) -> Any:
-    """Epochs first..epochs-1 of this rank's shard as one tf.data pipeline (fit runs it with steps_per_epoch).
-
-    Horovod: each rank reads only its shard: ShardSampler takes every size-th sample of a per-epoch permutation
-    that is the same on every rank (seeded by seed and epoch, so a resumed run sees the same order), padded so
-    every rank runs the same number of steps (an uneven shard would leave one rank waiting in an allreduce).
-    """
-    def epoch_indices(epoch: np.int64) -> np.ndarray:
-        sampler = ShardSampler(len(ds), rank, size, seed=cfg.seed, shuffle=True, batch_size=cfg.batch_size,
-                               order=ds.order)
-        sampler.set_epoch(int(epoch))
-        return sampler.indices().astype(np.int64)
-
-    def one_epoch(epoch: Any) -> Any:
-        idx = tf.numpy_function(epoch_indices, [epoch], tf.int64, stateful=False)
-        return tf.data.Dataset.from_tensor_slices(idx).batch(cfg.batch_size)
-
-    from hvdtrain.train import keraskit
-
-    take = keraskit.remember_data_errors(ds.take)  # bad data in a streamed shard: exit 2, not TF's traceback
-
-    def fetch(idx: Any) -> tuple[Any, Any]:
-        x, y = tf.numpy_function(take, [idx], (tf.float32, tf.int64), stateful=False)
-        return tf.ensure_shape(x, (None, *ds.sample_shape)), tf.ensure_shape(y, (None,))
-
-    return (tf.data.Dataset.range(first, epochs).flat_map(one_epoch)
-            .map(fetch, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).prefetch(tf.data.AUTOTUNE))
-
-
-def val_dataset(tf: Any, ds: datasets.ArrayDataset, rank: int, size: int) -> Any:
-    # Horovod: this rank's share of the validation set (padded by wrapping to equal shares: up to size-1 repeats).
-    idx = ShardSampler(len(ds), rank, size, shuffle=False).indices()
-    return tf.data.Dataset.from_tensor_slices(ds.take(idx)).batch(256).prefetch(tf.data.AUTOTUNE)
 
 
 def lr_callbacks(hvd: Any, cfg: Config, lr: float, steps: int, rank: int) -> list[Any]:
@@ -144,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     # ---- 1. processes and devices
     hvd.init()  # Horovod: join the job; rank/size come from horovodrun (or mpirun).
     rank, size = hvd.rank(), hvd.size()
+    sweep_stale_segments()  # /dev/shm segments a crashed earlier run left (dead creator pid, older than 60 s)
     # Horovod: pin one GPU per process (visible device = local rank); on CPU, split this host's cores between its
     # ranks.
     device = keraskit.pin_device(hvd.local_rank(), hvd.local_size(), cfg.threads)
@@ -152,13 +120,17 @@ def main(argv: list[str] | None = None) -> int:
     # rank whether another job holds it (then all stop here with exit 2, before reading or writing anything).
     run_lock = rundir.claim(run_dir, rank, lambda v: hvd_tf.broadcast_object(v, root_rank=0, name="run_dir.lock"))
 
-    # ---- 2. data (each rank's shard: train_dataset, val_dataset)
+    # ---- 2. data
     splits = cfg.load_data()
-    train, val = keraskit.channels_last(splits.train), keraskit.channels_last(splits.val)
+    # Horovod: each rank reads only its shard (ShardSampler: strided over a per-epoch permutation that is the same
+    # on every rank; padded so that every rank runs the same number of steps — an uneven shard would leave one
+    # rank waiting in an allreduce). The loader that reads it is started in step 5, when there is training to do.
+    sample_shape = layout.channels_last_shape(splits.train.sample_shape)
+    steps = expected_batches(len(splits.train), size, cfg.batch_size)
 
     # ---- 3. model, LR, optimizer
     tf.keras.utils.set_random_seed(cfg.seed)
-    model = keraskit.build_model(train.sample_shape, splits.num_classes, cfg.width)
+    model = keraskit.build_model(sample_shape, splits.num_classes, cfg.width)
     # Horovod: scale the LR by the number of workers (the effective batch is size × larger; Goyal et al.).
     lr = cfg.base_lr * size
     # Horovod: wrap the optimizer: gradients are averaged over all ranks by allreduce before they are applied.
@@ -191,13 +163,13 @@ def main(argv: list[str] | None = None) -> int:
     history = History(hvd_tf.broadcast_object(rows, root_rank=0, name="resume.history"))
     if first:
         hvd_tf.broadcast_variables(model.variables + list(model.optimizer.variables), root_rank=0)
-    steps = expected_batches(len(train), size, cfg.batch_size)
-    log(rank, f"{size} ranks on {device}  dataset {splits.name}: {len(train)} train / {len(val)} val  "
-              f"{tfkeras.keras_info(tf).describe()}  epochs {first + 1}..{epochs}  batch {cfg.batch_size}×{size} "
+    log(rank, f"{size} ranks on {device}  dataset {splits.name}: {len(splits.train)} train / {len(splits.val)} "
+              f"val  {tfkeras.keras_info(tf).describe()}  epochs {first + 1}..{epochs}  batch {cfg.batch_size}×{size} "
               f"ranks  {steps} steps/epoch  peak lr {lr:g}")
 
     # ---- 5. callbacks in Horovod's order, then fit
-    recorder = keraskit.Recorder(history, math.ceil(len(train) / size) * size, rank, epochs, cfg.stop_after_epoch)
+    samples = math.ceil(len(splits.train) / size) * size  # per epoch, over all ranks
+    recorder = keraskit.Recorder(history, samples, rank, epochs, cfg.stop_after_epoch)
     callbacks = [
         # Horovod: after the first batch, copy rank 0's weights and optimizer state to every rank (random init,
         # or the checkpoint rank 0 resumed from).
@@ -216,9 +188,16 @@ def main(argv: list[str] | None = None) -> int:
             callbacks.append(tf.keras.callbacks.TensorBoard(log_dir=str(run_dir / "tensorboard"), write_graph=False,
                                                             profile_batch=0))
     if first < epochs:
-        with keraskit.data_errors_reraised(tf):
-            model.fit(train_dataset(tf, train, cfg, rank, size, first, epochs), steps_per_epoch=steps,
-                      epochs=epochs, initial_epoch=first, validation_data=val_dataset(tf, val, rank, size),
+        # Horovod: this rank's shard, built by producer processes into shared memory (an MDS dataset is read there,
+        # shuffle block by shuffle block: `order`) and moved to N×H×W×C there; each Keras epoch is one epoch of the
+        # loader (its set_epoch: the same shuffle on every rank); validation on this rank's share of the validation
+        # split, read here. Leaving the block stops the producers; bad data met in tf.data is re-raised as itself
+        # (exit 2 with its message).
+        with ShmLoader(splits.train, rank=rank, size=size, batch_size=cfg.batch_size, num_workers=cfg.num_workers,
+                       seed=cfg.seed, fetch=layout.take_channels_last, order=splits.train.order) as loader, \
+                keraskit.data_errors_reraised():
+            model.fit(keraskit.train_input(loader, first, epochs, sample_shape), steps_per_epoch=steps,
+                      epochs=epochs, initial_epoch=first, validation_data=keraskit.val_input(splits.val, rank, size),
                       callbacks=callbacks, verbose=cfg.verbose if rank == 0 else 0)  # Horovod: output on rank 0 only
 
     # ---- 6. the end

@@ -1,4 +1,5 @@
-"""recipes/keras_train.py run for real with 2 Horovod ranks: Gloo for a fresh run, MPI for the resume.
+"""recipes/keras_train.py run for real with 2 Horovod ranks: Gloo for a fresh run, MPI for the resume, which ends
+bit-identical to an uninterrupted run (Gloo) of as many epochs.
 
 Each rank runs under a small wrapper that records, with a Python audit hook, every file it opens for writing or
 renames into the run directory, so "only rank 0 writes" is checked from what the ranks did. Final weights are
@@ -125,6 +126,13 @@ def resumed(fresh, tmp_path_factory) -> Run:
     return run_recipe(tmp, tmp / "run", *ARGS[:1], "3", *ARGS[2:], controller="mpi")
 
 
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> Run:
+    """The resumed run's 3 epochs without the interruption."""
+    tmp = tmp_path_factory.mktemp("keras-straight")
+    return run_recipe(tmp, tmp / "run", *ARGS[:1], "3", *ARGS[2:], controller="gloo")
+
+
 def test_gloo_two_ranks_learn_and_end_with_identical_weights(fresh):
     summary = fresh.summary()
     digests = summary["weights_sha256_by_rank"]
@@ -161,6 +169,17 @@ def test_mpi_resume_continues_from_the_next_epoch(resumed):
     assert digests[0] == digests[1] == checkpoint_digest(resumed, 3)
     assert resumed.audit[1] == [], f"rank 1 wrote into the run directory: {resumed.audit[1]}"
     assert resumed.checkpoints() == ["ckpt-epoch0002.pt", "ckpt-epoch0003.pt"]  # keep 2
+
+
+def test_a_resumed_run_trains_on_the_samples_of_an_uninterrupted_one(resumed, straight):
+    """Each Keras epoch is one epoch of the rank's ShmLoader (set_epoch: the same shuffle on every rank): resumed at
+    epoch 3, the ranks train on epoch 3's batches, so 2 epochs + a resume (MPI) end bit-identical to 3 epochs in one
+    run (Gloo), every epoch's metrics included."""
+    assert epoch_lines(straight.output) == [1, 2, 3]
+    assert resumed.summary()["weights_sha256_by_rank"] == straight.summary()["weights_sha256_by_rank"]
+    keys = ("epoch", "train_loss", "train_accuracy", "val_loss", "val_accuracy", "lr")
+    assert [{k: row[k] for k in keys} for row in resumed.summary()["history"]] == \
+        [{k: row[k] for k in keys} for row in straight.summary()["history"]]
 
 
 def test_recipe_stops_with_the_fix_on_keras_3_and_trains_nothing(tmp_path):

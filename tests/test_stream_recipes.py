@@ -124,8 +124,9 @@ def test_keras_recipe_trains_on_streamed_shards(digits_root: Path, tmp_path: Pat
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None, reason="TensorFlow is not installed")
 def test_keras_recipe_names_a_bad_label_in_a_shard_with_exit_2(tmp_path: Path) -> None:
-    """The sample is read inside tf.data (tf.numpy_function), which re-raises errors as TensorFlow's own: the
-    recipe still ends with the data error's message and exit 2, not a TensorFlow traceback."""
+    """The sample is read in a producer process and reaches the trainer inside tf.data (from_generator), which
+    re-raises errors as TensorFlow's own: the recipe still ends with the data error's message and exit 2, not a
+    TensorFlow traceback."""
     root = write_digits(tmp_path / "digits", bad_label_at=5)
     result = run_bounded([str(REPO / ".venv" / "bin" / "python"), str(REPO / "recipes" / "keras_train.py"),
                           "--dataset", str(root), "--epochs", "1", "--verbose", "0", "--run-dir",

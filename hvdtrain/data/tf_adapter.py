@@ -34,8 +34,12 @@ def to_tf_dataset(loader: Any, output_signature: Any = None, *, example: Any = N
     """`tf.data.Dataset.from_generator` over `loader` (an ShmLoader or any iterable of numpy batches).
 
     The signature is `output_signature`, or derived from `example` (one batch), or — for a dataset-mode ShmLoader —
-    from its first sample batch computed here in the trainer. Each pass over the returned dataset is one
-    `iter(loader)`: call `loader.set_epoch(epoch)` at every epoch start (in Keras, an `on_epoch_begin` callback).
+    from its first sample batch computed here in the trainer (give a signature for a streamed dataset: that batch
+    would be read here, not in a producer). Each pass over the returned dataset is one `iter(loader)`: call
+    `loader.set_epoch(epoch)` before each pass. Keras `fit` with `steps_per_epoch` makes one pass for all its
+    epochs (tf_keras re-creates its iterator per epoch only when the dataset's cardinality equals steps_per_epoch,
+    and then before `on_epoch_begin`): give it an iterable that sets each epoch and iterates the loader, as
+    `hvdtrain.train.keraskit.LoaderEpochs` does for the Keras recipe.
     Each batch is copied out of its shared-memory slot before it is handed to TF (one memcpy per batch): TF may
     wrap numpy memory without copying, and tf.data asks for the next element — releasing the slot — before the
     model has read the current one, so a zero-copy batch could be overwritten while in use. Lists are yielded as

@@ -1,8 +1,11 @@
-"""What the Keras recipe (recipes/keras_train.py) needs that is not a Horovod step: the NHWC layout, the model,
-checkpoints in .npz, and its callbacks (atomic checkpoints, the per-epoch record, the NaN/Inf stop).
+"""What the Keras recipe (recipes/keras_train.py) needs that is not a Horovod step: its input (training batches from
+an ShmLoader's producer processes through `tf.data`, validation batches read here, both N×H×W×C), the model,
+checkpoints in .npz, its callbacks (atomic checkpoints, the per-epoch record, the NaN/Inf stop), and bad data met
+inside `tf.data` re-raised as itself (exit 2 with its message).
 
 Importing this module imports TensorFlow with Keras 2 as tf.keras (hvdtrain.tfkeras): the recipe imports it
-inside main(), after its own Keras-3 guard has run.
+inside main(), after its own Keras-3 guard has run. The loader's `fetch` (`take_channels_last`) lives in
+hvdtrain/train/layout.py, which does not import TensorFlow: the producer processes import only that.
 """
 
 from __future__ import annotations
@@ -14,19 +17,22 @@ import json
 import math
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from hvdtrain import tfkeras
+from hvdtrain.data import ShardSampler, ShmLoader, WorkerError, to_tf_dataset
 from hvdtrain.stream.errors import StreamError
-from hvdtrain.train import checkpoint, datasets, divergence
+from hvdtrain.train import checkpoint, divergence
+from hvdtrain.train.layout import channels_last_shape, take_channels_last
 from hvdtrain.train.metrics import History
 from hvdtrain.train.report import log
 
 tf = tfkeras.import_tensorflow()
+T = TypeVar("T")
 
 
 def pin_device(local_rank: int, local_size: int, threads: int | None) -> str:
@@ -43,17 +49,6 @@ def pin_device(local_rank: int, local_size: int, threads: int | None) -> str:
     tf.config.threading.set_intra_op_parallelism_threads(n)
     tf.config.threading.set_inter_op_parallelism_threads(max(1, min(2, n)))
     return f"CPU ({n} threads)"
-
-
-def channels_last(ds: Any) -> Any:
-    """hvdtrain's datasets are N×C×H×W (PyTorch's layout); Keras convolutions on CPU need N×H×W×C."""
-    from hvdtrain.train import streamed
-
-    if isinstance(ds, streamed.StreamSplit):
-        return streamed.with_channels_last(ds)  # moved per batch as it is read
-    if ds.x.ndim != 4:
-        return ds
-    return datasets.ArrayDataset(np.ascontiguousarray(np.moveaxis(ds.x, 1, -1)), ds.y)
 
 
 def build_model(sample_shape: tuple[int, ...], num_classes: int, width: int) -> Any:
@@ -174,29 +169,81 @@ class StopOnNonFinite(tf.keras.callbacks.Callback):
         divergence.check_epoch(epoch, {k: float(v) for k, v in (logs or {}).items() if k in ("loss", "val_loss")})
 
 
-# ---- bad data met inside tf.data ------------------------------------------------------------------------------
-
-_DATA_ERRORS: list[StreamError] = []
+# ---- input ---------------------------------------------------------------------------------------------------
 
 
-def remember_data_errors(fn: Any) -> Any:
-    """`fn` (run by tf.numpy_function), remembering a StreamError it raises: TensorFlow re-raises it as its own
-    error type, so the recipe could not tell bad data from a bug (see `data_errors_reraised`)."""
+def batch_signature(sample_shape: tuple[int, ...]) -> tuple[Any, Any]:
+    """The (x, y) batches' TensorSpecs: float32 N×`sample_shape`, int64 labels."""
+    return tf.TensorSpec((None, *sample_shape), tf.float32), tf.TensorSpec((None,), tf.int64)
 
-    def call(*args: Any) -> Any:
-        try:
-            return fn(*args)
-        except StreamError as e:
+
+class LoaderEpochs:
+    """The loader's epochs `first`..`epochs`-1 back to back, `loader.set_epoch(epoch)` before each one's first
+    batch: the one pass `to_tf_dataset` makes over its source (see `train_input`)."""
+
+    def __init__(self, loader: ShmLoader, first: int, epochs: int) -> None:
+        self.loader, self.first, self.epochs = loader, first, epochs
+
+    def __iter__(self) -> Iterator[Any]:
+        for epoch in range(self.first, self.epochs):
+            self.loader.set_epoch(epoch)  # a new shuffle each epoch, the same permutation on every rank
+            yield from _watched(self.loader)
+
+
+def train_input(loader: ShmLoader, first: int, epochs: int, sample_shape: tuple[int, ...]) -> Any:
+    """Epochs first..epochs-1 of `loader` (its batches N×`sample_shape`) as one tf.data dataset for
+    `model.fit(..., steps_per_epoch=len(loader), initial_epoch=first, epochs=epochs)`.
+
+    One dataset spans the epochs, not one `iter(loader)` per Keras epoch: tf_keras keeps a single iterator over a
+    dataset of unknown length for the whole of `fit` (it re-creates one per epoch only when the dataset's
+    cardinality equals steps_per_epoch, and then creates it before `on_epoch_begin`, so a `set_epoch` there could
+    come after tf.data has asked for the epoch's first batch). Every loader epoch has exactly `len(loader)` batches
+    on every rank (the sampler pads), so Keras epoch e consumes loader epoch e, whole and only it; the producers
+    start on epoch e+1 (`set_epoch` here, and an MDS split's fetch ahead) while Keras finishes or validates epoch e.
+    """
+    data = to_tf_dataset(LoaderEpochs(loader, first, epochs), batch_signature(sample_shape))
+    return data.prefetch(2)  # the producers prefetch too; this overlaps the copy out of shared memory with the step
+
+
+def val_input(ds: Any, rank: int, size: int, batch_size: int = 256) -> Any:
+    """This rank's share of the validation split (`ShardSampler(shuffle=False)`: padded by wrapping to equal
+    shares, up to size-1 repeats), read here with `ds.take` one batch at a time as N×H×W×C: bounded memory, any
+    split that has `take` and `sample_shape` (in memory, memory-mapped, streamed)."""
+    idx = ShardSampler(len(ds), rank, size, shuffle=False).indices()
+
+    def batches() -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        for start in range(0, len(idx), batch_size):
+            x, y = take_channels_last(ds, idx[start:start + batch_size])
+            yield np.ascontiguousarray(x), y
+
+    signature = batch_signature(channels_last_shape(ds.sample_shape))
+    return tf.data.Dataset.from_generator(lambda: _watched(batches()), output_signature=signature).prefetch(1)
+
+
+# ---- bad data met inside tf.data -------------------------------------------------------------------------------
+
+_DATA_ERRORS: list[Exception] = []
+
+
+def _watched(batches: Iterable[T]) -> Iterator[T]:
+    """`batches`, remembering the bad data met in them: a producer's WorkerError(bad_data=True) (a streamed shard
+    unreadable, a label out of range, NaN/Inf) or a StreamError raised here. tf.data re-raises a generator's
+    exception as its own error type, so the recipe could not tell bad data from a bug (`data_errors_reraised`)."""
+    try:
+        yield from batches
+    except WorkerError as e:
+        if e.bad_data:
             _DATA_ERRORS.append(e)
-            raise
-
-    return call
+        raise
+    except StreamError as e:
+        _DATA_ERRORS.append(e)
+        raise
 
 
 @contextlib.contextmanager
-def data_errors_reraised(tf: Any) -> Iterator[None]:
-    """Around `model.fit`: a TensorFlow error caused by bad data is re-raised as the StreamError itself (exit 2
-    with its message, through `exit_with`)."""
+def data_errors_reraised() -> Iterator[None]:
+    """Around `model.fit`: a TensorFlow error caused by bad data is re-raised as the WorkerError or StreamError
+    itself (exit 2 with its message, through `hvdtrain.train.entry.exit_with`)."""
     _DATA_ERRORS.clear()
     try:
         yield

@@ -11,7 +11,7 @@ exit 2.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -34,7 +34,6 @@ class StreamSplit:
     y_field: str = "y"
     num_classes: int = 10
     check_finite: bool = True
-    channels_last: bool = False
 
     def __len__(self) -> int:
         return len(self.data)
@@ -55,8 +54,7 @@ class StreamSplit:
         """From the column's static shape when the index has one (nothing read), else from sample 0."""
         enc = self.data.columns[self.x_field]
         if enc.kind == "ndarray" and enc.shape is not None:
-            shape = enc.shape
-            return (*shape[1:], shape[0]) if self.channels_last and len(shape) == 3 else tuple(shape)
+            return tuple(enc.shape)
         return tuple(self.take(np.array([0]))[0].shape[1:])
 
     def plan_epoch(self, seed: int, epoch: int) -> None:
@@ -71,10 +69,8 @@ class StreamSplit:
         idx = np.asarray(indices, dtype=np.int64)
         batch = self.data.take(idx)
         x, y = batch[self.x_field], batch[self.y_field]
-        if self.data.columns[self.x_field].kind == "image" and x.ndim == 4 and not self.channels_last:
+        if self.data.columns[self.x_field].kind == "image" and x.ndim == 4:
             x = np.moveaxis(x, -1, 1)  # decoded images are N×H×W×C
-        elif self.channels_last and x.ndim == 4 and self.data.columns[self.x_field].kind != "image":
-            x = np.moveaxis(x, 1, -1)
         x = np.ascontiguousarray(x, dtype=np.float32)
         if self.x_scale != 1.0:
             x *= np.float32(self.x_scale)
@@ -133,7 +129,3 @@ def load_splits(root: str | Path, *, num_classes: int | None, x_field: str = "x"
                                     "classes (labels 0..N-1): fix the labels, or pass --num-classes N")
     train, val = (StreamSplit(splits[n], x_field, y_field, classes, check_finite) for n in ("train", "val"))
     return datasets.Splits(train=train, val=val, num_classes=classes, name=root)  # type: ignore[arg-type]
-
-
-def with_channels_last(split: StreamSplit) -> StreamSplit:
-    return replace(split, channels_last=True)
