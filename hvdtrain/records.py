@@ -109,7 +109,9 @@ def write_record(where: Path | None, pid: int, returncode: int, env: Mapping[str
     """The record of the rank (process `pid`) that ended with `returncode` (-N: killed by signal N), with the
     exception it noted. The supervisor writes it once the rank has ended (`final`); the rank itself writes a
     provisional one as its script ends, which the supervisor's replaces: if the job's teardown SIGKILLs the rank
-    and its supervisor while the rank is still shutting down, the provisional record is what is left."""
+    and its supervisor while the rank is still shutting down, the provisional record is what is left. A rank
+    killed by a signal after its provisional record named a non-zero exit code (the teardown of a job it brought
+    down reached it while it was shutting down) keeps that code: it is the cause, not a victim of the teardown."""
     if where is None:
         return
     rank, local, host = identity(env)
@@ -120,10 +122,22 @@ def write_record(where: Path | None, pid: int, returncode: int, env: Mapping[str
             noted.unlink()
     except (OSError, ValueError):
         exc = {}
+    path = where / _name("rank", pid, env)
+    if final and returncode < 0 and (code := _provisional_code(path)):
+        returncode = code  # it was already exiting with `code` when the job's teardown killed it
     record = RankRecord(rank, local, host, pid, code=returncode if returncode >= 0 else None,
                         signum=-returncode if returncode < 0 else None, exception=exc.get("exception"),
                         message=exc.get("message"), traceback=exc.get("traceback"), time=time.time())
-    _write_json(where / _name("rank", pid, env), asdict(record))
+    _write_json(path, asdict(record))
+
+
+def _provisional_code(path: Path) -> int | None:
+    """The non-zero exit code in the rank's own provisional record at `path`, if it wrote one."""
+    try:
+        code = json.loads(path.read_text()).get("code")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return code if isinstance(code, int) and code > 0 else None
 
 
 def read_records(where: Path | str) -> list[RankRecord]:
