@@ -194,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
         # split, read here. Leaving the block stops the producers; bad data met in tf.data is re-raised as itself
         # (exit 2 with its message).
         with ShmLoader(splits.train, rank=rank, size=size, batch_size=cfg.batch_size, num_workers=cfg.num_workers,
-                       seed=cfg.seed, fetch=layout.take_channels_last, order=splits.train.order) as loader, \
+                       seed=cfg.seed, fetch=layout.take_channels_last, order=splits.train.order,
+                       epochs=epochs) as loader, \
                 keraskit.data_errors_reraised():
             model.fit(keraskit.train_input(loader, first, epochs, sample_shape), steps_per_epoch=steps,
                       epochs=epochs, initial_epoch=first, validation_data=keraskit.val_input(splits.val, rank, size),

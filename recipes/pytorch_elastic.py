@@ -102,7 +102,8 @@ def make_loader(cfg: Config, splits: datasets.Splits, rank: int, size: int, devi
     # padded to the same number of steps), built by producer processes into shared memory.
     return DevicePrefetcher(ShmLoader(
         splits.train, rank=rank, size=size, batch_size=cfg.batch_size * cfg.backward_passes_per_step,
-        num_workers=cfg.num_workers, seed=cfg.seed, fetch=datasets.take, order=splits.train.order), device)
+        num_workers=cfg.num_workers, seed=cfg.seed, fetch=datasets.take, order=splits.train.order,
+        epochs=cfg.epochs), device)
 
 
 def allreduce_sum(values: np.ndarray) -> np.ndarray:

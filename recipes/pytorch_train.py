@@ -140,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # ---- 2. data
     splits = cfg.load_data()
+    # Horovod: scale the epochs by the world size if asked (Horovod's Keras example does).
+    epochs = scaled_epochs(cfg.epochs, size, cfg.scale_epochs_by_size)
     # Horovod: each rank reads only its shard (ShardSampler inside: strided over a per-epoch permutation that is
     # the same on every rank; padded so that every rank runs the same number of steps — an uneven shard would
     # leave one rank waiting in an allreduce). Batches are built by producer processes into shared memory (an MDS
@@ -147,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     # with compute (a zero-copy pass-through on CPU).
     loader = DevicePrefetcher(ShmLoader(
         splits.train, rank=rank, size=size, batch_size=cfg.batch_size * cfg.backward_passes_per_step,
-        num_workers=cfg.num_workers, seed=cfg.seed, fetch=datasets.take, order=splits.train.order), device)
+        num_workers=cfg.num_workers, seed=cfg.seed, fetch=datasets.take, order=splits.train.order,
+        epochs=epochs), device)
 
     # ---- 3. model, LR, optimizer
     torch.manual_seed(cfg.seed)
@@ -159,8 +162,6 @@ def main(argv: list[str] | None = None) -> int:
         sgd(cfg, model, schedule.lr_at(0)), named_parameters=model.named_parameters(),
         compression=hvd.Compression.fp16 if cfg.fp16_allreduce else hvd.Compression.none,
         backward_passes_per_step=cfg.backward_passes_per_step)
-    # Horovod: scale the epochs by the world size if asked (Horovod's Keras example does).
-    epochs = scaled_epochs(cfg.epochs, size, cfg.scale_epochs_by_size)
 
     # ---- 4. resume, then the same starting point on every rank
     first, rows = load_latest(ckpt_dir, model, optimizer) if rank == 0 and cfg.resume else (0, [])

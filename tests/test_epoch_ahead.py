@@ -91,3 +91,16 @@ def test_an_epoch_started_early_by_a_user_who_repeats_epochs_is_the_same_epoch(t
         # taken: 4 passes of 10 batches + what is started ahead after the last one. A worker makes at most 4
         # batches nobody asked for: one in each of its 3 slots and one that waits for a slot.
         assert epochs[1] <= 2 * 4 and 40 <= epochs[0] <= 40 + 2 * 4, epochs
+
+
+def test_no_epoch_is_started_past_the_last_one_the_job_named(tmp_path: Path, monkeypatch) -> None:
+    log = tmp_path / "log"
+    with loader(log, monkeypatch, epochs=2) as ld:
+        assert [y.tolist() for _, y in ld] == expected(0)
+        wait_for(log, 1, 6)  # epoch 1 < epochs: started ahead as before
+        ld.set_epoch(1)
+        assert [y.tolist() for _, y in ld] == expected(1)
+        time.sleep(1.5)  # epoch 1 was under way within wait_for's first polls; epoch 2 would be by now
+        assert not [e for e, _ in produced(log) if e >= 2], produced(log)
+    with pytest.raises(ValueError, match=r"epochs must be .*>= 1.*got 0"):
+        ShmLoader(fx.IndexDataset(N), rank=0, size=1, batch_size=BS, epochs=0)

@@ -21,8 +21,9 @@ asked for:
 (c) Dataset mode only: a generator's epochs are user code that need not be repeatable, so they start when asked.
     A failure in an epoch started early is reported only if that epoch is taken over (the iteration that replaces
     a dropped one meets it again).
-(d) After the last epoch the workers make the first batches of an epoch nobody asks for, until `close()`; a
-    streamed dataset also fetches that epoch's first shards ahead (hvdtrain/stream/fetcher.py).
+(d) `epochs=N` (the recipes pass theirs) names the last epoch, N - 1: no epoch >= N is started ahead. Without it,
+    after the last epoch the workers make the first batches of an epoch nobody asks for, until `close()`, and a
+    streamed dataset also fetches that epoch's first shards (hvdtrain/stream/fetcher.py): egress for nothing.
 """
 
 from __future__ import annotations
@@ -96,7 +97,8 @@ class ShmLoader:
     and torch from that seed each epoch. In generator mode `batches_per_epoch` caps an epoch (make it equal on every
     rank); ranks must otherwise yield the same number of batches themselves. `order(seed, epoch) -> permutation`
     replaces the sampler's uniform shuffle (a `hvdtrain.stream.StreamingDataset`'s `.order`: shuffle blocks of a few
-    shards, so the producers read a few shards at a time).
+    shards, so the producers read a few shards at a time). `epochs` (optional) is how many epochs the job iterates:
+    the loader then starts no epoch ahead past the last (NOTE [epoch ahead]).
 
     Iterating yields the batches in a fixed order (worker 0, 1, ... round robin; in dataset mode exactly the
     sampler's order; generator mode with `ordered=False`: as they arrive, so one slow producer does not hold up
@@ -121,9 +123,11 @@ class ShmLoader:
                  drop_last: bool = False, even: bool = True, prefetch: int = 2, batches_per_epoch: int | None = None,
                  timeout: float = 300.0, poll_s: float = 0.2, start_method: str = "spawn",
                  import_main: bool = False, ordered: bool = True,
-                 order: Callable[[int, int], np.ndarray] | None = None) -> None:
+                 order: Callable[[int, int], np.ndarray] | None = None, epochs: int | None = None) -> None:
         _check_args(dataset, generator, batch_size, num_workers, prefetch, batches_per_epoch, timeout, poll_s,
                     start_method)
+        if epochs is not None:
+            check_positive("epochs", epochs)
         if not ordered and dataset is not None:
             raise ValueError("ordered=False is for generator mode: a dataset's batches follow its sampler (resume "
                              "state counts them in order)")
@@ -136,7 +140,7 @@ class ShmLoader:
                                         batch_size=batch_size, even=even, order=order)
         self.rank, self.size, self.batch_size, self.num_workers = rank, size, batch_size, num_workers
         self.seed, self.prefetch, self.timeout, self.poll_s = seed, prefetch, timeout, poll_s
-        self.batches_per_epoch, self.ordered = batches_per_epoch, ordered
+        self.batches_per_epoch, self.ordered, self.epochs = batches_per_epoch, ordered, epochs
         self.dataset, self.collate, self.fetch, self.generator = dataset, collate, fetch, generator
         self.epoch = 0
         self._gen = 0  # numbers the iterations: StartEpoch and every EpochMessage carry it
@@ -268,6 +272,8 @@ class ShmLoader:
         if self.sampler is None or self._closed:
             return
         epoch = self.epoch + 1 if self._advancing else self.epoch
+        if self.epochs is not None and epoch >= self.epochs:
+            return  # the job's last epoch has ended: nothing to make or fetch ahead (NOTE [epoch ahead] (d))
         start = copy.copy(self.sampler)
         start.set_epoch(epoch)
         start.rewind()

@@ -13,6 +13,10 @@ dataset version (an old copy) is never needed. Never deleted: the previous, curr
 the position plus `ahead` shards (what this and the other ranks on the node, which read the same blocks at the same
 time, are reading or fetching). This is Belady's rule: with a cache of a fraction of the dataset, the shards kept
 are the ones needed soonest next epoch, where LRU would delete each just before it is needed again.
+That window assumes the node's readers are within a block of each other: a loader's producers run at most
+`prefetch + 1` batches ahead of its trainer, far less than a block of real shards. With blocks of only a few
+batches (tiny shards), a producer further behind may find a shard deleted and fetch it again (a refetch, never
+wrong data).
 
 A producer makes room, writes its shard and renames it into place under that one lock (partial files of dead
 producers count too), so the files in the directory never exceed the limit (downloads in flight are in the
