@@ -13,22 +13,47 @@
 #               .venv/hvdtrain-horovod.stamp matches (same Horovod, patch, torch, build flags) and Horovod imports.
 #   5. check:   runs `hvdtrain doctor`.
 #
-# Environment knobs: PYTHON (interpreter for the venv, default python3), HVDTRAIN_VENV (default .venv),
-# HVDTRAIN_FRAMEWORKS (torch,tensorflow — the default — or torch),
-# HOROVOD_GPU_OPERATIONS (NCCL in the GPU image), HVDTRAIN_FORCE_REBUILD=1, HVDTRAIN_SKIP_APT=1.
+# scripts/setup.sh --gpu: the GPU variant, on a machine with or without a GPU. It installs into ./.venv-gpu the CUDA
+# build of torch 2.13.0 from PyPI (CUDA 13.0) and CUDA's compiler, headers and NCCL as PyPI wheels
+# (cuda-toolkit[nvcc,...], nvidia-nccl-cu13), assembles a CUDA home from them in .build-gpu/cuda-home (symlinks
+# in nvcc's layout) and builds Horovod with HOROVOD_GPU_OPERATIONS=NCCL for the GPU architectures in
+# HOROVOD_BUILD_CUDA_CC_LIST (default 75,80,86,89,90,100,120). Frameworks default to torch there. Where
+# HOROVOD_CUDA_HOME names a CUDA toolkit (the GPU Docker image), that one is used instead of the wheels.
+#
+# Environment knobs: PYTHON (interpreter for the venv, default python3), HVDTRAIN_VENV (default .venv; .venv-gpu
+# with --gpu), HVDTRAIN_FRAMEWORKS (torch,tensorflow — the default — or torch), HVDTRAIN_BUILD_DIR (default .build;
+# .build-gpu with --gpu), HOROVOD_GPU_OPERATIONS (NCCL in the GPU image and with --gpu), HOROVOD_CUDA_HOME,
+# HOROVOD_BUILD_CUDA_CC_LIST, HVDTRAIN_FORCE_REBUILD=1, HVDTRAIN_SKIP_APT=1.
 set -euo pipefail
 
+GPU=0
+for arg in "$@"; do
+  case "$arg" in
+    --gpu) GPU=1 ;;
+    -h|--help) sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+    *) echo "hvdtrain setup: unknown argument '$arg'; allowed: --gpu (the CUDA/NCCL build), --help" >&2; exit 2 ;;
+  esac
+done
+
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-VENV="${HVDTRAIN_VENV:-$ROOT/.venv}"
+if [[ "$GPU" == "1" ]]; then
+  VENV="${HVDTRAIN_VENV:-$ROOT/.venv-gpu}"
+  BUILD_DIR="${HVDTRAIN_BUILD_DIR:-$ROOT/.build-gpu}"
+  FRAMEWORKS="${HVDTRAIN_FRAMEWORKS:-torch}"
+  export HOROVOD_GPU_OPERATIONS="${HOROVOD_GPU_OPERATIONS:-NCCL}"
+  export HOROVOD_BUILD_CUDA_CC_LIST="${HOROVOD_BUILD_CUDA_CC_LIST:-75,80,86,89,90,100,120}"
+else
+  VENV="${HVDTRAIN_VENV:-$ROOT/.venv}"
+  BUILD_DIR="${HVDTRAIN_BUILD_DIR:-$ROOT/.build}"
+  FRAMEWORKS="${HVDTRAIN_FRAMEWORKS:-torch,tensorflow}"
+fi
 PYTHON="${PYTHON:-python3}"
 HOROVOD_VERSION="0.28.1"
 HOROVOD_SHA256="92a43f5a94c43907a56805bad15f19700c62ffc83b7ca483f9e104e229f67ef0"
 PATCH="$ROOT/scripts/patches/horovod-$HOROVOD_VERSION.patch"
 CONSTRAINTS="$ROOT/scripts/constraints.txt"
-BUILD_DIR="${HVDTRAIN_BUILD_DIR:-$ROOT/.build}"
 STAMP="$VENV/hvdtrain-horovod.stamp"
 # Frameworks Horovod is built for: torch always; tensorflow unless HVDTRAIN_FRAMEWORKS=torch.
-FRAMEWORKS="${HVDTRAIN_FRAMEWORKS:-torch,tensorflow}"
 case "$FRAMEWORKS" in
   torch) EXTRAS="torch,dev"; HVD_MODULES="horovod.torch" ;;
   torch,tensorflow|tensorflow,torch) EXTRAS="torch,tensorflow,dev"; HVD_MODULES="horovod.torch, horovod.tensorflow" ;;
@@ -80,7 +105,8 @@ make_venv() {
   command -v "$PYTHON" >/dev/null || fail "'$PYTHON' not found" "install Python 3.11 or set PYTHON=/path/to/python3.11"
   local ver
   ver="$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
-  [[ "$ver" == "3.11" ]] || fail "$PYTHON is Python $ver, hvdtrain needs 3.11" "set PYTHON=/path/to/python3.11"
+  [[ "$ver" == "3.11" || "$ver" == "3.12" ]] || fail "$PYTHON is Python $ver, hvdtrain needs 3.11 or 3.12" \
+    "set PYTHON=/path/to/python3.11 (the tested default) or python3.12"
   if [[ -x "$VENV/bin/python" ]]; then echo "    exists"; return; fi
   "$PYTHON" -m venv "$VENV" || fail "python -m venv failed" "apt-get install -y python3-venv (or use another Python 3.11)"
   echo "    created with $("$VENV/bin/python" --version)"
@@ -92,7 +118,14 @@ pip_packages() {
   local pip=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
   # Horovod's setup.py imports packaging; it builds without isolation (against this venv's torch).
   "${pip[@]}" install -c "$CONSTRAINTS" pip setuptools wheel cmake packaging
-  "${pip[@]}" install -c "$CONSTRAINTS" -e "$ROOT[$EXTRAS]"
+  local gpu_pkgs=()
+  if [[ "$GPU" == "1" ]]; then
+    # torch's CUDA build (PyPI's torch 2.13.0 is +cu130; `!=2.13.0+cpu` passes over a local CPU build of the
+    # same version) and, unless HOROVOD_CUDA_HOME names a toolkit, CUDA's compiler and headers as wheels.
+    gpu_pkgs+=("torch!=2.13.0+cpu" nvidia-nccl-cu13)
+    [[ -n "${HOROVOD_CUDA_HOME:-}" ]] || gpu_pkgs+=("cuda-toolkit[nvcc,crt,cccl,cudart]")
+  fi
+  "${pip[@]}" install -c "$CONSTRAINTS" -e "$ROOT[$EXTRAS]" "${gpu_pkgs[@]}"
   echo "    torch $("$VENV/bin/python" -c 'import torch; print(torch.__version__)')," \
        "tensorflow $("$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("tensorflow"))' \
                      2>/dev/null || echo none)," \
@@ -102,7 +135,7 @@ pip_packages() {
 # ---- 4. horovod ------------------------------------------------------------------------------------------
 build_key() {
   # Everything the built binary depends on: a change in any of these means a rebuild.
-  "$VENV/bin/python" - "$HOROVOD_VERSION" "$(sha256sum "$PATCH" | cut -c1-16)" "${HOROVOD_GPU_OPERATIONS:-}" "$FRAMEWORKS" <<'PY'
+  "$VENV/bin/python" - "$HOROVOD_VERSION" "$(sha256sum "$PATCH" | cut -c1-16)" "${HOROVOD_GPU_OPERATIONS:-}${HOROVOD_GPU_OPERATIONS:+/${HOROVOD_BUILD_CUDA_CC_LIST:-all}}" "$FRAMEWORKS" <<'PY'
 import importlib.util, sys
 def ver(mod):
     if importlib.util.find_spec(mod) is None:
@@ -117,6 +150,36 @@ def ver(mod):
 print(f"horovod={sys.argv[1]} patch={sys.argv[2]} torch={ver('torch')} tensorflow={ver('tensorflow')} "
       f"gpu_ops={sys.argv[3] or 'none'} frameworks={sys.argv[4]} controllers=gloo,mpi")
 PY
+}
+
+# The GPU variant's CUDA: a CUDA home assembled from the nvidia-* wheels (symlinks in nvcc's layout: nvcc.profile
+# looks for bin/../lib64, where the wheels have lib/, and CMake's FindCUDAToolkit wants an unversioned libcudart.so),
+# NCCL from the nvidia-nccl-cu13 wheel torch itself loads. With HOROVOD_CUDA_HOME set, that toolkit is used as is.
+CUDA_ENV=()
+cuda_env() {
+  [[ -n "${HOROVOD_GPU_OPERATIONS:-}" ]] || return 0
+  if [[ "$GPU" != "1" || -n "${HOROVOD_CUDA_HOME:-}" ]]; then
+    CUDA_ENV=(HOROVOD_GPU_OPERATIONS="$HOROVOD_GPU_OPERATIONS")
+    return 0
+  fi
+  local nv home="$BUILD_DIR/cuda-home"
+  nv="$("$VENV/bin/python" -c 'import nvidia; print(list(nvidia.__path__)[0])')"
+  [[ -x "$nv/cu13/bin/nvcc" && -f "$nv/nccl/include/nccl.h" ]] \
+    || fail "no nvcc or nccl.h under $nv (cuda-toolkit[nvcc] / nvidia-nccl-cu13 wheels)" \
+            "re-run scripts/setup.sh --gpu; or set HOROVOD_CUDA_HOME to an installed CUDA toolkit"
+  rm -rf "$home"
+  mkdir -p "$home/bin" "$home/lib64"
+  ln -s "$nv/cu13/include" "$home/include"
+  ln -s "$nv/cu13/nvvm" "$home/nvvm"
+  ln -s "$nv"/cu13/bin/* "$home/bin/"
+  ln -s "$nv"/cu13/lib/* "$home/lib64/"
+  ln -s libcudart.so.13 "$home/lib64/libcudart.so"
+  ln -s "$nv/nccl/lib/libnccl.so.2" "$home/lib64/libnccl.so"
+  CUDA_ENV=(HOROVOD_GPU_OPERATIONS="$HOROVOD_GPU_OPERATIONS" HOROVOD_CUDA_HOME="$home" CUDA_HOME="$home"
+            HOROVOD_NCCL_INCLUDE="$nv/nccl/include" HOROVOD_NCCL_LIB="$home/lib64" HOROVOD_NCCL_LINK=SHARED
+            HOROVOD_BUILD_CUDA_CC_LIST="$HOROVOD_BUILD_CUDA_CC_LIST")
+  echo "    CUDA $("$home/bin/nvcc" --version | sed -n 's/.*release \([0-9.]*\).*/\1/p') from wheels" \
+       "(home: $home), NCCL from $nv/nccl, architectures $HOROVOD_BUILD_CUDA_CC_LIST"
 }
 
 horovod_build() {
@@ -141,14 +204,15 @@ horovod_build() {
   rm -rf "$src"
   tar -xzf "$sdist" -C "$BUILD_DIR"
   patch -d "$src" -p1 --quiet < "$PATCH" || fail "patch did not apply" "check $PATCH against the sdist"
-  echo "    patched with $(basename "$PATCH"); building ($key) — about 2-5 minutes on 2 cores"
+  cuda_env
+  echo "    patched with $(basename "$PATCH"); building ($key) — about 2-5 minutes on 2 cores (GPU: ~10)"
   local t0=$SECONDS log="$BUILD_DIR/horovod-build.log"
   local frameworks=(HOROVOD_WITH_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1)
   if [[ "$EXTRAS" == *tensorflow* ]]; then frameworks+=(HOROVOD_WITH_TENSORFLOW=1)
   else frameworks+=(HOROVOD_WITHOUT_TENSORFLOW=1); fi
   "$VENV/bin/python" -m pip uninstall -y -q horovod 2>/dev/null || true
   if ! env PATH="$VENV/bin:$PATH" CMAKE_POLICY_VERSION_MINIMUM=3.5 MAKEFLAGS="-j$(nproc)" \
-      HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1 "${frameworks[@]}" \
+      HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1 "${frameworks[@]}" "${CUDA_ENV[@]}" \
       "$VENV/bin/python" -m pip install --no-build-isolation --no-cache-dir -v "$src" >"$log" 2>&1; then
     tail -n 40 "$log" >&2
     fail "Horovod build failed (full log: $log)" \
@@ -161,7 +225,9 @@ horovod_build() {
 # ---- 5. smoke test ---------------------------------------------------------------------------------------
 smoke() {
   step doctor "hvdtrain doctor"
-  "$VENV/bin/hvdtrain" doctor || fail "hvdtrain doctor found a problem (see above)" "follow the fix it prints"
+  local require=()
+  [[ "${HOROVOD_GPU_OPERATIONS:-}" == "NCCL" ]] && require=(--require nccl)
+  "$VENV/bin/hvdtrain" doctor "${require[@]}" || fail "hvdtrain doctor found a problem (see above)" "follow the fix it prints"
 }
 
 apt_packages

@@ -1,0 +1,114 @@
+# scripts/gpu_steps.sh — the steps of scripts/gpu_check.sh (sourced; each runs in its own bash under `timeout`).
+# Environment from gpu_check.sh: ROOT OUT_DIR VENDOR PY WORK VENV VPY SDIST NCCL_DIR CC_LIST BUILD_FLAGS.
+# A step exits 0 (pass), 77 (skipped) or anything else (fail); a line "gpu_check-note: TEXT" is its summary.
+# shellcheck shell=bash
+
+note() { echo "gpu_check-note: $*"; }
+
+step_env() {
+  set -e
+  nvidia-smi
+  "$PY" - <<'PY'
+import json, os, platform, shutil, subprocess, torch
+p = torch.cuda.get_device_properties(0)
+nvcc = shutil.which("nvcc")
+env = {"python": platform.python_version(), "torch": torch.__version__, "torch_cuda": torch.version.cuda,
+       "gpu": p.name, "capability": f"{p.major}.{p.minor}", "memory_gib": round(p.total_memory / 2**30, 1),
+       "gpus": torch.cuda.device_count(), "nccl_torch": ".".join(map(str, torch.cuda.nccl.version())),
+       "nvcc": subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout.split("\n")[-2]
+               if nvcc else None,
+       "nccl_dir": os.environ.get("NCCL_DIR") or None, "cores": os.cpu_count()}
+json.dump(env, open(os.path.join(os.environ["WORK"], "env.json"), "w"), indent=2)
+print(json.dumps(env, indent=2))
+print(f"gpu_check-note: {env['gpu']} (sm_{p.major}{p.minor}), Python {env['python']}, torch {env['torch']}, "
+      f"NCCL {env['nccl_torch']}")
+PY
+  [[ -n "$NCCL_DIR" && -f "$NCCL_DIR/include/nccl.h" ]] || { note "no nccl.h under torch's nvidia-nccl wheel"; exit 1; }
+}
+
+step_venv() {
+  set -e
+  # The machine's python3 may itself be a venv (the GPU image's is), whose packages --system-site-packages would
+  # not show: a .pth file layers this venv over whatever site-packages $PY has (torch, numpy, ...); what is
+  # installed here comes first on sys.path.
+  "$PY" -m venv "$VENV"
+  "$PY" -c 'import site; print("\n".join(site.getsitepackages()))' \
+    > "$("$VPY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/_hvdtrain_base.pth"
+  "$VPY" -m pip install -q --no-index --no-deps --no-cache-dir "$VENDOR"/wheels/*.whl
+  # hvdtrain itself, as a user installs it (pyproject's requires-python must admit this Python).
+  "$VPY" -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir -e "$ROOT"
+  "$VPY" -c 'import hvdtrain.cli, hvdtrain.data, hvdtrain.stream, pydantic, torch; print("imports ok")'
+  note "venv over $("$VPY" --version) with $(ls "$VENDOR"/wheels/*.whl | wc -l) vendored wheels + hvdtrain -e"
+}
+
+step_build() {
+  set -e
+  local src="$WORK/horovod-$HOROVOD_VERSION" t0=$SECONDS
+  [[ -f "$NCCL_DIR/include/nccl.h" ]] || { note "no nccl.h: torch's nvidia-nccl wheel not found by $PY"; exit 1; }
+  rm -rf "$src" "$WORK/nccl-lib"
+  tar -xzf "$SDIST" -C "$WORK"
+  patch -d "$src" -p1 --quiet < "$ROOT/scripts/patches/horovod-$HOROVOD_VERSION.patch"
+  # The nvidia-nccl wheel ships only libnccl.so.2; CMake's find_library wants libnccl.so.
+  mkdir -p "$WORK/nccl-lib"
+  ln -s "$NCCL_DIR/lib/libnccl.so.2" "$WORK/nccl-lib/libnccl.so"
+  echo "build flags: $BUILD_FLAGS"
+  # shellcheck disable=SC2086  # BUILD_FLAGS is a list of NAME=VALUE words
+  env $BUILD_FLAGS PATH="$VENV/bin:$PATH" \
+    "$VPY" -m pip install --no-index --no-deps --no-build-isolation --no-cache-dir -v "$src" > "$WORK/build.log" 2>&1 \
+    || { tail -n 60 "$WORK/build.log"; note "Horovod build failed (last lines above)"; exit 1; }
+  local built=$((SECONDS - t0))
+  "$VENV/bin/horovodrun" --check-build
+  "$VENV/bin/hvdtrain" doctor --require nccl
+  note "Horovod $HOROVOD_VERSION with NCCL ops built in ${built} s for sm_$CC_LIST; doctor: NCCL ops built"
+}
+
+step_prefetch() {
+  TORCH_CUDA_SANITIZER=1 "$VPY" -m pytest -q -p no:cacheprovider -p no:randomly \
+    --junitxml="$WORK/prefetch-junit.xml" tests/test_prefetch_cuda.py tests/test_prefetch.py
+  local rc=$?
+  note "$(grep -o 'tests="[0-9]*" [^>]*' "$WORK/prefetch-junit.xml" 2>/dev/null | head -1) (TORCH_CUDA_SANITIZER=1)"
+  return $rc
+}
+
+step_racecheck() {
+  command -v compute-sanitizer >/dev/null || { note "compute-sanitizer not installed"; exit 77; }
+  compute-sanitizer --tool racecheck --error-exitcode 9 --print-limit 20 \
+    "$VPY" -m pytest -q -p no:cacheprovider -p no:randomly tests/test_prefetch_cuda.py -k "n_batches"
+  local rc=$?
+  note "racecheck over the prefetcher's 1, 2 and 7 batch tests: exit $rc"
+  return $rc
+}
+
+step_collectives() {
+  "$VENV/bin/horovodrun" -np 1 -H localhost:1 --gloo \
+    "$VPY" tests/scripts/gpu_collectives.py --out "$OUT_DIR/collectives.json"
+  local rc=$?
+  note "NCCL collectives on CUDA tensors (-np 1): exit $rc, $OUT_DIR/collectives.json"
+  return $rc
+}
+
+step_h2d() {
+  "$VPY" bench/h2d_overlap.py --rounds 2 --steps 60 --warmup 10 --json "$OUT_DIR/h2d_overlap.json"
+  local rc=$?
+  note "bench/h2d_overlap.py exit $rc (numbers in h2d_overlap.json)"
+  return $rc
+}
+
+step_recipe() {
+  set -e
+  "$VENV/bin/horovodrun" -np 1 -H localhost:1 --gloo "$VPY" recipes/pytorch_train.py --dataset synthetic \
+    --model resnet --synthetic-shape 3,32,32 --synthetic-samples 40000 --batch-size 128 --epochs 1 \
+    --no-progress --run-dir "$WORK/run/pytorch"
+  cp "$WORK/run/pytorch/summary.json" "$OUT_DIR/recipe_summary.json"
+  note "PyTorch recipe, ResNet on CUDA, one epoch of batches of 128 (recipe_summary.json)"
+}
+
+step_keras() {
+  if ! "$VPY" -c 'import tensorflow' 2>/dev/null; then
+    note "TensorFlow is not installed on this machine: the Keras recipe cannot run here"
+    exit 77
+  fi
+  echo "TensorFlow present, but Horovod was built here without TensorFlow ops: not run"
+  note "TensorFlow present; Horovod built without TF ops here (HOROVOD_WITHOUT_TENSORFLOW=1): Keras not run"
+  exit 77
+}
