@@ -18,6 +18,7 @@ from pathlib import Path
 from hvdtrain import probe
 from hvdtrain.probe import Facts
 
+SUPPORTED_PYTHONS = ((3, 11), (3, 12))  # pyproject.toml's requires-python
 SETUP_FIX = "run scripts/setup.sh from the hvdtrain checkout (it rebuilds Horovod when torch or TF changed)"
 TF_FIX = ("install TensorFlow into the venv (.venv/bin/pip install -c scripts/constraints.txt tensorflow-cpu "
           "tf-keras), then run scripts/setup.sh: it rebuilds Horovod with TensorFlow ops")
@@ -134,7 +135,8 @@ def run_checks(require: set[str] = frozenset()) -> list[Check]:
     build = probe.run(sys.executable, "all")
     hvd_err = build.errors.get("horovod")
     checks = [
-        Check("Python", sys.version_info[:2] == (3, 11), sys.version.split()[0], "use Python 3.11"),
+        Check("Python", sys.version_info[:2] in SUPPORTED_PYTHONS, sys.version.split()[0],
+              "use Python 3.11 (the tested default) or 3.12"),
         Check("Horovod", hvd_err is None and build.horovod is not None,
               build.horovod or "not installed" if hvd_err is None else f"not usable: {hvd_err}", SETUP_FIX),
         Check("horovodrun", shutil.which("horovodrun") is not None or (Path(sys.executable).parent /

@@ -1,9 +1,13 @@
 # scripts/gpu_steps.sh — the steps of scripts/gpu_check.sh (sourced; each runs in its own bash under `timeout`).
-# Environment from gpu_check.sh: ROOT OUT_DIR VENDOR PY WORK VENV VPY SDIST NCCL_DIR CC_LIST BUILD_FLAGS.
+# Environment from gpu_check.sh: ROOT OUT_DIR VENDOR PY WORK VENV VPY SDIST NCCL_DIR CC_LIST CUDA_HOME_DIR
+# BUILD_FLAGS.
 # A step exits 0 (pass), 77 (skipped) or anything else (fail); a line "gpu_check-note: TEXT" is its summary.
 # shellcheck shell=bash
 
 note() { echo "gpu_check-note: $*"; }
+# A step that stops at a failing command (set -e) still leaves a note naming it.
+set -E
+trap 'note "failed (exit $?): $BASH_COMMAND"' ERR
 
 step_env() {
   set -e
@@ -29,11 +33,18 @@ PY
 step_venv() {
   set -e
   # The machine's python3 may itself be a venv (the GPU image's is), whose packages --system-site-packages would
-  # not show: a .pth file layers this venv over whatever site-packages $PY has (torch, numpy, ...); what is
-  # installed here comes first on sys.path.
-  "$PY" -m venv "$VENV"
-  "$PY" -c 'import site; print("\n".join(site.getsitepackages()))' \
-    > "$("$VPY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/_hvdtrain_base.pth"
+  # not show: a .pth file layers this venv over whatever site-packages $PY has (torch, numpy, pip, setuptools).
+  # Its lines run site.addsitedir, so the base's own .pth files run too (setuptools' distutils shim, which
+  # Horovod's build and horovodrun import on Python 3.12). What is installed here comes first on sys.path.
+  # --without-pip: the base's pip serves (ensurepip may be missing, e.g. Ubuntu without python3-venv).
+  "$PY" -m venv --without-pip "$VENV"
+  "$PY" - > "$("$VPY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/_hvdtrain_base.pth" <<'PY'
+import os, site
+for p in site.getsitepackages():
+    if os.path.isdir(p):
+        print(f"import site; site.addsitedir({p!r})")
+PY
+  "$VPY" -c 'import setuptools, distutils.sysconfig, distutils.spawn, torch, pip'  # setuptools first: its shim
   "$VPY" -m pip install -q --no-index --no-deps --no-cache-dir "$VENDOR"/wheels/*.whl
   # hvdtrain itself, as a user installs it (pyproject's requires-python must admit this Python).
   "$VPY" -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir -e "$ROOT"
@@ -47,15 +58,29 @@ step_build() {
   [[ -f "$NCCL_DIR/include/nccl.h" ]] || { note "no nccl.h: torch's nvidia-nccl wheel not found by $PY"; exit 1; }
   rm -rf "$src" "$WORK/nccl-lib"
   tar -xzf "$SDIST" -C "$WORK"
-  patch -d "$src" -p1 --quiet < "$ROOT/scripts/patches/horovod-$HOROVOD_VERSION.patch"
+  local patchfile="$ROOT/scripts/patches/horovod-$HOROVOD_VERSION.patch" gen=()
+  if command -v patch >/dev/null; then patch -d "$src" -p1 --quiet < "$patchfile"
+  elif command -v git >/dev/null; then (cd "$src" && git apply -p1 "$patchfile")
+  else note "neither patch nor git is installed: cannot apply $patchfile"; exit 1; fi
+  # Horovod's setup.py runs CMake's default generator (make); without make, Ninja (setup.py's "-- VERBOSE=1"
+  # would be a ninja target, so it goes).
+  if ! command -v make >/dev/null && command -v ninja >/dev/null; then
+    sed -i "s/make_args.append('VERBOSE=1')/pass/" "$src/setup.py"
+    gen=(CMAKE_GENERATOR=Ninja)
+  fi
   # The nvidia-nccl wheel ships only libnccl.so.2; CMake's find_library wants libnccl.so.
   mkdir -p "$WORK/nccl-lib"
   ln -s "$NCCL_DIR/lib/libnccl.so.2" "$WORK/nccl-lib/libnccl.so"
   echo "build flags: $BUILD_FLAGS"
   # shellcheck disable=SC2086  # BUILD_FLAGS is a list of NAME=VALUE words
-  env $BUILD_FLAGS PATH="$VENV/bin:$PATH" \
-    "$VPY" -m pip install --no-index --no-deps --no-build-isolation --no-cache-dir -v "$src" > "$WORK/build.log" 2>&1 \
-    || { tail -n 60 "$WORK/build.log"; note "Horovod build failed (last lines above)"; exit 1; }
+  if ! env $BUILD_FLAGS "${gen[@]}" PIP_NO_INDEX=1 PATH="$VENV/bin:$PATH" \
+      "$VPY" -m pip install --no-index --no-deps --no-build-isolation --no-cache-dir -v "$src" > "$WORK/build.log" 2>&1
+  then
+    cp "$WORK/build.log" "$OUT_DIR/horovod_build.log"
+    grep -n -m 30 -E '(error|Error|ERROR)[: ]' "$WORK/build.log"
+    tail -n 60 "$WORK/build.log"
+    note "Horovod build failed (the whole log: horovod_build.log)"; exit 1
+  fi
   local built=$((SECONDS - t0))
   "$VENV/bin/horovodrun" --check-build
   "$VENV/bin/hvdtrain" doctor --require nccl
@@ -66,13 +91,16 @@ step_prefetch() {
   TORCH_CUDA_SANITIZER=1 "$VPY" -m pytest -q -p no:cacheprovider -p no:randomly \
     --junitxml="$WORK/prefetch-junit.xml" tests/test_prefetch_cuda.py tests/test_prefetch.py
   local rc=$?
-  note "$(grep -o 'tests="[0-9]*" [^>]*' "$WORK/prefetch-junit.xml" 2>/dev/null | head -1) (TORCH_CUDA_SANITIZER=1)"
+  note "$(grep -o '<testsuite [^>]*' "$WORK/prefetch-junit.xml" 2>/dev/null | head -1 \
+          | grep -oE '(errors|failures|skipped|tests)="[0-9]+"' | tr '\n' ' ')(TORCH_CUDA_SANITIZER=1)"
   return $rc
 }
 
 step_racecheck() {
-  command -v compute-sanitizer >/dev/null || { note "compute-sanitizer not installed"; exit 77; }
-  compute-sanitizer --tool racecheck --error-exitcode 9 --print-limit 20 \
+  local cs
+  cs="$(command -v compute-sanitizer || echo "$CUDA_HOME_DIR/bin/compute-sanitizer")"
+  [[ -x "$cs" ]] || { note "compute-sanitizer not installed"; exit 77; }
+  "$cs" --tool racecheck --error-exitcode 9 --print-limit 20 \
     "$VPY" -m pytest -q -p no:cacheprovider -p no:randomly tests/test_prefetch_cuda.py -k "n_batches"
   local rc=$?
   note "racecheck over the prefetcher's 1, 2 and 7 batch tests: exit $rc"

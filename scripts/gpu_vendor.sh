@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # scripts/gpu_vendor.sh — fetch, on a machine with network, what scripts/gpu_check.sh needs on a GPU machine
 # that has none: the Horovod 0.28.1 sdist (sha256-checked) and the wheels of hvdtrain's dependencies that the GPU
-# image lacks (pydantic and its parts, zstandard, obstore), for its Python (3.12, manylinux x86_64).
+# image lacks (pydantic and its parts, zstandard, obstore; cffi for Horovod's build), for its Python (3.12, manylinux x86_64).
 #
 #   bash scripts/gpu_vendor.sh [DIR]          (DIR default: .gpu-vendor, ignored by git; about 17 MB)
 #
@@ -15,8 +15,9 @@ PY="${HVDTRAIN_VENDOR_PYTHON:-$ROOT/.venv/bin/python}"
 GPU_PYTHON_VERSION="${HVDTRAIN_GPU_PYTHON_VERSION:-3.12}"
 HOROVOD_VERSION="0.28.1"
 HOROVOD_SHA256="92a43f5a94c43907a56805bad15f19700c62ffc83b7ca483f9e104e229f67ef0"
-# hvdtrain's dependencies missing from the GPU image (device KINDS.md lists what it holds), at the pinned versions.
-PACKAGES=(pydantic zstandard obstore)
+# hvdtrain's dependencies missing from the GPU image (device KINDS.md lists what it holds), at the pinned versions;
+# cffi is Horovod's setup_requires (offline, setuptools would try to fetch it from PyPI).
+PACKAGES=(pydantic zstandard obstore cffi)
 
 [[ $# -le 1 && "${1:-}" != -* ]] || { echo "usage: bash scripts/gpu_vendor.sh [DIR]" >&2; exit 2; }
 [[ -x "$PY" ]] || PY=python3

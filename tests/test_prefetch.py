@@ -38,6 +38,19 @@ def test_to_torch_keeps_the_structure() -> None:
     assert isinstance(to_torch([np.ones(1)]), list) and isinstance(to_torch((np.ones(1),)), tuple)
 
 
+def test_nested_batches_are_converted_at_every_depth() -> None:
+    """(x, (y1, y2)) and {"a": {"b": arr}} leave no numpy array behind (they were left unconverted before, and a
+    CUDA prefetcher left such inner arrays on the host); named tuples keep their type."""
+    from collections import namedtuple
+
+    pair = namedtuple("pair", "x y")
+    out = to_torch((np.zeros(2), (np.ones(1), [np.arange(3)]), {"a": {"b": np.ones(2)}, "n": 3}, pair(np.ones(1), 7)))
+    assert isinstance(out[0], torch.Tensor) and isinstance(out[1], tuple) and isinstance(out[1][1], list)
+    assert all(isinstance(t, torch.Tensor) for t in (out[1][0], out[1][1][0], out[2]["a"]["b"], out[3].x))
+    assert out[2]["n"] == 3 and type(out[3]) is pair and out[3].y == 7
+    assert out[1][1][0].tolist() == [0, 1, 2]
+
+
 def test_cpu_prefetcher_is_a_pass_through_that_yields_every_batch() -> None:
     with DevicePrefetcher(TorchLoader(ShmLoader(fx.IndexDataset(9), rank=0, size=1, batch_size=2, num_workers=2,
                                                 shuffle=False)), "cpu") as pf:

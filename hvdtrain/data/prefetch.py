@@ -4,7 +4,8 @@ NOTE [stream sync]
 Three hazards, one guard each (letters are referred to from the code):
 (a) read-before-written: the compute stream must not read batch k before its copy on the side stream is done.
     At hand-off the *consumer's current stream* waits on the per-batch event recorded after the copy
-    (`compute.wait_event(ready)`); the host never blocks here.
+    (`compute.wait_event(ready)`); the host never blocks here. The batch is ordered for the stream current at
+    hand-off only: a caller that uses it on another stream later orders that stream itself (`wait_stream`).
 (b) device memory reused too early: batch k's device tensors are allocated by the caching allocator while the side
     stream is current, so the allocator ties them to that stream and would hand the memory to the next copy as soon
     as Python frees them — possibly while kernels on the compute stream still read them. `t.record_stream(compute)`

@@ -10,11 +10,14 @@ import torch
 
 
 def map_leaves(fn: Callable[[Any], Any], batch: Any) -> Any:
-    """Apply `fn` to every leaf of a batch (an array/tensor, a tuple/list of them or a dict of them)."""
+    """Apply `fn` to every leaf of a batch: an array/tensor, or tuples/lists/dicts of them nested to any depth
+    (named tuples keep their type); leaves are visited depth first, in order."""
     if isinstance(batch, Mapping):
-        return {k: fn(v) for k, v in batch.items()}
+        return {k: map_leaves(fn, v) for k, v in batch.items()}
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(map_leaves(fn, v) for v in batch))
     if isinstance(batch, tuple | list):
-        return type(batch)(fn(v) for v in batch)
+        return type(batch)(map_leaves(fn, v) for v in batch)
     return fn(batch)
 
 
