@@ -30,7 +30,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -39,13 +38,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from _common import OUT, REPO, free_port, write_json
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "b6"))
 from netlink import ShapedS3
 
-REPO = Path(__file__).resolve().parent.parent
 B6 = REPO / "bench" / "b6"
-OUT = REPO / "bench" / "out"
 SYSTEMS = ("hvdtrain", "mosaic", "litdata", "wds")
 FORMAT = {"hvdtrain": "mosaic", "mosaic": "mosaic", "litdata": "litdata", "wds": "wds"}  # whose writer
 VARIANTS = {"100k": 102400, "8k": 8192}
@@ -66,7 +64,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--work", type=Path, default=OUT / "b6-work")
     p.add_argument("--timeout", type=float, default=300, help="seconds one system's run may take (then: an error)")
     p.add_argument("--keep", action="store_true", help="keep the written datasets in --work")
+    p.add_argument("--render", type=Path, metavar="JSON", help="print the tables of a saved result; run nothing")
     args = p.parse_args(argv)
+    if args.render:
+        return args
     args.variants = [v for v in args.variants.split(",") if v]
     args.systems = [s for s in args.systems.split(",") if s]
     args.runs = [r for r in args.runs.split(",") if r]
@@ -115,12 +116,6 @@ def upload(server: ShapedS3, root: Path, prefix: str) -> int:
     with ThreadPoolExecutor(4) as pool:
         list(pool.map(lambda p: client.upload_file(str(p), BUCKET, f"{prefix}/{p.relative_to(root)}"), files))
     return sum(p.stat().st_size for p in files)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def run_ranks(args: argparse.Namespace, system: str, source: str, samples: int, record: int, *, epochs: int,
@@ -308,7 +303,7 @@ def parse_rate(rate: str) -> float:
 def render(path: Path) -> int:
     """Print the tables of a saved result again (`--render bench/out/streaming_vs_peers.json`)."""
     result = json.loads(path.read_text())
-    systems = [s for s in result["args"]["systems"].strip("[]").replace("'", "").split(", ") if s]
+    systems = result["args"]["systems"]
     for variant, v in result["variants"].items():
         runs = {tuple(k.split("/")): r for k, r in v["runs"].items()}
         print_table(variant, rows_for(runs, v["stored_bytes"], parse_rate(result["args"]["rate"])), systems)
@@ -316,11 +311,12 @@ def render(path: Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    if argv is None and sys.argv[1:2] == ["--render"]:
-        return render(Path(sys.argv[2]))
     args = parse_args(argv)
+    if args.render:
+        return render(args.render)
     args.work.mkdir(parents=True, exist_ok=True)
-    result: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}, "variants": {}}
+    saved = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    result: dict[str, Any] = {"args": saved, "variants": {}}
     server = ShapedS3(args.peer_python, args.work / "moto.log")
     try:
         server.client().create_bucket(Bucket=BUCKET)
@@ -330,9 +326,7 @@ def main(argv: list[str] | None = None) -> int:
                 shutil.rmtree(args.work / "data", ignore_errors=True)
     finally:
         server.close()
-    path = OUT / "streaming_vs_peers.json"
-    path.write_text(json.dumps(result, indent=1, default=str) + "\n")
-    print(f"\nwritten: {path}")
+    print(f"\nwritten: {write_json(OUT / 'streaming_vs_peers.json', result)}")
     failed = [k for v in result["variants"].values() for k, r in v["runs"].items() if "error" in r]
     return 1 if failed else 0
 
