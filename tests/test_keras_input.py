@@ -157,7 +157,7 @@ def test_bad_data_in_a_producer_ends_fit_as_the_producers_error() -> None:
 def test_validation_reads_its_share_in_batches_and_names_bad_data() -> None:
     from hvdtrain.train import keraskit
 
-    share = ShardSampler(9, 1, 2, shuffle=False).indices()  # 5 of 9 (padded by wrapping)
+    share = ShardSampler(9, 1, 2, shuffle=False).indices()  # 5 of 9 (one padded)
     got = [(tuple(x.shape), np.rint(x.numpy()[:, 0, 0, 0]).astype(int).tolist())
            for x, _ in keraskit.val_input(Encoded(9), 1, 2, batch_size=2)]
     assert got == [((2, 3, 3, 2), share[:2].tolist()), ((2, 3, 3, 2), share[2:4].tolist()),

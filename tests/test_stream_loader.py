@@ -4,6 +4,7 @@ every rank count, mid-epoch resume, elastic resharding, reading only in the prod
 from __future__ import annotations
 
 import collections
+import itertools
 from pathlib import Path
 
 import numpy as np
@@ -49,6 +50,26 @@ def test_block_shuffle_is_a_permutation_made_of_whole_blocks() -> None:
             assert set(o[pos:pos + len(want)].tolist()) == want
             pos += len(want)
     assert not np.array_equal(order(7, 0), order(7, 1)) and np.array_equal(order(7, 1), order(7, 1))
+
+
+def test_shards_go_serpentine_each_epoch_the_last_one_backwards_within_two_blocks() -> None:
+    """NOTE [serpentine epochs]: what a bounded cache holds at an epoch's end is read first in the next."""
+    order = BlockShuffle.of([10] * 64, block_shards=4)
+    epochs = [order.shard_order(5, e) for e in range(6)]
+    for before, after in itertools.pairwise(epochs):
+        assert sorted(after.tolist()) == list(range(64))
+        where_before = np.argsort(before)
+        moved = np.abs(where_before[after] - (63 - np.arange(64)))  # position in `before`, mirrored, vs in `after`
+        assert moved.max() < 8 and moved.any()  # backwards, each shard shuffled by less than 2 blocks
+        blocks = [{frozenset(o[k:k + 4].tolist()) for k in range(0, 64, 4)} for o in (before, after)]
+        assert len(blocks[0] & blocks[1]) < 8  # most blocks change members
+    from hvdtrain.stream import order as order_module
+
+    order_module._computed.clear()  # computed afresh, in another order of calls: the same orders
+    assert all(np.array_equal(order.shard_order(5, e), epochs[e]) for e in (4, 2, 5, 0, 3))
+    assert not np.array_equal(epochs[2], epochs[0])
+    with pytest.raises(ValueError, match="epoch must be an integer >= 0, got -1"):
+        order.shard_order(5, -1)
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 4])

@@ -171,7 +171,7 @@ class ShmLoader:
         base = WorkerConfig(0, num_workers, rank, size, seed, poll_s, dataset, collate, fetch, generator,
                             None if dataset is None else {"num_samples": len(dataset), "shuffle": shuffle,
                                                           "drop_last": drop_last, "batch_size": batch_size,
-                                                          "even": even, "order": order})
+                                                          "even": even, "order": order}, epochs)
         try:
             self._start(base, mp.get_context(start_method), import_main)
         except BaseException:

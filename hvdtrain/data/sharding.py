@@ -47,8 +47,10 @@ class ShardSampler:
     """This rank's indices of `range(num_samples)` for one epoch.
 
     - Every rank gets the same number of indices, so every rank runs the same number of steps (uneven shards hang
-      collectives). With `drop_last=False` (default) the shard is **padded by wrapping**: the global order is
-      extended with its own first elements up to a multiple of `size`, so up to `size - 1` samples are seen twice
+      collectives). With `drop_last=False` (default) the shard is **padded**: the global order is extended with
+      a repeat of its own last elements up to a multiple of `size` (the samples just read: for a sharded dataset,
+      in shards still local, where the first ones would need a shard fetched again), so up to `size - 1` samples
+      are seen twice
       per epoch. With `drop_last=True` the last `(remaining % size)` samples of the order are **dropped** for the
       epoch (a different few each epoch when shuffling).
     - `even=False` (evaluation only) neither pads nor drops: rank `r` gets exactly `order[r::size]`, so shards
@@ -142,7 +144,10 @@ class ShardSampler:
         total = self.shard_size * self.size
         if len(rest) == 0 or total == 0:
             return np.empty(0, dtype=np.int64)
-        return np.resize(rest, total)[self.rank::self.size]  # np.resize repeats from the start: wrap padding
+        if total <= len(rest):
+            return rest[:total][self.rank::self.size]  # drop_last: the tail dropped
+        pad = np.resize(rest[::-1], total - len(rest))[::-1]  # the last elements again (cyclically if too few)
+        return np.concatenate([rest, pad])[self.rank::self.size]
 
     def indices(self) -> np.ndarray:
         """This rank's indices not yet consumed in the current epoch."""

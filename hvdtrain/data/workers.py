@@ -88,6 +88,7 @@ class WorkerConfig:
     fetch: Callable[[Any, np.ndarray], Any] | None = None
     generator: Callable[[int, int, int, int], Any] | None = None
     sampler_args: dict[str, Any] | None = None
+    epochs: int | None = None  # the loader's `epochs`: a streamed dataset fetches nothing of epoch `epochs` ahead
 
 
 class TrainerGone(Exception):
@@ -199,7 +200,7 @@ class _Worker:
             sampler.load_state_dict(state)
         plan = getattr(cfg.dataset, "plan_epoch", None)
         if callable(plan) and sampler.shuffle:  # a streamed dataset fetches ahead (hvdtrain.stream.fetcher)
-            plan(sampler.seed, sampler.epoch)
+            plan(sampler.seed, sampler.epoch, last=cfg.epochs is not None and sampler.epoch >= cfg.epochs - 1)
         collate = cfg.collate or default_collate
         for idx in sampler.batches()[cfg.local_id::cfg.workers_per_rank]:
             if cfg.fetch is not None:

@@ -221,10 +221,11 @@ class StreamingDataset:
 
     # ---- the loader's plan: fetch ahead, evict by next use ------------------------------------------------------
 
-    def plan_epoch(self, seed: int, epoch: int) -> None:
+    def plan_epoch(self, seed: int, epoch: int, last: bool = False) -> None:
         """The coming reads follow `BlockShuffle(seed, epoch)` (the loader's producers call this): shards are
-        fetched ahead of that order in the background and evicted by next use (NOTE [eviction by next use])."""
-        self.node.plan(seed, epoch)
+        fetched ahead of that order in the background and evicted by next use (NOTE [eviction by next use]);
+        `last`: no epoch follows (nothing of the next one is fetched ahead)."""
+        self.node.plan(seed, epoch, last)
         self._fetcher.wake()
 
     def _noted(self, shards: np.ndarray) -> None:
@@ -244,6 +245,7 @@ class StreamingDataset:
 
     def close(self) -> None:
         self._fetcher.stop()
+        self.node.close()
         with self._lock:
             while self._readers:
                 self._readers.popitem()[1].close()

@@ -56,6 +56,8 @@ class Fetcher:
                     return
                 if self.ds._in_place(s) or self.ds.node.path(s).exists():
                     continue
+                if not self.ds.node.admits(s):
+                    break  # no room without evicting what a reader needs sooner (the later shards: even less)
                 try:
                     self.ds.node.ensure(s, lambda s=s: self.ds.fetch_raw(s), wait=False,
                                         what=f"fetching {self.ds.shard_name(s)} ahead")

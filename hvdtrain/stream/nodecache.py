@@ -4,26 +4,35 @@ NOTE [eviction by next use]
 Every process reading a dataset on a node (each rank's producers) shares one cache directory (cache.py's NOTE
 [cache files]: a shard is produced by one process under its flock, renamed into place complete). With a byte limit,
 the process about to produce a shard first makes room under the directory's `.evict.lock`: it sums the sizes of the
-complete files there and, while that plus the new shard exceeds the limit, deletes the file needed furthest in the
-future. The future is known: the epoch's shard order is `BlockShuffle.shard_order(seed, epoch)` (the loader tells
-us `(seed, epoch)` through `plan`), and the reading position is the position of the last shard this process read.
-Distances: a shard later in this epoch is needed in (its position - ours) shards; one already passed is needed
-next epoch, at (shards left in this one + its position in the next epoch's order); a file of no shard of this
-dataset version (an old copy) is never needed. Never deleted: the previous, current and next shuffle block around
-the position plus `ahead` shards (what this and the other ranks on the node, which read the same blocks at the same
-time, are reading or fetching). This is Belady's rule: with a cache of a fraction of the dataset, the shards kept
-are the ones needed soonest next epoch, where LRU would delete each just before it is needed again.
-That window assumes the node's readers are within a block of each other: a loader's producers run at most
-`prefetch + 1` batches ahead of its trainer, far less than a block of real shards. With blocks of only a few
-batches (tiny shards), a producer further behind may find a shard deleted and fetch it again (a refetch, never
-wrong data).
+files there and, while that plus the new shard exceeds the limit, deletes the file needed furthest in the future.
+The future is known: each epoch's shard order is `BlockShuffle.shard_order(seed, epoch)` (the loader tells us
+`(seed, epoch)` through `plan`), and every reader on the node publishes where it is: `(seed, epoch, block start)` in
+its own file in the cache directory, rewritten when it enters another block (readers.py; a dead reader's file is
+removed by the next eviction). A file's distance is the soonest any live reader needs it: for one reader, a shard
+later in its epoch is needed in (its position - the reader's) shards; one already passed next epoch, at (shards left
+in this one + its position in the next epoch's order); a file of no shard of this dataset version (an old copy) is
+never needed. This is Belady's rule: with a cache of a fraction of the dataset, the shards kept are the ones needed
+soonest next epoch, where LRU would delete each just before it is needed again. Over serpentine epochs (NOTE
+[serpentine epochs] in order.py) those are the shards read last, including the working set itself, so the whole
+cache is read again next epoch.
+
+Windows: each reader's previous, current and next shuffle block plus `ahead` shards (what it and the readers just
+behind it read or fetch) are evicted only when nothing outside every reader's window can go (readers far apart),
+then nearest needs last; the block a reader is in, never. A fetch ahead (fetcher.py) first asks `admits()`: it is
+skipped when it would need to evict something some reader needs sooner than the shard fetched (the reader fetches
+that shard itself when it gets there), so a reader running ahead of the others cannot push out what they read
+next. Counting every reader matters: a reader 1.5 blocks behind another, with a cache just the size of one window,
+refetches ~4x the dataset per epoch when each evicts by its own position alone, 0.77x with all positions
+(tests/test_remote_store.py). The last epoch (`plan(last=True)`) fetches nothing of the next one ahead.
 
 A producer makes room, writes its shard and renames it into place under that one lock (partial files of dead
 producers count too), so the files in the directory never exceed the limit (downloads in flight are in the
-fetching processes' memory until then). A deleted shard another process has memory-mapped stays readable there
-(Linux frees its blocks at unmap; readers unmap shards outside the protected window as they move on); a process
-that finds a shard deleted between seeing and opening it fetches it again. The limit must hold the protected
-window: checked when the cache is made (`CacheTooSmall`), never a hang.
+fetching processes' memory until then), unless the blocks the readers are in do not fit in it together (readers
+more than 3 blocks apart under the smallest limit allowed): then by the shard being written. A deleted shard
+another process has memory-mapped stays readable there (Linux frees its blocks at unmap; readers unmap shards
+outside their window as they move on); a process that finds a shard deleted between seeing and opening it fetches
+it again. The limit must hold one reader's window: checked
+when the cache is made (`CacheTooSmall`), never a hang.
 """
 
 from __future__ import annotations
@@ -32,14 +41,16 @@ import contextlib
 import os
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from hvdtrain.stream import cache
+from hvdtrain.stream import cache, readers
 from hvdtrain.stream.errors import StreamError
 from hvdtrain.stream.order import BlockShuffle
 
 EVICT_LOCK = ".evict.lock"
+Reader = tuple[int, np.ndarray, np.ndarray, np.ndarray]  # another reader: block start, order, positions, next's
 
 
 class CacheTooSmall(StreamError):
@@ -71,6 +82,11 @@ class NodeCache:
         self._pos: np.ndarray | None = None  # shard -> position, this epoch
         self._next_pos: np.ndarray | None = None  # shard -> position, next epoch
         self.epoch_order: np.ndarray | None = None
+        self.seed = self.epoch = 0
+        self.last = False  # the planned epoch is the job's last: upcoming() stops at its end
+        self._me = readers.Registration(self.dir)  # where this process reads, for the other readers' evictions
+        self._published: readers.Position | None = None
+        self._orders: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}  # by (seed, epoch)
         if limit is not None and limit < self.working_set():
             raise CacheTooSmall(
                 f"the cache limit {human(limit)} is smaller than the working set {human(self.working_set())}: "
@@ -88,16 +104,44 @@ class NodeCache:
         """Bytes of the largest shards that may be protected at once (see NOTE [eviction by next use])."""
         return int(sum(sorted(self.sizes, reverse=True)[: self.window_shards()]))
 
-    def plan(self, seed: int, epoch: int) -> None:
-        """The coming reads follow epoch `epoch`'s shard order (seeded by `seed`)."""
-        self.epoch_order = self.order.shard_order(seed, epoch)
-        self._pos = np.argsort(self.epoch_order)
-        self._next_pos = np.argsort(self.order.shard_order(seed, epoch + 1))
-        self.cursor = None
+    def plan(self, seed: int, epoch: int, last: bool = False) -> None:
+        """The coming reads follow epoch `epoch`'s shard order (seeded by `seed`); `last`: no epoch follows."""
+        self.epoch_order, self._pos, self._next_pos = self._positions(seed, epoch)
+        self.seed, self.epoch, self.cursor, self.last = seed, epoch, None, last
+        self._publish()
 
     def note_read(self, shard: int) -> None:
         if self._pos is not None:
             self.cursor = int(self._pos[shard])
+            self._publish()
+
+    def _publish(self) -> None:
+        """Tell the node's other readers where this one is, when it entered another block (see readers.py)."""
+        if self.limit is None:
+            return  # nothing is evicted: nobody needs to know
+        here = readers.Position(self.seed, self.epoch, self._block_start())
+        if here != self._published:
+            self._me.publish(here)
+            self._published = here
+
+    def _positions(self, seed: int, epoch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Epoch `epoch`'s shard order, each shard's position in it, and in the next epoch's order."""
+        if (seed, epoch) not in self._orders:
+            if len(self._orders) > 8:
+                self._orders.clear()
+            order = self.order.shard_order(seed, epoch)
+            self._orders[seed, epoch] = (order, np.argsort(order), np.argsort(self.order.shard_order(seed, epoch + 1)))
+        return self._orders[seed, epoch]
+
+    def close(self) -> None:
+        """This reader is done (its reader file goes; a killed one's is removed by the next eviction)."""
+        self._me.close()
+        self._published = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_published"], state["_orders"] = None, {}  # a copy in another process publishes its own position
+        return state
 
     def _block_start(self) -> int:
         return 0 if self.cursor is None else self.cursor - self.cursor % self.block
@@ -112,27 +156,52 @@ class NodeCache:
 
     def upcoming(self) -> list[int]:
         """Shards to have local soon, in the order needed: the rest of the current block, the next block and
-        `ahead` more (wrapping into the next epoch's order at the end of this one)."""
+        `ahead` more (wrapping into the next epoch's order at the end of this one, unless it is the last)."""
         if self.epoch_order is None or self._next_pos is None:
             return []
         start = self._block_start()
         want = list(self.epoch_order[start: start + 2 * self.block + self.ahead])
         short = 2 * self.block + self.ahead - len(want)
-        if short > 0:
+        if short > 0 and not self.last:
             want += list(np.argsort(self._next_pos)[:short])
         return [int(s) for s in dict.fromkeys(want)]
 
-    def distance(self, name: str, mtime: float) -> float:
-        """How far in the future a file is needed (larger: evicted first)."""
+    def _others(self) -> list[Reader]:
+        """(block start, order, positions this epoch, next epoch) of the node's other live readers (readers.py)."""
+        mine = self._me.path.name if self._me.path is not None else None
+        out = []
+        for name, at in readers.live(self.dir).items():
+            if name != mine and at.start < len(self.sizes):
+                out.append((at.start, *self._positions(at.seed, at.epoch)))
+        return out
+
+    def distance(self, name: str, mtime: float, others: Sequence[Reader] = ()) -> float:
+        """How far in the future a file is needed by the nearest reader, this one or `others` (larger: evicted
+        first)."""
         s = self.index.get(name)
         if s is None:
             return float("inf")  # an old version's copy, or another file: never needed
-        if self._pos is None or self._next_pos is None:
-            return -mtime  # no plan (a reader outside the loader): the least recently fetched first
-        pos, cursor = int(self._pos[s]), self.cursor or 0
-        if pos >= self._block_start():
-            return float(pos - cursor)
-        return float(len(self.sizes) - cursor + int(self._next_pos[s]))
+        ahead = [self._until(s, start, start, pos, nxt) for start, _, pos, nxt in others]
+        if self._pos is not None and self._next_pos is not None:
+            ahead.append(self._until(s, self.cursor or 0, self._block_start(), self._pos, self._next_pos))
+        return min(ahead) if ahead else -mtime  # no plan anywhere: the least recently fetched first
+
+    def _until(self, s: int, cursor: int, start: int, pos: np.ndarray, nxt: np.ndarray) -> float:
+        """Shards read before shard `s` by a reader at `cursor` (in the block at `start`)."""
+        if int(pos[s]) >= start:
+            return float(int(pos[s]) - cursor)
+        return float(len(self.sizes) - cursor + int(nxt[s]))
+
+    def _kept(self, others: Sequence[Reader], *, windows: bool) -> set[str]:
+        """Files not to evict: each reader's protected window (`windows`), else only the block each reader is in."""
+        keep: set[int] = set(self.protected()) if windows else set()
+        if not windows and self.epoch_order is not None:
+            keep.update(int(s) for s in self.epoch_order[self._block_start(): self._block_start() + self.block])
+        for start, order, _, _ in others:
+            lo, hi = (max(0, start - self.block), start + 2 * self.block + self.ahead) if windows else (start, start
+                                                                                                        + self.block)
+            keep.update(int(s) for s in order[lo:hi])
+        return {self.names[s] for s in keep}
 
     # ---- producing -------------------------------------------------------------------------------------------
 
@@ -141,8 +210,7 @@ class NodeCache:
 
     def ensure(self, s: int, fetch: Callable[[], bytes | memoryview], *, wait: bool = True, what: str) -> Path:
         """Shard `s`'s local file, produced by `fetch()` unless present (`wait=False`: `cache.Busy` when another
-        process is producing it)."""
-
+        process is producing it, and no waiting for room)."""
         room = self._room if self.limit is not None else None
         path, _ = cache.ensure(self.path(s), fetch=fetch, room=room, timeout=600.0 if wait else 0.0, what=what)
         return path
@@ -150,9 +218,13 @@ class NodeCache:
     @contextlib.contextmanager
     def _room(self, nbytes: int) -> Iterator[None]:
         """Held while a shard of `nbytes` is written and renamed into place: room made for it first, and no other
-        writer counts the directory meanwhile (so the limit holds exactly)."""
+        writer counts the directory meanwhile (so the limit holds exactly). Room is made outside every reader's
+        window first, then (readers far apart) from the windows too, nearest needs last, never from the block a
+        reader is in (NOTE [eviction by next use])."""
         with self._evict_lock():
-            self._make_room(nbytes)
+            others = self._others()
+            if not self._make_room(nbytes, others, windows=True):
+                self._make_room(nbytes, others, windows=False)
             yield
 
     def usage(self) -> list[tuple[str, int, float]]:
@@ -171,25 +243,43 @@ class NodeCache:
         self.dir.mkdir(parents=True, exist_ok=True)
         return cache.file_lock(self.dir / EVICT_LOCK, 600.0, "making room in the data cache")
 
-    def make_room(self, nbytes: int) -> list[str]:
-        """Delete files needed furthest in the future until `nbytes` more fit under the limit; the names deleted."""
+    def make_room(self, nbytes: int) -> bool:
+        """Delete files needed furthest in the future (outside every reader's window) until `nbytes` more fit
+        under the limit; whether they do."""
         if self.limit is None:
-            return []
+            return True
         with self._evict_lock():
-            return self._make_room(nbytes)
+            return self._make_room(nbytes, self._others(), windows=True)
 
-    def _make_room(self, nbytes: int) -> list[str]:
+    def _victims(self, files: list[tuple[str, int, float]], others: Sequence[Reader], *,
+                 windows: bool) -> list[tuple[float, str, int]]:
+        """(distance, name, bytes) of the files that may go, the furthest needed first."""
+        keep = self._kept(others, windows=windows)
+        return sorted(((self.distance(name, mtime, others), name, size) for name, size, mtime in files
+                       if name not in keep and not name.startswith(".")), reverse=True)
+
+    def admits(self, s: int) -> bool:
+        """Whether fetching shard `s` ahead is worth its room: it fits, or only files outside every reader's
+        window and needed later than `s` (by every reader) would go for it. A fetch ahead that would evict a
+        sooner need is skipped; the reader fetches `s` when it gets there."""
+        if self.limit is None:
+            return True
+        with self._evict_lock():
+            files = self.usage()
+            room = self.limit - sum(size for _, size, _ in files) - self.sizes[s]
+            if room >= 0:
+                return True
+            others = self._others()
+            need = self.distance(self.names[s], 0.0, others)
+            return room + sum(size for d, _, size in self._victims(files, others, windows=True) if d > need) >= 0
+
+    def _make_room(self, nbytes: int, others: Sequence[Reader], *, windows: bool) -> bool:
         files = self.usage()
         used = sum(size for _, size, _ in files)
-        keep = {self.names[s] for s in self.protected()}
-        victims = sorted((f for f in files if f[0] not in keep and not f[0].startswith(".")),
-                         key=lambda f: self.distance(f[0], f[2]), reverse=True)
-        evicted = []
-        for name, size, _ in victims:
+        for _, name, size in self._victims(files, others, windows=windows):
             if used + nbytes <= self.limit:  # type: ignore[operator]
                 break
             with contextlib.suppress(FileNotFoundError):
                 (self.dir / name).unlink()
             used -= size
-            evicted.append(name)
-        return evicted
+        return used + nbytes <= self.limit  # type: ignore[operator]

@@ -1,21 +1,38 @@
-"""The epoch's global sample order over a sharded dataset: shuffle blocks of several shards.
+"""The epoch's global sample order over a sharded dataset: shuffle blocks of several shards, serpentine epochs.
 
 A full permutation of a sharded dataset touches every shard in every stretch of the epoch, so every rank would need
-the whole dataset local at once. `BlockShuffle` instead permutes the shards (seeded by `(seed, epoch)`), groups
-consecutive shards of that permutation into blocks of `block_shards`, and permutes the samples inside each block. The
-order mixes samples of `block_shards` shards and walks the blocks one after another, so while a block is read the
-working set is that block's shards (plus what is fetched ahead). The order depends only on `(seed, epoch)` and the
-shard sizes, not on the number of ranks: `ShardSampler` splits it among ranks (strided), and after a change of world
-size the same global order continues (elastic).
-"""
+the whole dataset local at once. `BlockShuffle` instead orders the shards, groups consecutive shards of that order
+into blocks of `block_shards`, and permutes the samples inside each block (seeded by `(seed, epoch)`). The order
+mixes samples of `block_shards` shards and walks the blocks one after another, so while a block is read the working
+set is that block's shards (plus what is fetched ahead). The order depends only on `(seed, epoch)` and the shard
+sizes, not on the number of ranks: `ShardSampler` splits it among ranks (strided), and after a change of world size
+the same global order continues (elastic).
 
+NOTE [serpentine epochs]
+Epoch 0's shard order is a permutation drawn from the seed. Each later epoch walks the previous epoch's shard order
+backwards, shuffled within windows of `2 * block_shards` consecutive shards (window boundaries at a random offset, so
+every shard moves by less than two blocks and blocks change members every epoch); samples are reshuffled inside the
+blocks every epoch. Why: a node cache holding a fraction `f` of the dataset ends an epoch with the shards read last,
+which this order reads first in the next epoch, so `f` of the next epoch is read locally whatever the working set
+(NOTE [eviction by next use] in nodecache.py). With independent permutations per epoch the shards kept are at
+random positions of the next epoch, and at most `f` minus the working set is served locally (with a 25% cache and
+the default blocks of 4 over 64 shards, nothing: the working set is the whole cache). The price: the sequence of
+shards is anti-correlated between consecutive epochs (it drifts apart slowly); which shards share a block, and the
+order of samples, change every epoch.
+"""
 from __future__ import annotations
 
 import itertools
+import numbers
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
+# (shards, block, seed) -> {epoch: shard order} for the last few epochs computed in this process
+_computed: dict[tuple[int, int, int], dict[int, np.ndarray]] = {}
+_computed_lock = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -42,7 +59,7 @@ class BlockShuffle:
         import hashlib
 
         digest = hashlib.sha256(",".join(map(str, self.shard_sizes)).encode()).hexdigest()[:12]
-        return f"blocks of {self.block_shards} over {len(self.shard_sizes)} shards ({digest})"
+        return f"serpentine blocks of {self.block_shards} over {len(self.shard_sizes)} shards ({digest})"
 
     @property
     def num_samples(self) -> int:
@@ -52,11 +69,29 @@ class BlockShuffle:
         return np.random.default_rng([seed, epoch, 0x5B10C])
 
     def shard_order(self, seed: int, epoch: int) -> np.ndarray:
-        return self._rng(seed, epoch).permutation(len(self.shard_sizes))
+        """The shards in the order epoch `epoch` reads them (NOTE [serpentine epochs]): each epoch's from the one
+        before, continued from the latest epoch up to `epoch` already computed in this process)."""
+        if not isinstance(epoch, numbers.Integral) or epoch < 0:
+            raise ValueError(f"epoch must be an integer >= 0, got {epoch!r}")
+        n, key, epoch = len(self.shard_sizes), (len(self.shard_sizes), self.block_shards, seed), int(epoch)
+        with _computed_lock:
+            known = _computed.setdefault(key, {})
+            done = max((e for e in known if e <= epoch), default=-1)
+            order = known[done] if done >= 0 else self._rng(seed, 0).permutation(n)
+        window = 2 * self.block_shards
+        for e in range(max(done, 0) + 1, epoch + 1):
+            rng = self._rng(seed, e)
+            windows = (np.arange(n) + rng.integers(window)) // window
+            order = order[::-1][np.lexsort((rng.random(n), windows))]
+        with _computed_lock:
+            known[epoch] = order
+            for old in sorted(known)[:-4]:
+                del known[old]
+        return order.copy()
 
     def __call__(self, seed: int, epoch: int) -> np.ndarray:
-        rng = self._rng(seed, epoch)
-        perm = rng.permutation(len(self.shard_sizes))
+        rng = np.random.default_rng([seed, epoch, 0x5B10C, 1])  # the samples' shuffle; the shards' is shard_order's
+        perm = self.shard_order(seed, epoch)
         sizes = np.asarray(self.shard_sizes, dtype=np.int64)
         starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]) if len(sizes) else sizes
         psizes, pstarts = sizes[perm], starts[perm]

@@ -1,0 +1,103 @@
+"""Who reads a node cache directory, and where each reader is in its epoch (NOTE [eviction by next use]).
+
+A process reading a dataset with a plan (a loader's producer) publishes `seed epoch block_start` in its own file
+`.reader.PID.TOKEN` in the cache directory and holds a shared `flock` on it while it lives. The process making room
+reads them all: a file whose lock it can take exclusively belongs to a process that died (the kernel dropped its
+lock), and is removed; the others are live readers. Positions are written in place (fixed width, one `pwrite`) and
+only when a reader enters another shuffle block, without a lock: a torn or empty record is skipped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+PREFIX = ".reader."
+WIDTH = 64
+
+
+@dataclass(frozen=True)
+class Position:
+    """A reader at position `start` (a shuffle block's first) of epoch `epoch`'s shard order under `seed`."""
+
+    seed: int
+    epoch: int
+    start: int
+
+    def record(self) -> bytes:
+        return f"{self.seed} {self.epoch} {self.start}\n".encode().ljust(WIDTH)
+
+    @classmethod
+    def parse(cls, data: bytes) -> Position | None:
+        try:
+            seed, epoch, start = (int(v) for v in data.split(b"\n", 1)[0].split())
+        except ValueError:
+            return None  # empty (just created) or torn by a concurrent write
+        return cls(seed, epoch, start) if min(seed, epoch, start) >= 0 else None
+
+
+class Registration:
+    """This process's reader file in `directory` (made by the first `publish`, removed by `close`)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.dir = directory
+        self.path: Path | None = None
+        self._fd: int | None = None
+        self._pid: int | None = None
+
+    def publish(self, position: Position) -> None:
+        if self._fd is None or self._pid != os.getpid() or os.fstat(self._fd).st_nlink == 0:
+            self._open()  # first use, a forked or unpickled copy, or removed by mistake: a file of our own
+        os.pwrite(self._fd, position.record(), 0)  # type: ignore[arg-type]
+
+    def _open(self) -> None:
+        self._forget()
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.dir / f"{PREFIX}{os.getpid()}.{secrets.token_hex(4)}"
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        self._fd, self._pid = fd, os.getpid()
+
+    def _forget(self) -> None:
+        if self._fd is not None and self._pid == os.getpid():
+            os.close(self._fd)
+        self._fd = self._pid = None
+
+    def close(self) -> None:
+        if self._fd is not None and self._pid == os.getpid() and self.path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
+        self._forget()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"dir": self.dir, "path": None, "_fd": None, "_pid": None}
+
+
+def live(directory: Path) -> dict[str, Position]:
+    """The positions of the live readers of `directory`, by file name; removes the files of dead ones."""
+    out: dict[str, Position] = {}
+    with contextlib.suppress(FileNotFoundError), os.scandir(directory) as it:
+        names = [e.name for e in it if e.name.startswith(PREFIX)]
+    for name in names:
+        try:
+            fd = os.open(directory / name, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # its reader holds it: alive
+                position = Position.parse(os.pread(fd, WIDTH, 0))
+                if position is not None:
+                    out[name] = position
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                (directory / name).unlink()  # its reader died
+        finally:
+            os.close(fd)
+    return out
