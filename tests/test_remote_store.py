@@ -278,20 +278,39 @@ def test_the_last_epoch_fetches_nothing_of_the_next_ahead(tmp_path: Path) -> Non
             assert upcoming[:2] == this_epoch_tail and len(upcoming) > 2
 
 
+def test_a_fetch_ahead_is_not_admitted_when_it_would_evict_a_sooner_need(tmp_path: Path) -> None:
+    """The fetcher asks `admits()` before it downloads a shard ahead."""
+    order = BlockShuffle.of([10] * 12, 1)
+    node = NodeCache(tmp_path, [f"s{i}" for i in range(12)], [1024] * 12, order, limit=4 * 1024, ahead=1)
+    node.plan(7, 0)
+    shards = [int(s) for s in order.shard_order(7, 0)]
+    node.note_read(shards[1])
+    for s in shards[:4]:  # the window: previous, current and next block (1 shard each) + 1 ahead; the cache is full
+        node.ensure(s, lambda: b"x" * 1024, what="test")
+    far = shards[8]
+    assert not node.admits(far)  # only the window is cached: it would evict what the reader needs sooner
+    node.note_read(shards[3])  # the reader moved on: shards[0] left every window, needed only next epoch
+    assert node.admits(shards[5])
+    node.ensure(shards[5], lambda: b"x" * 1024, wait=False, what="test")
+    assert f"s{shards[0]}" not in {name for name, _, _ in node.usage()}
+
+
 def test_reader_positions_are_published_and_a_killed_readers_file_is_removed(tmp_path: Path) -> None:
     code = ("import sys, time; from pathlib import Path; from hvdtrain.stream import readers; "
-            "r = readers.Registration(Path(sys.argv[1])); r.publish(readers.Position(3, 1, 8)); "
+            "r = readers.Registration(Path(sys.argv[1])); r.publish(readers.Position(3, 1, 8, 'ab12')); "
             "print('ready', flush=True); time.sleep(60)")
     child = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout.readline().strip() == "ready"  # type: ignore[union-attr]
         me = readers.Registration(tmp_path)
-        me.publish(readers.Position(3, 1, 4))
+        me.publish(readers.Position(3, 1, 4, "ab12"))
         assert sorted(readers.live(tmp_path).values(), key=lambda p: p.start) == [
-            readers.Position(3, 1, 4), readers.Position(3, 1, 8)]
+            readers.Position(3, 1, 4, "ab12"), readers.Position(3, 1, 8, "ab12")]
         child.kill()
         child.wait(timeout=30)
-        assert list(readers.live(tmp_path).values()) == [readers.Position(3, 1, 4)]  # the dead one's file: gone
+        assert list(readers.live(tmp_path).values()) == [readers.Position(3, 1, 4, "ab12")]  # the dead one's file: gone
+        me.publish(readers.Position(3, 1, 12, "ab12"))  # rewritten in place
+        assert list(readers.live(tmp_path).values()) == [readers.Position(3, 1, 12, "ab12")]
         assert [p.name for p in tmp_path.iterdir()] == [me.path.name]  # type: ignore[union-attr]
         me.close()
         assert readers.live(tmp_path) == {} and list(tmp_path.iterdir()) == []

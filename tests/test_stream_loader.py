@@ -83,7 +83,7 @@ def test_every_sample_once_per_epoch_across_ranks(size: int) -> None:
             sampler.set_epoch(epoch)
             seen.update(sampler.indices().tolist())
         assert set(seen) == set(range(n))
-        assert sum(seen.values()) - n == (-n) % size  # the wrap padding: at most size - 1 repeats
+        assert sum(seen.values()) - n == (-n) % size  # the padding: at most size - 1 repeats
 
 
 def test_elastic_resharding_continues_the_same_order() -> None:
@@ -123,7 +123,7 @@ def test_two_ranks_of_producers_read_every_sample_once_from_compressed_shards(tm
     finally:
         for loader in loaders:
             loader.close()
-    assert set(got) == set(range(97)) and sum(got.values()) == 98  # one wrap-padding repeat
+    assert set(got) == set(range(97)) and sum(got.values()) == 98  # one padding repeat
     assert ds._readers == {}  # the trainer process opened no shard: the producers did
     cached = [p.name.rsplit(".", 1)[0] for p in _cache_dir.rglob("*") if p.is_file() and not p.name.startswith(".")]
     assert sorted(cached) == sorted(s.raw.basename for s in ds.index.shards)  # decompressed once per node

@@ -145,7 +145,7 @@ class ShardSampler:
         if len(rest) == 0 or total == 0:
             return np.empty(0, dtype=np.int64)
         if total <= len(rest):
-            return rest[:total][self.rank::self.size]  # drop_last: the tail dropped
+            return rest[:total][self.rank::self.size]  # an exact fit, or drop_last: the tail dropped
         pad = np.resize(rest[::-1], total - len(rest))[::-1]  # the last elements again (cyclically if too few)
         return np.concatenate([rest, pad])[self.rank::self.size]
 

@@ -200,7 +200,10 @@ class _Worker:
             sampler.load_state_dict(state)
         plan = getattr(cfg.dataset, "plan_epoch", None)
         if callable(plan) and sampler.shuffle:  # a streamed dataset fetches ahead (hvdtrain.stream.fetcher)
-            plan(sampler.seed, sampler.epoch, last=cfg.epochs is not None and sampler.epoch >= cfg.epochs - 1)
+            if cfg.epochs is not None and sampler.epoch >= cfg.epochs - 1:
+                plan(sampler.seed, sampler.epoch, last=True)  # the job's last epoch: fetch nothing of the next
+            else:
+                plan(sampler.seed, sampler.epoch)
         collate = cfg.collate or default_collate
         for idx in sampler.batches()[cfg.local_id::cfg.workers_per_rank]:
             if cfg.fetch is not None:

@@ -56,13 +56,13 @@ class Fetcher:
                     return
                 if self.ds._in_place(s) or self.ds.node.path(s).exists():
                     continue
-                if not self.ds.node.admits(s):
-                    break  # no room without evicting what a reader needs sooner (the later shards: even less)
                 try:
+                    if not self.ds.node.admits(s):
+                        break  # no room without evicting what a reader needs sooner (the later shards: even less)
                     self.ds.node.ensure(s, lambda s=s: self.ds.fetch_raw(s), wait=False,
                                         what=f"fetching {self.ds.shard_name(s)} ahead")
                     self.fetched += 1
                 except cache.Busy:
-                    continue  # another thread or process is fetching it
+                    continue  # another thread or process is fetching it (or no room is left for it after all)
                 except (StreamError, OSError):
                     continue  # the reader fetches it again when it needs it, and reports the error

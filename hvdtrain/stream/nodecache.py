@@ -27,8 +27,8 @@ refetches ~4x the dataset per epoch when each evicts by its own position alone, 
 
 A producer makes room, writes its shard and renames it into place under that one lock (partial files of dead
 producers count too), so the files in the directory never exceed the limit (downloads in flight are in the
-fetching processes' memory until then), unless the blocks the readers are in do not fit in it together (readers
-more than 3 blocks apart under the smallest limit allowed): then by the shard being written. A deleted shard
+fetching processes' memory until then), unless the blocks the readers are in do not fit in it together (3 or more
+readers in different blocks under the smallest limit allowed): then by the shard being written. A deleted shard
 another process has memory-mapped stays readable there (Linux frees its blocks at unmap; readers unmap shards
 outside their window as they move on); a process that finds a shard deleted between seeing and opening it fetches
 it again. The limit must hold one reader's window: checked
@@ -38,6 +38,7 @@ when the cache is made (`CacheTooSmall`), never a hang.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -86,6 +87,8 @@ class NodeCache:
         self.last = False  # the planned epoch is the job's last: upcoming() stops at its end
         self._me = readers.Registration(self.dir)  # where this process reads, for the other readers' evictions
         self._published: readers.Position | None = None
+        # names this order and dataset version in the reader files: readers of another one are not counted
+        self._tag = hashlib.sha256("|".join([order.fingerprint, *self.names]).encode()).hexdigest()[:16]
         self._orders: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}  # by (seed, epoch)
         if limit is not None and limit < self.working_set():
             raise CacheTooSmall(
@@ -119,19 +122,21 @@ class NodeCache:
         """Tell the node's other readers where this one is, when it entered another block (see readers.py)."""
         if self.limit is None:
             return  # nothing is evicted: nobody needs to know
-        here = readers.Position(self.seed, self.epoch, self._block_start())
+        here = readers.Position(self.seed, self.epoch, self._block_start(), self._tag)
         if here != self._published:
             self._me.publish(here)
             self._published = here
 
     def _positions(self, seed: int, epoch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Epoch `epoch`'s shard order, each shard's position in it, and in the next epoch's order."""
-        if (seed, epoch) not in self._orders:
-            if len(self._orders) > 8:
-                self._orders.clear()
+        if len(self._orders) > 8:
+            self._orders.clear()
+        known = self._orders.get((seed, epoch))
+        if known is None:  # (another thread may clear the dict meanwhile: keep our own reference)
             order = self.order.shard_order(seed, epoch)
-            self._orders[seed, epoch] = (order, np.argsort(order), np.argsort(self.order.shard_order(seed, epoch + 1)))
-        return self._orders[seed, epoch]
+            known = (order, np.argsort(order), np.argsort(self.order.shard_order(seed, epoch + 1)))
+            self._orders[seed, epoch] = known
+        return known
 
     def close(self) -> None:
         """This reader is done (its reader file goes; a killed one's is removed by the next eviction)."""
@@ -147,7 +152,8 @@ class NodeCache:
         return 0 if self.cursor is None else self.cursor - self.cursor % self.block
 
     def protected(self) -> set[int]:
-        """Shards never evicted now: the previous, current and next block around the cursor, plus `ahead`."""
+        """This reader's window: the previous, current and next block around the cursor, plus `ahead` (kept mapped;
+        evicted only when nothing outside every reader's window can go)."""
         if self.epoch_order is None:
             return set()
         start = self._block_start()
@@ -171,7 +177,7 @@ class NodeCache:
         mine = self._me.path.name if self._me.path is not None else None
         out = []
         for name, at in readers.live(self.dir).items():
-            if name != mine and at.start < len(self.sizes):
+            if name != mine and at.order == self._tag and at.start < len(self.sizes):
                 out.append((at.start, *self._positions(at.seed, at.epoch)))
         return out
 
@@ -183,7 +189,9 @@ class NodeCache:
             return float("inf")  # an old version's copy, or another file: never needed
         ahead = [self._until(s, start, start, pos, nxt) for start, _, pos, nxt in others]
         if self._pos is not None and self._next_pos is not None:
-            ahead.append(self._until(s, self.cursor or 0, self._block_start(), self._pos, self._next_pos))
+            passed = int(self._pos[s]) < self._block_start()
+            ahead.append(float("inf") if self.last and passed else  # the job's last epoch: never needed again
+                         self._until(s, self.cursor or 0, self._block_start(), self._pos, self._next_pos))
         return min(ahead) if ahead else -mtime  # no plan anywhere: the least recently fetched first
 
     def _until(self, s: int, cursor: int, start: int, pos: np.ndarray, nxt: np.ndarray) -> float:
@@ -210,7 +218,7 @@ class NodeCache:
 
     def ensure(self, s: int, fetch: Callable[[], bytes | memoryview], *, wait: bool = True, what: str) -> Path:
         """Shard `s`'s local file, produced by `fetch()` unless present (`wait=False`: `cache.Busy` when another
-        process is producing it, and no waiting for room)."""
+        process is producing it)."""
         room = self._room if self.limit is not None else None
         path, _ = cache.ensure(self.path(s), fetch=fetch, room=room, timeout=600.0 if wait else 0.0, what=what)
         return path
@@ -220,7 +228,8 @@ class NodeCache:
         """Held while a shard of `nbytes` is written and renamed into place: room made for it first, and no other
         writer counts the directory meanwhile (so the limit holds exactly). Room is made outside every reader's
         window first, then (readers far apart) from the windows too, nearest needs last, never from the block a
-        reader is in (NOTE [eviction by next use])."""
+        reader is in (NOTE [eviction by next use]). A fetch ahead was admitted before its download (`admits()`):
+        its bytes are kept the same way (dropping them would be a download for nothing)."""
         with self._evict_lock():
             others = self._others()
             if not self._make_room(nbytes, others, windows=True):
@@ -271,15 +280,21 @@ class NodeCache:
                 return True
             others = self._others()
             need = self.distance(self.names[s], 0.0, others)
-            return room + sum(size for d, _, size in self._victims(files, others, windows=True) if d > need) >= 0
+            for d, _, size in self._victims(files, others, windows=True):  # the furthest first
+                if room >= 0 or d <= need:
+                    break
+                room += size
+            return room >= 0
 
     def _make_room(self, nbytes: int, others: Sequence[Reader], *, windows: bool) -> bool:
+        """Delete files (outside every reader's window, else outside the block each is in), the furthest needed
+        first, until `nbytes` more fit under the limit; whether they do."""
         files = self.usage()
-        used = sum(size for _, size, _ in files)
+        over = sum(size for _, size, _ in files) + nbytes - self.limit  # type: ignore[operator]
         for _, name, size in self._victims(files, others, windows=windows):
-            if used + nbytes <= self.limit:  # type: ignore[operator]
+            if over <= 0:
                 break
             with contextlib.suppress(FileNotFoundError):
                 (self.dir / name).unlink()
-            used -= size
-        return used + nbytes <= self.limit  # type: ignore[operator]
+            over -= size
+        return over <= 0

@@ -1,10 +1,12 @@
 """Who reads a node cache directory, and where each reader is in its epoch (NOTE [eviction by next use]).
 
-A process reading a dataset with a plan (a loader's producer) publishes `seed epoch block_start` in its own file
-`.reader.PID.TOKEN` in the cache directory and holds a shared `flock` on it while it lives. The process making room
-reads them all: a file whose lock it can take exclusively belongs to a process that died (the kernel dropped its
-lock), and is removed; the others are live readers. Positions are written in place (fixed width, one `pwrite`) and
-only when a reader enters another shuffle block, without a lock: a torn or empty record is skipped.
+A process reading a dataset with a plan (a loader's producer) publishes `seed epoch block_start order` in its own
+file `.reader.PID.TOKEN` in the cache directory and holds a shared `flock` on it while it lives (`order` names the
+shard order and dataset version: a reader of another one is not counted). The file is made under another name,
+locked and written, then renamed into place, so no live reader's file is ever seen unlocked. The process making
+room reads them all: a file whose lock it can take exclusively belongs to a process that died (the kernel dropped
+its lock), and is removed; the others are live readers. Positions are rewritten in place (fixed width, one
+`pwrite`) only when a reader enters another shuffle block, without a lock: a torn record is skipped.
 """
 
 from __future__ import annotations
@@ -18,27 +20,31 @@ from pathlib import Path
 from typing import Any
 
 PREFIX = ".reader."
-WIDTH = 64
+MAKING = ".reader-new."  # before the rename into place
+WIDTH = 96
 
 
 @dataclass(frozen=True)
 class Position:
-    """A reader at position `start` (a shuffle block's first) of epoch `epoch`'s shard order under `seed`."""
+    """A reader at position `start` (a shuffle block's first) of epoch `epoch`'s shard order under `seed`, of the
+    order (and dataset version) named `order` (a token without spaces)."""
 
     seed: int
     epoch: int
     start: int
+    order: str
 
     def record(self) -> bytes:
-        return f"{self.seed} {self.epoch} {self.start}\n".encode().ljust(WIDTH)
+        return f"{self.seed} {self.epoch} {self.start} {self.order}\n".encode().ljust(WIDTH)
 
     @classmethod
     def parse(cls, data: bytes) -> Position | None:
         try:
-            seed, epoch, start = (int(v) for v in data.split(b"\n", 1)[0].split())
+            seed, epoch, start, order = data.split(b"\n", 1)[0].decode().split()
+            at = cls(int(seed), int(epoch), int(start), order)
         except ValueError:
-            return None  # empty (just created) or torn by a concurrent write
-        return cls(seed, epoch, start) if min(seed, epoch, start) >= 0 else None
+            return None  # torn by a concurrent write
+        return at if min(at.seed, at.epoch, at.start) >= 0 else None
 
 
 class Registration:
@@ -52,20 +58,25 @@ class Registration:
 
     def publish(self, position: Position) -> None:
         if self._fd is None or self._pid != os.getpid() or os.fstat(self._fd).st_nlink == 0:
-            self._open()  # first use, a forked or unpickled copy, or removed by mistake: a file of our own
-        os.pwrite(self._fd, position.record(), 0)  # type: ignore[arg-type]
+            self._open(position)  # first use, a forked or unpickled copy, or removed by mistake: a file of our own
+        else:
+            os.pwrite(self._fd, position.record(), 0)
 
-    def _open(self) -> None:
+    def _open(self, position: Position) -> None:
         self._forget()
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.path = self.dir / f"{PREFIX}{os.getpid()}.{secrets.token_hex(4)}"
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        name = f"{os.getpid()}.{secrets.token_hex(4)}"
+        making = self.dir / f"{MAKING}{name}"
+        fd = os.open(making, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
         fcntl.flock(fd, fcntl.LOCK_SH)
+        os.pwrite(fd, position.record(), 0)
+        self.path = self.dir / f"{PREFIX}{name}"
+        os.rename(making, self.path)  # seen only locked and written
         self._fd, self._pid = fd, os.getpid()
 
     def _forget(self) -> None:
-        if self._fd is not None and self._pid == os.getpid():
-            os.close(self._fd)
+        if self._fd is not None:
+            os.close(self._fd)  # in a forked child, its copy (the parent's lock stays: the parent holds it too)
         self._fd = self._pid = None
 
     def close(self) -> None:
@@ -81,8 +92,9 @@ class Registration:
 def live(directory: Path) -> dict[str, Position]:
     """The positions of the live readers of `directory`, by file name; removes the files of dead ones."""
     out: dict[str, Position] = {}
+    names: list[str] = []
     with contextlib.suppress(FileNotFoundError), os.scandir(directory) as it:
-        names = [e.name for e in it if e.name.startswith(PREFIX)]
+        names = [e.name for e in it if e.name.startswith((PREFIX, MAKING))]
     for name in names:
         try:
             fd = os.open(directory / name, os.O_RDONLY | os.O_CLOEXEC)
@@ -93,11 +105,11 @@ def live(directory: Path) -> dict[str, Position]:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:  # its reader holds it: alive
                 position = Position.parse(os.pread(fd, WIDTH, 0))
-                if position is not None:
+                if position is not None and name.startswith(PREFIX):
                     out[name] = position
                 continue
             with contextlib.suppress(FileNotFoundError):
-                (directory / name).unlink()  # its reader died
+                (directory / name).unlink()  # its reader died (or died making it)
         finally:
             os.close(fd)
     return out

@@ -206,7 +206,7 @@ def train_input(loader: ShmLoader, first: int, epochs: int, sample_shape: tuple[
 
 
 def val_input(ds: Any, rank: int, size: int, batch_size: int = 256) -> Any:
-    """This rank's share of the validation split (`ShardSampler(shuffle=False)`: padded by wrapping to equal
+    """This rank's share of the validation split (`ShardSampler(shuffle=False)`: padded to equal
     shares, up to size-1 repeats), read here with `ds.take` one batch at a time as N×H×W×C: bounded memory, any
     split that has `take` and `sample_shape` (in memory, memory-mapped, streamed)."""
     idx = ShardSampler(len(ds), rank, size, shuffle=False).indices()

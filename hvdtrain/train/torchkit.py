@@ -121,7 +121,7 @@ def val_batches(ds: datasets.ArrayDataset, rank: int, size: int, batch_size: int
                 device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """This rank's share of the validation set, each sample counted once over all ranks.
 
-    The sampler pads the last round by wrapping (strided sharding: position p of the epoch's order goes to rank
+    The sampler pads the last round with repeats (strided sharding: position p of the epoch's order goes to rank
     p % size); positions >= len(ds) are those repeats and are left out here, so the allreduced sums cover the
     validation set exactly.
     """
