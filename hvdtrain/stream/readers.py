@@ -3,7 +3,8 @@
 A process reading a dataset with a plan (a loader's producer) publishes `seed epoch block_start order` in its own
 file `.reader.PID.TOKEN` in the cache directory and holds a shared `flock` on it while it lives (`order` names the
 shard order and dataset version: a reader of another one is not counted). The file is made under another name,
-locked and written, then renamed into place, so no live reader's file is ever seen unlocked. The process making
+locked and written, then renamed into place, so no live reader's file is ever seen unlocked (a process killed in
+that instant leaves a small `.reader-new.*` file behind, never read). The process making
 room reads them all: a file whose lock it can take exclusively belongs to a process that died (the kernel dropped
 its lock), and is removed; the others are live readers. Positions are rewritten in place (fixed width, one
 `pwrite`) only when a reader enters another shuffle block, without a lock: a torn record is skipped.
@@ -94,7 +95,7 @@ def live(directory: Path) -> dict[str, Position]:
     out: dict[str, Position] = {}
     names: list[str] = []
     with contextlib.suppress(FileNotFoundError), os.scandir(directory) as it:
-        names = [e.name for e in it if e.name.startswith((PREFIX, MAKING))]
+        names = [e.name for e in it if e.name.startswith(PREFIX)]  # (never a MAKING one: it is not locked yet)
     for name in names:
         try:
             fd = os.open(directory / name, os.O_RDONLY | os.O_CLOEXEC)
@@ -105,11 +106,11 @@ def live(directory: Path) -> dict[str, Position]:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:  # its reader holds it: alive
                 position = Position.parse(os.pread(fd, WIDTH, 0))
-                if position is not None and name.startswith(PREFIX):
+                if position is not None:
                     out[name] = position
                 continue
             with contextlib.suppress(FileNotFoundError):
-                (directory / name).unlink()  # its reader died (or died making it)
+                (directory / name).unlink()  # its reader died
         finally:
             os.close(fd)
     return out
