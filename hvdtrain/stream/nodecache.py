@@ -252,14 +252,6 @@ class NodeCache:
         self.dir.mkdir(parents=True, exist_ok=True)
         return cache.file_lock(self.dir / EVICT_LOCK, 600.0, "making room in the data cache")
 
-    def make_room(self, nbytes: int) -> bool:
-        """Delete files needed furthest in the future (outside every reader's window) until `nbytes` more fit
-        under the limit; whether they do."""
-        if self.limit is None:
-            return True
-        with self._evict_lock():
-            return self._make_room(nbytes, self._others(), windows=True)
-
     def _victims(self, files: list[tuple[str, int, float]], others: Sequence[Reader], *,
                  windows: bool) -> list[tuple[float, str, int]]:
         """(distance, name, bytes) of the files that may go, the furthest needed first."""
