@@ -10,6 +10,9 @@ log files (logs.dir) get every line. What the console leaves out:
     whole: it is the only account of what went wrong.
     Chained tracebacks after a hidden one are decided the same way, each on its own exception line.
   - the shell's `Terminated`/`Killed` line for a rank that was stopped because the job was ending.
+horovodrun's `print()` writes its text and the newline in two writes, while its threads forward the ranks' lines
+whole: a rank's line can land between them (`Process 1 exit with status code 137.[0]<stderr>:Traceback ...`).
+Such a line is split at the rank tag into the launcher's line and the rank's line (`EMBEDDED_RANK`).
 Without logs.dir the hidden traceback is kept nowhere, but its exception line is: when no rank failure explains
 the job's end, hvdtrain prints it after its own verdict (`LauncherLines.hidden`).
 """
@@ -29,6 +32,7 @@ RANK_LINE = re.compile(r"^\[(?:\d+,)?(\d+)\]<(stdout|stderr)>:(.*)$", re.DOTALL)
 # mpirun --tag-output tags every chunk it reads, so a line a rank wrote in several writes (Python's traceback
 # writes `RuntimeError`, `: `, the message) carries tags inside it: `RuntimeError[1,1]<stderr>:: [1,1]<stderr>:msg`.
 MPI_TAG = re.compile(r"\[\d+,\d+\]<(?:stdout|stderr|stddiag)>:")
+EMBEDDED_RANK = re.compile(r"\[(?:\d+,)?\d+\]<(?:stdout|stderr)>:")  # a rank's line after a launcher's text
 TRACEBACK = "Traceback (most recent call last):"
 JOB_ENDED = ("RuntimeError: Horovod detected that one or more processes exited with non-zero status",
              "RuntimeError: mpirun failed with exit code", "RuntimeError: Job has been shutdown")
@@ -104,6 +108,10 @@ class OutputRouter:
 
     def line(self, text: str) -> None:
         m = RANK_LINE.match(text)
+        if m is None and (cut := EMBEDDED_RANK.search(text, 1)):  # see NOTE [console]: two lines in one
+            self.line(text[:cut.start()])
+            self.line(text[cut.start():])
+            return
         if m is None:
             self.failures.feed(text)
             self._emit(None, self._file("launcher.log"), "", self._stamp() + text)

@@ -95,6 +95,23 @@ def test_any_other_launcher_traceback_is_shown_whole_and_a_cut_off_one_too():
     assert err == "[1]<stderr>:Terminated\n"
 
 
+def test_a_rank_line_landing_inside_horovodruns_exit_line_is_split_off():
+    # CI, 2026-11-25: horovodrun's print() wrote its text, rank 0's forwarded line, then the newline
+    lines = ["[1]<stderr>:Killed",
+             "Process 1 exit with status code 137.[0]<stderr>:Traceback (most recent call last):",
+             "", "Terminating remaining workers after failure of Process 1.",
+             "[0]<stderr>:RuntimeError: Horovod has been shut down.", "Process 0 exit with status code 143."]
+    router, out, err = route(lines, Logs())
+    assert router.failures.first == RankFailure(1, code=137, signum=9)
+    assert out.splitlines() == ["Process 1 exit with status code 137.", "",
+                                "Terminating remaining workers after failure of Process 1.",
+                                "Process 0 exit with status code 143."]
+    assert err.splitlines() == ["[1]<stderr>:Killed", "[0]<stderr>:Traceback (most recent call last):",
+                                "[0]<stderr>:RuntimeError: Horovod has been shut down."]
+    _, out, _ = route(["[3,1]<stdout>:a line of [0]<stdout>:its own"], Logs())  # only a launcher line is split
+    assert out == "[1]<stdout>:a line of [0]<stdout>:its own\n"
+
+
 # ---------------------------------------------------------------- real jobs
 
 WAIT = """
