@@ -46,7 +46,9 @@ SHELL_NOTICES = ("Terminated", "Killed")
 class LauncherLines:
     """Which of horovodrun's own lines reach the console (see NOTE [console]); `feed` returns the lines to echo now.
 
-    A traceback's frames are held until its exception line says whether the whole traceback is shown.
+    A traceback's frames are held until its exception line says whether the whole traceback is shown. A frame
+    whose function was interrupted at its `def` line (Python 3.11 stops there on entry) is followed by an empty
+    line: that is held too.
     """
 
     def __init__(self) -> None:
@@ -57,7 +59,7 @@ class LauncherLines:
 
     def feed(self, line: str) -> list[str]:
         if self.held:
-            if line.startswith((" ", "\t")):
+            if line.startswith((" ", "\t")) or not line:  # Python 3.11 prints "" after a frame stopped at a `def`
                 self.held.append(line)
                 return []
             held, self.held = [*self.held, line], []
