@@ -66,8 +66,11 @@ def labels(n: int, classes: int = 4) -> np.ndarray:
 
 
 def rank_lines(result: JobResult) -> list[str]:
-    """What the ranks printed (horovodrun prefixes `[1]<stderr>:`, MPI `[1,1]<stderr>:`), without launcher lines."""
-    return [line for line in result.output.splitlines() if re.match(r"^\[\d+(,\d+)?\]<std(out|err)>:", line)]
+    """What the ranks printed (horovodrun prefixes `[1]<stderr>:`, MPI `[1,1]<stderr>:`), without launcher lines; a
+    line holding another rank's tag inside it (two ranks' writes met in the launcher's output) is split there."""
+    tag = r"\[\d+(?:,\d+)?\]<std(?:out|err)>:"
+    lines = [part for line in result.output.splitlines() for part in re.split(f"(?=(?<!^){tag})", line)]
+    return [line for line in lines if re.match(f"^{tag}", line)]
 
 
 def job_exit_code(result: JobResult) -> int:
@@ -262,6 +265,25 @@ def test_exit_with_maps_divergence_to_exit_3_and_bad_data_to_exit_2(capsys):
     assert e.value.code == exitcodes.DIVERGED == 3
     assert capsys.readouterr().err.startswith("recipe.py: error: training diverged at epoch 1, step 5/10: the "
                                               "averaged gradients hold NaN/Inf (this rank's loss at that step: nan)")
+
+
+def test_a_ranks_error_line_is_one_write_so_no_other_ranks_line_lands_inside_it(monkeypatch):
+    writes = []
+
+    class Recorder:
+        def write(self, text: str) -> int:
+            writes.append(text)
+            return len(text)
+
+        def flush(self) -> None:
+            writes.append("<flush>")
+
+    monkeypatch.setattr(sys, "stderr", Recorder())
+    with pytest.raises(SystemExit):
+        exit_with(lambda: (_ for _ in ()).throw(divergence.at_step(0, 1, 6, "x", 1.0)), "/r/recipe.py")
+    assert len(writes) == 2 and writes[1] == "<flush>", writes
+    assert writes[0].startswith("recipe.py: error: training diverged at epoch 1, step 2/6: x (this rank's loss at ")
+    assert writes[0].endswith(" to train on regardless\n") and writes[0].count("\n") == 1
 
 
 def test_a_step_reports_the_worst_of_its_backward_passes_losses():

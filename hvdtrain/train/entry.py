@@ -23,11 +23,18 @@ def exit_with(main: Callable[[], int], script: str) -> NoReturn:
     except WorkerError as e:
         if not e.bad_data:
             raise
-        print(f"{Path(script).name}: error: {e.message}", file=sys.stderr, flush=True)
+        error_line(script, e.message)
         records.note_exception(StreamError(e.message), records.directory())  # the data's fault, not a traceback
         code = exitcodes.INVALID_INPUT
     except (StreamError, RunDirBusy, TrainingDiverged) as e:
-        print(f"{Path(script).name}: error: {e}", file=sys.stderr, flush=True)
+        error_line(script, str(e))
         records.note_exception(e, records.directory())  # the rank's record names this error, not SystemExit
         code = exitcodes.DIVERGED if isinstance(e, TrainingDiverged) else exitcodes.INVALID_INPUT
     sys.exit(code)
+
+
+def error_line(script: str, message: str) -> None:
+    """`script: error: message` in one write. print() writes the text and the newline apart (stderr writes
+    through), and mpirun tags each chunk it reads: another rank's line could land between the two, inside this one."""
+    sys.stderr.write(f"{Path(script).name}: error: {message}\n")
+    sys.stderr.flush()
