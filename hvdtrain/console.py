@@ -10,9 +10,15 @@ log files (logs.dir) get every line. What the console leaves out:
     whole: it is the only account of what went wrong.
     Chained tracebacks after a hidden one are decided the same way, each on its own exception line.
   - the shell's `Terminated`/`Killed` line for a rank that was stopped because the job was ending.
-horovodrun's `print()` writes its text and the newline in two writes, while its threads forward the ranks' lines
-whole: a rank's line can land between them (`Process 1 exit with status code 137.[0]<stderr>:Traceback ...`).
-Such a line is split at the rank tag into the launcher's line and the rank's line (`EMBEDDED_RANK`).
+Lines from several writers can arrive as one. horovodrun's `print()` writes its text and the newline apart (it
+runs unbuffered: Gloo sets PYTHONUNBUFFERED, users often do), while its threads forward each Gloo rank's line whole:
+a rank's line, or another thread's exit line, can land between them
+(`Process 1 exit with status code 137.[0]<stderr>:Traceback ...`). Such a line is split at the rank tag
+(`EMBEDDED_RANK`) or the exit line (`EXIT_LINE`). mpirun (--tag-output) instead tags every chunk it reads from a
+rank, whole lines or not; an unbuffered rank writes a line in several chunks (print(): text, then newline; a
+traceback: `RuntimeError`, `: `, the message), and other ranks' chunks land between them:
+`[1,1]<stderr>:text[1,0]<stderr>:rank 0's line` then `[1,1]<stderr>:` (rank 1's newline). A tagged segment that
+a newline does not end is held per rank and stream (`OutputRouter.partial`) until its line's last chunk comes.
 Without logs.dir the hidden traceback is kept nowhere, but its exception line is: when no rank failure explains
 the job's end, hvdtrain prints it after its own verdict (`LauncherLines.hidden`).
 """
@@ -29,10 +35,11 @@ from hvdtrain.jobspec import Logs
 
 # Gloo: `[0]<stdout>:text`; MPI (--tag-output): `[1,0]<stdout>:text`. Both become `[0]<stdout>:text`.
 RANK_LINE = re.compile(r"^\[(?:\d+,)?(\d+)\]<(stdout|stderr)>:(.*)$", re.DOTALL)
-# mpirun --tag-output tags every chunk it reads, so a line a rank wrote in several writes (Python's traceback
-# writes `RuntimeError`, `: `, the message) carries tags inside it: `RuntimeError[1,1]<stderr>:: [1,1]<stderr>:msg`.
-MPI_TAG = re.compile(r"\[\d+,\d+\]<(?:stdout|stderr|stddiag)>:")
+# mpirun --tag-output tags every chunk it reads (see NOTE [console]): `[jobid,rank]<stream>:chunk`
+MPI_TAG = re.compile(r"\[\d+,(\d+)\]<(stdout|stderr|stddiag)>:")
 EMBEDDED_RANK = re.compile(r"\[(?:\d+,)?\d+\]<(?:stdout|stderr)>:")  # a rank's line after a launcher's text
+PARTIAL_LIMIT = 1 << 16  # characters of a rank's unfinished MPI line held before it is shown as it is
+EXIT_LINE = re.compile(r"Process \d+ exit with status code ")  # horovodrun (Gloo): one per rank, from its threads
 TRACEBACK = "Traceback (most recent call last):"
 JOB_ENDED = ("RuntimeError: Horovod detected that one or more processes exited with non-zero status",
              "RuntimeError: mpirun failed with exit code", "RuntimeError: Job has been shutdown")
@@ -97,6 +104,7 @@ class OutputRouter:
         self.failures = failures or FailureTracker()  # the first failing rank, from the launcher's lines
         self.launcher = LauncherLines()
         self.console_ok = True  # False once the console is gone (e.g. `| head`): keep draining, stop echoing
+        self.partial: dict[tuple[int, str], str] = {}  # MPI: a rank's line so far, before its last chunk came
 
     def _file(self, name: str) -> IO[str] | None:
         if not self.logs.dir:
@@ -110,7 +118,7 @@ class OutputRouter:
 
     def line(self, text: str) -> None:
         m = RANK_LINE.match(text)
-        if m is None and (cut := EMBEDDED_RANK.search(text, 1)):  # see NOTE [console]: two lines in one
+        if m is None and (cut := EMBEDDED_RANK.search(text, 1) or EXIT_LINE.search(text, 1)):  # NOTE [console]
             self.line(text[:cut.start()])
             self.line(text[cut.start():])
             return
@@ -120,8 +128,20 @@ class OutputRouter:
             for shown in self.launcher.feed(text):
                 self._emit(self.stdout, None, self._stamp() + shown, "")
             return
-        rank, stream, body = int(m.group(1)), m.group(2), m.group(3)
-        body = MPI_TAG.sub("", body)
+        if not MPI_TAG.match(text):
+            self._rank_line(int(m.group(1)), m.group(2), m.group(3))
+            return
+        tags = list(MPI_TAG.finditer(text))  # see NOTE [console]: each chunk a tag, lines in several chunks
+        for tag, after in zip(tags, [*tags[1:], None], strict=True):
+            key = (int(tag.group(1)), "stdout" if tag.group(2) == "stdout" else "stderr")
+            chunk = text[tag.end():after.start() if after else len(text)]
+            so_far = self.partial.pop(key, "") + chunk
+            if after and len(so_far) < PARTIAL_LIMIT:  # a progress bar's \r updates never end a line: bounded
+                self.partial[key] = so_far
+            else:
+                self._rank_line(*key, so_far)
+
+    def _rank_line(self, rank: int, stream: str, body: str) -> None:
         self.failures.rank_line(rank, body)
         echo = self.logs.console_ranks is None or rank in self.logs.console_ranks
         ending = self.launcher.stopping or self.failures.first is not None
@@ -146,6 +166,9 @@ class OutputRouter:
         self._emit(self.stderr, self._file("launcher.log"), text, text)
 
     def close(self) -> None:
+        for (rank, stream), body in list(self.partial.items()):  # a rank's last line that no newline ended
+            self._rank_line(rank, stream, body)
+        self.partial.clear()
         for shown in self.launcher.flush():
             self._emit(self.stdout, None, self._stamp() + shown, "")
         for f in self.files.values():

@@ -119,6 +119,39 @@ def test_a_rank_line_landing_inside_horovodruns_exit_line_is_split_off():
     assert out == "[1]<stdout>:a line of [0]<stdout>:its own\n"
 
 
+def test_two_horovodrun_exit_lines_in_one_are_split():
+    # both ranks' threads print() at once: text, text, newline, newline
+    lines = ["Process 0 exit with status code 143.Process 1 exit with status code 143.", ""]
+    router, out, _ = route(lines, Logs())
+    assert out.splitlines() == ["Process 0 exit with status code 143.", "Process 1 exit with status code 143.", ""]
+    assert router.failures.first == RankFailure(0, code=143, signum=15)
+
+
+def test_mpi_chunks_of_two_ranks_in_one_line_go_back_to_their_ranks_whole():
+    # CI, 2026-11-25 (ranks unbuffered): rank 1's print() wrote its text; rank 0's line came; then rank 1's newline
+    lines = ["[1,1]<stderr>:train.py: error: diverged (loss nan)[1,0]<stderr>:train.py: error: diverged (loss 1.4)",
+             "[1,1]<stderr>:",
+             "[1,0]<stderr>:RuntimeError[1,1]<stdout>:half [1,0]<stderr>:: [1,0]<stderr>:boom",  # a traceback's parts
+             "[1,1]<stdout>:a line", "[1,1]<stderr>:no newline at the end[1,0]<stdout>:last"]
+    router, out, err = route(lines, Logs())
+    assert err.splitlines() == ["[0]<stderr>:train.py: error: diverged (loss 1.4)",
+                                "[1]<stderr>:train.py: error: diverged (loss nan)",
+                                "[0]<stderr>:RuntimeError: boom",
+                                "[1]<stderr>:no newline at the end"]  # held until the output ended
+    assert out.splitlines() == ["[1]<stdout>:half a line", "[0]<stdout>:last"]
+    assert router.failures.cause == (0, "RuntimeError: boom")
+
+
+def test_an_mpi_line_that_never_ends_is_shown_once_it_is_long():
+    bar = "\r 50%|#####     | 5/10"  # a progress bar's update: no newline, other ranks' lines end the physical line
+    lines = [f"[1,0]<stderr>:{bar}[1,1]<stdout>:step" for _ in range(5000)]
+    router, out, err = route(lines, Logs())
+    assert out.count("\n") == 5000 and not router.partial
+    shown = err.rstrip("\n").split("\n")  # not splitlines(): it splits at \r too
+    assert 1 <= len(shown) <= 2 and all(line.startswith("[0]<stderr>:" + bar) for line in shown)
+    assert sum(line.count("50%") for line in shown) == 5000  # nothing lost
+
+
 # ---------------------------------------------------------------- real jobs
 
 WAIT = """
