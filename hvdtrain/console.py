@@ -10,15 +10,17 @@ log files (logs.dir) get every line. What the console leaves out:
     whole: it is the only account of what went wrong.
     Chained tracebacks after a hidden one are decided the same way, each on its own exception line.
   - the shell's `Terminated`/`Killed` line for a rank that was stopped because the job was ending.
-Lines from several writers can arrive as one. horovodrun's `print()` writes its text and the newline apart (it
-runs unbuffered: Gloo sets PYTHONUNBUFFERED, users often do), while its threads forward each Gloo rank's line whole:
-a rank's line, or another thread's exit line, can land between them
+Lines from several writers can arrive as one. horovodrun's threads share its sys.stdout: `print()` writes its
+text and the newline apart, while the threads forwarding the Gloo ranks write each rank's line whole, so a rank's
+line, or another thread's exit line, can land between them
 (`Process 1 exit with status code 137.[0]<stderr>:Traceback ...`). Such a line is split at the rank tag
 (`EMBEDDED_RANK`) or the exit line (`EXIT_LINE`). mpirun (--tag-output) instead tags every chunk it reads from a
 rank, whole lines or not; an unbuffered rank writes a line in several chunks (print(): text, then newline; a
 traceback: `RuntimeError`, `: `, the message), and other ranks' chunks land between them:
 `[1,1]<stderr>:text[1,0]<stderr>:rank 0's line` then `[1,1]<stderr>:` (rank 1's newline). A tagged segment that
-a newline does not end is held per rank and stream (`OutputRouter.partial`) until its line's last chunk comes.
+a newline does not end is held per rank and stream (`OutputRouter.partial`) until its line's last chunk comes;
+it is shown as it is when it holds a `\r` (a progress bar's update), grows past PARTIAL_LIMIT, or the output ends
+(`end_of_output`, in the reader thread, before the launcher reads the failures for its verdict).
 Without logs.dir the hidden traceback is kept nowhere, but its exception line is: when no rank failure explains
 the job's end, hvdtrain prints it after its own verdict (`LauncherLines.hidden`).
 """
@@ -26,6 +28,7 @@ the job's end, hvdtrain prints it after its own verdict (`LauncherLines.hidden`)
 from __future__ import annotations
 
 import re
+import threading
 import time
 from pathlib import Path
 from typing import IO
@@ -34,7 +37,7 @@ from hvdtrain.failures import FailureTracker
 from hvdtrain.jobspec import Logs
 
 # Gloo: `[0]<stdout>:text`; MPI (--tag-output): `[1,0]<stdout>:text`. Both become `[0]<stdout>:text`.
-RANK_LINE = re.compile(r"^\[(?:\d+,)?(\d+)\]<(stdout|stderr)>:(.*)$", re.DOTALL)
+RANK_LINE = re.compile(r"^\[(?:\d+,)?(\d+)\]<(stdout|stderr|stddiag)>:(.*)$", re.DOTALL)
 # mpirun --tag-output tags every chunk it reads (see NOTE [console]): `[jobid,rank]<stream>:chunk`
 MPI_TAG = re.compile(r"\[\d+,(\d+)\]<(stdout|stderr|stddiag)>:")
 EMBEDDED_RANK = re.compile(r"\[(?:\d+,)?\d+\]<(?:stdout|stderr)>:")  # a rank's line after a launcher's text
@@ -105,9 +108,11 @@ class OutputRouter:
         self.launcher = LauncherLines()
         self.console_ok = True  # False once the console is gone (e.g. `| head`): keep draining, stop echoing
         self.partial: dict[tuple[int, str], str] = {}  # MPI: a rank's line so far, before its last chunk came
+        self._lock = threading.RLock()  # the reader thread's lines, the main thread's notes and close()
+        self.closed = False
 
     def _file(self, name: str) -> IO[str] | None:
-        if not self.logs.dir:
+        if not self.logs.dir or self.closed:  # closed: a line from a reader that outlived the job, console only
             return None
         if name not in self.files:
             self.files[name] = open(Path(self.logs.dir) / name, "w", buffering=1)  # noqa: SIM115 (closed in close())
@@ -117,10 +122,14 @@ class OutputRouter:
         return time.strftime("%Y-%m-%d %H:%M:%S ") if self.logs.timestamp else ""
 
     def line(self, text: str) -> None:
+        with self._lock:
+            self._line(text)
+
+    def _line(self, text: str) -> None:
         m = RANK_LINE.match(text)
         if m is None and (cut := EMBEDDED_RANK.search(text, 1) or EXIT_LINE.search(text, 1)):  # NOTE [console]
-            self.line(text[:cut.start()])
-            self.line(text[cut.start():])
+            self._line(text[:cut.start()])
+            self._line(text[cut.start():])
             return
         if m is None:
             self.failures.feed(text)
@@ -128,20 +137,30 @@ class OutputRouter:
             for shown in self.launcher.feed(text):
                 self._emit(self.stdout, None, self._stamp() + shown, "")
             return
-        if not MPI_TAG.match(text):
-            self._rank_line(int(m.group(1)), m.group(2), m.group(3))
-            return
-        tags = list(MPI_TAG.finditer(text))  # see NOTE [console]: each chunk a tag, lines in several chunks
-        for tag, after in zip(tags, [*tags[1:], None], strict=True):
-            key = (int(tag.group(1)), "stdout" if tag.group(2) == "stdout" else "stderr")
-            chunk = text[tag.end():after.start() if after else len(text)]
-            so_far = self.partial.pop(key, "") + chunk
-            if after and len(so_far) < PARTIAL_LIMIT:  # a progress bar's \r updates never end a line: bounded
-                self.partial[key] = so_far
-            else:
-                self._rank_line(*key, so_far)
+        key, start = (int(m.group(1)), m.group(2)), m.start(3)
+        for tag in MPI_TAG.finditer(text, start):  # see NOTE [console]: each chunk a tag, lines in several chunks
+            self._hold(key, text[start:tag.start()])
+            key, start = (int(tag.group(1)), tag.group(2)), tag.end()  # stddiag: a channel of its own
+        self._rank_line(*key, self.partial.pop(key, "") + text[start:])
+
+    def _hold(self, key: tuple[int, str], chunk: str) -> None:
+        """A chunk that no newline ended: kept until its line's last chunk comes, unless it is a progress bar's
+        update or the line grew too long."""
+        so_far = self.partial.pop(key, "") + chunk
+        if "\r" in chunk or len(so_far) >= PARTIAL_LIMIT:
+            self._rank_line(*key, so_far)
+        else:
+            self.partial[key] = so_far
+
+    def end_of_output(self) -> None:
+        """horovodrun's output ended: a rank's unfinished MPI line is shown as it is (NOTE [console])."""
+        with self._lock:
+            for (rank, stream), body in list(self.partial.items()):
+                self._rank_line(rank, stream, body)
+            self.partial.clear()
 
     def _rank_line(self, rank: int, stream: str, body: str) -> None:
+        stream = "stdout" if stream == "stdout" else "stderr"
         self.failures.rank_line(rank, body)
         echo = self.logs.console_ranks is None or rank in self.logs.console_ranks
         ending = self.launcher.stopping or self.failures.first is not None
@@ -163,19 +182,21 @@ class OutputRouter:
 
     def note(self, text: str) -> None:
         """hvdtrain's own verdict: to stderr and to launcher.log."""
-        self._emit(self.stderr, self._file("launcher.log"), text, text)
+        with self._lock:
+            self._emit(self.stderr, self._file("launcher.log"), text, text)
 
     def close(self) -> None:
-        for (rank, stream), body in list(self.partial.items()):  # a rank's last line that no newline ended
-            self._rank_line(rank, stream, body)
-        self.partial.clear()
-        for shown in self.launcher.flush():
-            self._emit(self.stdout, None, self._stamp() + shown, "")
-        for f in self.files.values():
-            f.close()
+        with self._lock:
+            self.end_of_output()  # when the reader thread did not get to it
+            for shown in self.launcher.flush():
+                self._emit(self.stdout, None, self._stamp() + shown, "")
+            for f in self.files.values():
+                f.close()
+            self.closed = True
 
 
 def pump(stream: IO[bytes], router: OutputRouter) -> None:
     """The output reader thread: every line of horovodrun's merged stdout/stderr, to the router."""
     for raw in stream:
         router.line(raw.decode("utf-8", errors="replace").rstrip("\r\n"))
+    router.end_of_output()

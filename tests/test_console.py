@@ -16,7 +16,7 @@ import psutil
 import pytest
 import yaml
 
-from hvdtrain.console import OutputRouter
+from hvdtrain.console import PARTIAL_LIMIT, OutputRouter
 from hvdtrain.failures import RankFailure
 from hvdtrain.jobspec import Logs
 from hvdtrain.launch import _exit_code
@@ -142,14 +142,28 @@ def test_mpi_chunks_of_two_ranks_in_one_line_go_back_to_their_ranks_whole():
     assert router.failures.cause == (0, "RuntimeError: boom")
 
 
-def test_an_mpi_line_that_never_ends_is_shown_once_it_is_long():
-    bar = "\r 50%|#####     | 5/10"  # a progress bar's update: no newline, other ranks' lines end the physical line
-    lines = [f"[1,0]<stderr>:{bar}[1,1]<stdout>:step" for _ in range(5000)]
-    router, out, err = route(lines, Logs())
-    assert out.count("\n") == 5000 and not router.partial
-    shown = err.rstrip("\n").split("\n")  # not splitlines(): it splits at \r too
-    assert 1 <= len(shown) <= 2 and all(line.startswith("[0]<stderr>:" + bar) for line in shown)
-    assert sum(line.count("50%") for line in shown) == 5000  # nothing lost
+def test_an_mpi_line_that_never_ends_is_held_only_so_long():
+    router = OutputRouter(Logs(), io.StringIO(), err := io.StringIO())
+    for _ in range(5000):  # another rank's lines end every physical line; rank 0's never ends: 110,000 characters
+        router.line(f"[1,0]<stderr>:{'x' * 22}[1,1]<stdout>:step")
+        assert len(router.partial.get((0, "stderr"), "")) < PARTIAL_LIMIT
+    router.close()
+    assert [len(line) for line in err.getvalue().splitlines()] == [len("[0]<stderr>:") + n for n in (65_538, 44_462)]
+
+
+def test_a_progress_bars_update_under_mpi_is_shown_at_once_and_unfinished_lines_before_the_verdict():
+    bar = "\r 50%|#####     | 5/10"  # tqdm's update: no newline; other ranks' lines end the physical line
+    _, _, err = route([f"[1,0]<stderr>:{bar}[1,1]<stdout>:step"] * 3, Logs())
+    assert err.split("\n") == [f"[0]<stderr>:{bar}"] * 3 + [""]  # not splitlines(): it splits at \r too
+    router = OutputRouter(Logs(), io.StringIO(), err := io.StringIO())
+    router.line("[1,1]<stderr>:RuntimeError[1,1]<stddiag>:a diagnostic[1,0]<stdout>:x")
+    router.line("[1,1]<stderr>:: out of memory")  # rank 1's stderr and its diagnostic channel are not mixed
+    router.line("[1,0]<stderr>:killed mid-li[1,1]<stdout>:y")
+    router.end_of_output()  # the reader thread, when horovodrun's output ends: before the launcher's verdict
+    assert router.failures.tails[0][-1] == "killed mid-li"
+    assert router.failures.cause == (1, "RuntimeError: out of memory")
+    assert err.getvalue().splitlines() == ["[1]<stderr>:RuntimeError: out of memory", "[1]<stderr>:a diagnostic",
+                                           "[0]<stderr>:killed mid-li"]
 
 
 # ---------------------------------------------------------------- real jobs
