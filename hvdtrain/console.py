@@ -19,7 +19,7 @@ rank, whole lines or not; an unbuffered rank writes a line in several chunks (pr
 traceback: `RuntimeError`, `: `, the message), and other ranks' chunks land between them:
 `[1,1]<stderr>:text[1,0]<stderr>:rank 0's line` then `[1,1]<stderr>:` (rank 1's newline). A tagged segment that
 a newline does not end is held per rank and stream (`OutputRouter.partial`) until its line's last chunk comes;
-it is shown as it is when it holds a `\r` (a progress bar's update), grows past PARTIAL_LIMIT, or the output ends
+it is shown as it is when it holds a `\r` (a progress bar's update), reaches PARTIAL_LIMIT, or the output ends
 (`end_of_output`, in the reader thread, before the launcher reads the failures for its verdict).
 Without logs.dir the hidden traceback is kept nowhere, but its exception line is: when no rank failure explains
 the job's end, hvdtrain prints it after its own verdict (`LauncherLines.hidden`).

@@ -34,7 +34,7 @@ def exit_with(main: Callable[[], int], script: str) -> NoReturn:
 
 
 def error_line(script: str, message: str) -> None:
-    """`script: error: message` in one write. print() writes the text and the newline apart (stderr writes
-    through), and mpirun tags each chunk it reads: another rank's line could land between the two, inside this one."""
+    """`script: error: message` in one write. Unbuffered (PYTHONUNBUFFERED=1), print() writes the text and the
+    newline apart, and mpirun tags each chunk it reads: another rank's line could land between the two."""
     sys.stderr.write(f"{Path(script).name}: error: {message}\n")
     sys.stderr.flush()
