@@ -22,10 +22,11 @@ import pytest
 import yaml
 
 from hvdtrain import exitcodes
+from hvdtrain.jobspec import Logs
 from hvdtrain.train import checkpoint, datasets, divergence, npyshards
 from hvdtrain.train.datasets import DatasetError, load
 from hvdtrain.train.entry import exit_with
-from tests.harness import REPO, JobResult, horovodrun, run_bounded
+from tests.harness import REPO, JobResult, horovodrun, route, run_bounded
 
 PYTORCH = REPO / "recipes" / "pytorch_train.py"
 KERAS = REPO / "recipes" / "keras_train.py"
@@ -66,11 +67,10 @@ def labels(n: int, classes: int = 4) -> np.ndarray:
 
 
 def rank_lines(result: JobResult) -> list[str]:
-    """What the ranks printed (horovodrun prefixes `[1]<stderr>:`, MPI `[1,1]<stderr>:`), without launcher lines; a
-    line holding another rank's tag inside it (two ranks' writes met in the launcher's output) is split there."""
-    tag = r"\[\d+(?:,\d+)?\]<std(?:out|err)>:"
-    lines = [part for line in result.output.splitlines() for part in re.split(f"(?=(?<!^){tag})", line)]
-    return [line for line in lines if re.match(f"^{tag}", line)]
+    """What the ranks printed, each line whole and given back to its rank as `hvdtrain run`'s console does (MPI
+    tags every chunk; two ranks' chunks can share a line: NOTE [console]), as `[1]<stderr>:text`; no launcher lines."""
+    _, out, err = route(result.output.splitlines(), Logs())
+    return [line for line in (out + err).splitlines() if re.match(r"^\[\d+\]<std(?:out|err)>:", line)]
 
 
 def job_exit_code(result: JobResult) -> int:
@@ -82,7 +82,7 @@ def job_exit_code(result: JobResult) -> int:
 def errors_by_rank(result: JobResult, script: str) -> dict[int, str]:
     found = {}
     for line in rank_lines(result):
-        if (m := re.match(r"^\[(?:\d+,)?(\d+)\]<stderr>:(.*)$", line)) and f"{script}: error: " in m.group(2):
+        if (m := re.match(r"^\[(\d+)\]<stderr>:(.*)$", line)) and f"{script}: error: " in m.group(2):
             found[int(m.group(1))] = m.group(2).split(f"{script}: error: ", 1)[1]
     return found
 
