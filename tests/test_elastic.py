@@ -96,7 +96,12 @@ class Chaos(threading.Thread):
         grown = self.wait_for("3 ranks again", lambda e: e["event"] == "start" and e["size"] == 3
                               and e["time"] > self.times["relisted"])
         self.times["grown"] = grown["time"]
-        self.children_after_growth = self.children_of_ranks()
+        # The joining rank writes its worker file as it starts, with no collective before rank 0's start event.
+        deadline = time.monotonic() + STEP_TIMEOUT_S
+        while len(counts := self.children_of_ranks()) < 3 and time.monotonic() < deadline and not self.stop.is_set():
+            self.snapshot()
+            time.sleep(0.2)
+        self.children_after_growth = counts
         while not self.stop.wait(0.5):  # keep recording processes until the job ends
             self.snapshot()
 
