@@ -150,6 +150,63 @@ def test_two_ranks_of_four_producers_fetch_each_shard_once_per_node(tmp_path: Pa
         assert s3.gets(f"/pernode/{key}") == 1, key  # 8 producers with prefetch threads, 2 epochs: one GET each
 
 
+def test_fetch_ahead_waits_until_the_current_block_is_local(tmp_path: Path) -> None:
+    """NOTE [current block first]: while a shard of the block the reader is in is missing, only those are listed."""
+    order = BlockShuffle.of([10] * 8, 2)
+    node = NodeCache(tmp_path, [f"s{i}" for i in range(8)], [1024] * 8, order, ahead=2)
+    node.plan(5, 0)
+    shards = [int(s) for s in order.shard_order(5, 0)]
+    have: set[int] = set()
+    assert node.to_fetch(have.__contains__) == shards[:2]
+    have.add(shards[1])
+    assert node.to_fetch(have.__contains__) == shards[:1]
+    have.add(shards[0])  # the block is local: the next block and 2 ahead
+    assert node.to_fetch(have.__contains__) == shards[2:6]
+    node.note_read(shards[2])  # in block 1 (local: nothing of it missing) -> block 2, block 3 ... as far as ahead
+    have.update(shards[2:4])
+    assert node.to_fetch(have.__contains__) == shards[4:8]
+    have.remove(shards[3])  # one of the current block is gone (evicted): it alone
+    assert node.to_fetch(have.__contains__) == [shards[3]]
+
+
+def test_a_cold_start_fetches_the_first_block_before_any_other_shard(tmp_path: Path) -> None:
+    """A real loader (2 producers, 2 fetch threads each) over a slow HTTP store: no GET of a shard outside the first
+    block starts before both shards of that block are sent (the server logs when each GET starts and just before its
+    last bytes go); each shard is fetched once. Fetching ahead as before (every fetch thread on the next blocks as
+    soon as the first block's shards were in flight) fails here."""
+    root = tmp_path / "www"
+    with MDSWriter(root / "ds", {"x": "ndarray:uint8:65536"}, size_limit=4 * 65540 + 2000) as w:
+        for i in range(32):  # 8 shards of 4 samples, 256 KiB each (a batch of 2 never spans two blocks)
+            w.write({"x": np.full(65536, i, np.uint8)})
+    server = HttpStore(root, tmp_path / "http.log", delay_per_mib=2.0)  # 0.5 s per shard
+    server.start()
+    try:
+        ds = StreamingDataset(f"{server.url}/ds", block_shards=2, ahead=2)
+        assert [s.samples for s in ds.index.shards] == [4] * 8
+        loader = ShmLoader(ds, batch_size=2, rank=0, size=1, num_workers=2, fetch=StreamingDataset.take,
+                           order=ds.order, seed=9, epochs=1)
+        try:
+            seen = [int(v) for batch in loader for v in batch["x"][:, 0]]
+        finally:
+            loader.close()
+            ds.close()
+    finally:
+        server.stop()
+    assert sorted(seen) == list(range(32))
+    names = [info.raw.basename for info in ds.index.shards]
+    first = {names[int(s)] for s in ds.order.shard_order(9, 0)[:2]}
+    events = [line.split()[:2] for line in (tmp_path / "http.log").read_text().splitlines()
+              if line.startswith(("GET /ds/shard.", "LAST /ds/shard."))]
+    done: set[str] = set()
+    for kind, path in events:
+        name = path.rsplit("/", 1)[-1]
+        if kind == "LAST":
+            done.add(name)
+        elif name not in first:
+            assert first <= done, f"GET {name} started while {sorted(first - done)} of the first block were not sent"
+    assert sorted(path for kind, path in events if kind == "GET") == sorted(f"/ds/{n}" for n in names)
+
+
 def test_mid_epoch_resume_on_another_world_size_reads_the_rest_exactly_once(tmp_path: Path, s3: MotoS3) -> None:
     """3 ranks (real producers, S3, a cache of about half the dataset) train 3 batches each of epoch 1 and save the
     loader state; 2 ranks (the job shrank, elastic) resume from it: together every sample exactly once."""

@@ -172,6 +172,17 @@ class NodeCache:
             want += list(np.argsort(self._next_pos)[:short])
         return [int(s) for s in dict.fromkeys(want)]
 
+    def to_fetch(self, present: Callable[[int], bool]) -> list[int]:
+        """The shards a fetch-ahead thread should fetch now, in order: those of `upcoming()` not `present`, but
+        only the current block's while one of them is missing (NOTE [current block first])."""
+        missing = [s for s in self.upcoming() if not present(s)]
+        if self.epoch_order is None:
+            return missing
+        start = self._block_start()
+        current = {int(s) for s in self.epoch_order[start: start + self.block]}
+        first = [s for s in missing if s in current]
+        return first or missing
+
     def _others(self) -> list[Reader]:
         """(block start, order, positions this epoch, next epoch) of the node's other live readers (readers.py)."""
         mine = self._me.path.name if self._me.path is not None else None
@@ -216,12 +227,12 @@ class NodeCache:
     def path(self, s: int) -> Path:
         return self.dir / self.names[s]
 
-    def ensure(self, s: int, fetch: Callable[[], bytes | memoryview], *, wait: bool = True, what: str) -> Path:
-        """Shard `s`'s local file, produced by `fetch()` unless present (`wait=False`: `cache.Busy` when another
-        process is producing it)."""
+    def ensure(self, s: int, fetch: Callable[[], bytes | memoryview], *, wait: bool = True,
+               what: str) -> tuple[Path, bool]:
+        """(shard `s`'s local file, whether this call produced it): produced by `fetch()` unless present
+        (`wait=False`: `cache.Busy` when another process is producing it)."""
         room = self._room if self.limit is not None else None
-        path, _ = cache.ensure(self.path(s), fetch=fetch, room=room, timeout=600.0 if wait else 0.0, what=what)
-        return path
+        return cache.ensure(self.path(s), fetch=fetch, room=room, timeout=600.0 if wait else 0.0, what=what)
 
     @contextlib.contextmanager
     def _room(self, nbytes: int) -> Iterator[None]:

@@ -2,7 +2,9 @@
 
 Serves ROOT on 127.0.0.1 (`--port`, default a free one; written to PORT_FILE once listening) with Python's
 ThreadingHTTPServer.
-Every GET is logged to stdout as `GET <path> <status>` (flushed), so a test counts the requests the server answered.
+Every GET is logged to stdout as `GET <path> <status>` (flushed) when its answer starts, and `LAST <path>` just
+before the last bytes of its body are sent (no client can hold a whole body before its LAST line), so a test counts
+the requests the server answered and sees which overlapped.
 A path containing `forbidden` answers 403. `--delay-per-mib` sends bodies slowly (a download in flight a test can
 kill).
 """
@@ -32,12 +34,16 @@ class Handler(SimpleHTTPRequestHandler):
         super().do_GET()
 
     def copyfile(self, source, outputfile) -> None:  # type: ignore[no-untyped-def]
-        if not self.delay_per_mib:
-            super().copyfile(source, outputfile)
-            return
-        while chunk := source.read(64 << 10):
+        chunk = source.read(64 << 10)
+        while chunk:
+            following = source.read(64 << 10)
+            if self.delay_per_mib:
+                time.sleep(self.delay_per_mib / 16)
+            if not following:  # logged before the last bytes go: no client can hold the whole body earlier
+                sys.stdout.write(f"LAST {self.path}\n")
+                sys.stdout.flush()
             outputfile.write(chunk)
-            time.sleep(self.delay_per_mib / 16)
+            chunk = following
 
     def log_request(self, code: int | str = "-", size: int | str = "-") -> None:
         sys.stdout.write(f"{self.command} {self.path} {code}\n")
