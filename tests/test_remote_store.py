@@ -183,6 +183,11 @@ def test_a_cold_start_fetches_the_first_block_before_any_other_shard(tmp_path: P
     try:
         ds = StreamingDataset(f"{server.url}/ds", block_shards=2, ahead=2)
         assert [s.samples for s in ds.index.shards] == [4] * 8
+        # A reader may itself fetch a later block's shard once its own batches of the first block are made: the
+        # check below holds only because each producer's first-block batches need both of its shards (seed 9).
+        order, first_block = ds.order(9, 0), set(ds.order.shard_order(9, 0)[:2].tolist())
+        for w in range(2):  # producer w makes batches w, w + 2, ...; the first block is samples 0-7 of the order
+            assert {int(i) // 4 for b in range(w, 4, 2) for i in order[2 * b: 2 * b + 2]} == first_block
         loader = ShmLoader(ds, batch_size=2, rank=0, size=1, num_workers=2, fetch=StreamingDataset.take,
                            order=ds.order, seed=9, epochs=1)
         try:

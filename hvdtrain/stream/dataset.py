@@ -177,7 +177,7 @@ class StreamingDataset:
         """Shard `s`'s raw file on this node: read in place (a raw shard on a filesystem) or in the node cache."""
         if self._in_place(s):
             return self.store.local_dir / self.index.shards[s].raw.basename  # type: ignore[operator]
-        return self.node.ensure(s, lambda: self.fetch_raw(s), what=f"fetching {self.shard_name(s)}")[0]
+        return self.node.ensure(s, lambda: self.fetch_raw(s), what=f"fetching {self.shard_name(s)}")
 
     def fetch_raw(self, s: int) -> bytes | memoryview:
         """Shard `s`'s raw bytes from the store, checked against the index (size, hashes) and decompressed."""

@@ -74,10 +74,10 @@ class Fetcher:
             try:
                 if not self.ds.node.admits(s):
                     return  # no room without evicting what a reader needs sooner (the later shards: even less)
-                _, produced = self.ds.node.ensure(s, lambda s=s: self.ds.fetch_raw(s), wait=False,
-                                                  what=f"fetching {self.ds.shard_name(s)} ahead")
+                self.ds.node.ensure(s, lambda s=s: self.ds.fetch_raw(s), wait=False,
+                                    what=f"fetching {self.ds.shard_name(s)} ahead")
+                self.fetched += 1
             except cache.Busy:
                 continue  # another thread or process is fetching it (or no room is left for it after all)
             except (StreamError, OSError):
                 continue  # the reader fetches it again when it needs it, and reports the error
-            self.fetched += produced

@@ -227,12 +227,12 @@ class NodeCache:
     def path(self, s: int) -> Path:
         return self.dir / self.names[s]
 
-    def ensure(self, s: int, fetch: Callable[[], bytes | memoryview], *, wait: bool = True,
-               what: str) -> tuple[Path, bool]:
-        """(shard `s`'s local file, whether this call produced it): produced by `fetch()` unless present
-        (`wait=False`: `cache.Busy` when another process is producing it)."""
+    def ensure(self, s: int, fetch: Callable[[], bytes | memoryview], *, wait: bool = True, what: str) -> Path:
+        """Shard `s`'s local file, produced by `fetch()` unless present (`wait=False`: `cache.Busy` when another
+        process is producing it)."""
         room = self._room if self.limit is not None else None
-        return cache.ensure(self.path(s), fetch=fetch, room=room, timeout=600.0 if wait else 0.0, what=what)
+        path, _ = cache.ensure(self.path(s), fetch=fetch, room=room, timeout=600.0 if wait else 0.0, what=what)
+        return path
 
     @contextlib.contextmanager
     def _room(self, nbytes: int) -> Iterator[None]:
