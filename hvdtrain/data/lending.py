@@ -45,50 +45,50 @@ class Lender:
     def __init__(self, slots_per_worker: int, give_back: Callable[[int], None]) -> None:
         self.slots_per_worker = slots_per_worker
         self._give_back = give_back  # sends one slot back to its worker; never raises
-        self._held: dict[int, weakref.ref[np.ndarray]] = {}
+        self._held: dict[int, dict[int, weakref.ref[np.ndarray]]] = {}  # worker -> {slot: ref to its base}
         self._returned: deque[int] = deque()
         self.busy = False
         self.closed = False
         self.owner = threading.get_ident()
         self.copies = 0  # batches handed out as copies to keep a worker from starving: NOTE [batch lifetime] (c)
 
-    def talking(self) -> Lender:
-        """`with lender.talking():` around the loader's own pipe traffic: a release meanwhile (GC, this thread) only
-        queues its slot, which is given back at the end: NOTE [batch lifetime] (d). (A plain class context manager:
-        it runs once per batch, where a generator-based one costs more than the rest of a small batch's hand-off.)"""
-        return self
-
     def __enter__(self) -> None:
+        """`with lender:` around the loader's own pipe traffic: a release meanwhile (GC, this thread) only queues its
+        slot, which is given back at the end: NOTE [batch lifetime] (d). (A plain class context manager: it runs
+        once per batch, where a generator-based one costs more than the rest of a small batch's hand-off.)"""
         self.owner, self.busy = threading.get_ident(), True
+        if self._returned:
+            self.flush()
 
     def __exit__(self, *exc: object) -> None:
         self.busy = False
-        self.flush()
+        if self._returned:
+            self.flush()
 
-    def held(self, worker: int) -> int:
-        """Slots of `worker` the user holds (queued returns given back first)."""
-        self.flush()
-        lo = worker * self.slots_per_worker
-        return sum(1 for slot in list(self._held) if lo <= slot < lo + self.slots_per_worker)
+    def held_slots(self) -> list[int]:
+        """The slots the user holds now (any worker's)."""
+        return [slot for slots in list(self._held.values()) for slot in list(slots)]
 
-    def lend(self, seg: shm.Segment, slot: int, layout: shm.Layout) -> tuple[Any, bool]:
+    def lend(self, seg: shm.Segment, slot: int, reader: shm.Reader) -> tuple[Any, bool]:
         """(batch, lent): views tied to the slot's lifetime, or a private copy when the worker would starve."""
-        worker = slot // self.slots_per_worker
         base = np.frombuffer(seg.buf[:], np.uint8)  # NOTE [batch lifetime] (a)
-        batch = shm.read_batch(base, layout)
-        if self.held(worker) + 1 >= self.slots_per_worker:  # NOTE [batch lifetime] (c)
+        batch = reader.read(base)
+        if self._returned:
+            self.flush()
+        held = self._held.setdefault(slot // self.slots_per_worker, {})  # dict ops: atomic against (d)'s callback
+        if len(held) + 1 >= self.slots_per_worker:  # NOTE [batch lifetime] (c)
             self.copies += 1
             return shm.map_batch(lambda a: np.array(a, copy=True), batch), False
-        self._held[slot] = weakref.ref(base, lambda _ref, s=slot: self._released(s))
+        held[slot] = weakref.ref(base, lambda _ref, s=slot: self._released(s))
         return batch, True
 
     def tracks(self, slot: int) -> bool:
         """Whether `slot` is lent or waiting to be given back (then it must not be given back by anyone else)."""
-        return slot in self._held or slot in self._returned
+        return slot in self._held.get(slot // self.slots_per_worker, ()) or slot in self._returned
 
     def _released(self, slot: int) -> None:
         """Weakref callback: the last view of `slot` died (any thread, possibly mid-GC): NOTE [batch lifetime] (d)."""
-        self._held.pop(slot, None)
+        self._held.get(slot // self.slots_per_worker, {}).pop(slot, None)
         if self.closed:
             return
         self._returned.append(slot)

@@ -41,11 +41,13 @@ import sys
 import time
 import types
 from collections.abc import Iterator
-from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hvdtrain.data import shm
 from hvdtrain.data.protocol import Stop
+
+if TYPE_CHECKING:
+    from hvdtrain.data.channel import Channel
 
 
 class LoaderError(RuntimeError):
@@ -74,7 +76,7 @@ class Resources:
 
     def __init__(self) -> None:
         self.procs: list[Any] = []
-        self.conns: list[Connection] = []
+        self.conns: list[Channel] = []
         self.segments: dict[int, shm.Segment] = {}
 
     def shutdown(self, grace_s: float = 2.0) -> None:
@@ -103,21 +105,13 @@ class Watch:
     `multiprocessing.connection.wait` and `Connection.poll` build a selector on every call (~10-40 µs), more than
     the rest of a small batch's hand-off; these are one system call each."""
 
-    def __init__(self, conns: list[Connection], procs: list[Any]) -> None:
+    def __init__(self, conns: list[Channel], procs: list[Any]) -> None:
         self._all = select.poll()
-        self._one: list[Any] = []
         self._owner: dict[int, tuple[int, bool]] = {}  # fd -> (worker, is its process sentinel)
         for w, (conn, proc) in enumerate(zip(conns, procs, strict=True)):
             for fd, sentinel in ((conn.fileno(), False), (proc.sentinel, True)):
                 self._all.register(fd, select.POLLIN)
                 self._owner[fd] = (w, sentinel)
-            one = select.poll()
-            one.register(conn.fileno(), select.POLLIN)
-            self._one.append(one)
-
-    def readable(self, w: int) -> bool:
-        """Whether worker `w`'s pipe has a message (or its end was closed: the read then says so)."""
-        return bool(self._one[w].poll(0))
 
     def wait(self, timeout: float) -> tuple[list[int], list[int]]:
         """Wait up to `timeout` s for any pipe or process; (workers with pipe events, workers that exited)."""

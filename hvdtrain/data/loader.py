@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from hvdtrain.data import shm
+from hvdtrain.data.channel import Channel
 from hvdtrain.data.epoch import EpochIterator, Key
 from hvdtrain.data.lending import Lender
 from hvdtrain.data.lifecycle import (
@@ -164,7 +165,7 @@ class ShmLoader:
         # The current iteration's messages received ahead of their turn: its EpochIterator's `stash`, kept here so
         # that the next iteration gives their slots back even if that iterator is gone.
         self._unclaimed: dict[Key, EpochMessage] = {}
-        self._layouts: dict[int, shm.Layout] = {}  # slot -> layout of the last batch received in it
+        self._layouts: dict[int, shm.Reader] = {}  # slot -> layout of the last batch received in it, made ready
         self._res = Resources()
         self._finalizer = weakref.finalize(self, _shut_down, self._res, self._lender)
         self._closed = False
@@ -184,7 +185,7 @@ class ShmLoader:
         for w in range(self.num_workers):
             base.local_id = w
             payload = cloudpickle.dumps(base)
-            mine, theirs = ctx.Pipe(duplex=True)
+            mine, theirs = Channel.pair()
             proc = ctx.Process(target=worker_main, args=(theirs, payload), daemon=True,
                                name=f"hvdtrain-data-r{self.rank}-w{w}")
             self._res.conns.append(mine)
@@ -255,7 +256,7 @@ class ShmLoader:
         if not adopt:
             self._gen += 1
         it = EpochIterator(self, self._gen, skip)
-        with self._lender.talking():
+        with self._lender:
             for msg in self._unclaimed.values():  # received by the previous iteration, never yielded
                 if isinstance(msg, Batch):
                     self._give_back(msg.slot)
@@ -341,8 +342,8 @@ class ShmLoader:
 
     def _count_consumed(self) -> None:
         """One more batch of this epoch consumed (yielded, or produced and skipped when resuming)."""
-        if self.sampler is not None:
-            self.sampler.advance(1)
+        if self.sampler is not None:  # its epoch's batch count is never passed: the workers make exactly that many
+            self.sampler.batches_consumed += 1
         else:
             self._consumed += 1
 

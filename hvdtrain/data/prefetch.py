@@ -76,8 +76,7 @@ class DevicePrefetcher:
         return self._cuda_iter()
 
     def _passthrough(self) -> Iterator[Any]:
-        for batch in self.loader:
-            yield to_torch(batch)
+        return map(to_torch, self.loader)  # no generator frame to resume per batch
 
     def _cuda_iter(self) -> Iterator[Any]:
         it = iter(self.loader)

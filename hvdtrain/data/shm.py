@@ -187,8 +187,24 @@ def write_batch(buf: memoryview, layout: Layout, arrays: Sequence[np.ndarray]) -
 
 def read_batch(buf: memoryview | np.ndarray, layout: Layout) -> Any:
     """Numpy views on `buf` with the batch's structure (no copy)."""
-    views = [np.ndarray(s.shape, dtype=np.dtype(s.dtype), buffer=buf, offset=s.offset) for s in layout.arrays]
-    return _rebuild(layout.kind, layout.keys, views)
+    return Reader(layout).read(buf)
+
+
+class Reader:
+    """A layout made ready to read batches with, once per slot and layout (the trainer reads one per batch)."""
+
+    __slots__ = ("keys", "kind", "specs")
+
+    def __init__(self, layout: Layout) -> None:
+        self.kind, self.keys = layout.kind, layout.keys
+        self.specs = [(s.shape, np.dtype(s.dtype), s.offset) for s in layout.arrays]
+
+    def read(self, buf: memoryview | np.ndarray) -> Any:
+        """Numpy views on `buf` with the batch's structure (no copy)."""
+        views = [np.ndarray(shape, dtype=dtype, buffer=buf, offset=offset) for shape, dtype, offset in self.specs]
+        if self.kind == "tuple":
+            return tuple(views)
+        return _rebuild(self.kind, self.keys, views)
 
 
 def map_batch(fn: Callable[[np.ndarray], np.ndarray], batch: Any) -> Any:

@@ -23,6 +23,14 @@ def map_leaves(fn: Callable[[Any], Any], batch: Any) -> Any:
 
 def to_torch(batch: Any, *, copy: bool = False) -> Any:
     """numpy leaves -> `torch.from_numpy` views (or copies with `copy=True`); other leaves are left alone."""
+    if type(batch) is tuple and not copy:  # the common (x, y) batch, once per step: no recursion
+        out = []
+        for leaf in batch:
+            if type(leaf) is not np.ndarray:
+                break
+            out.append(torch.from_numpy(leaf))
+        else:
+            return tuple(out)
 
     def convert(leaf: Any) -> Any:
         if isinstance(leaf, np.ndarray):

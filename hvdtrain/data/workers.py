@@ -17,12 +17,12 @@ import traceback
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
 
 from hvdtrain.data import shm
+from hvdtrain.data.channel import Channel
 from hvdtrain.data.protocol import Batch, EpochDone, FreeSlot, FromWorker, GrowSlot, StartEpoch, Stop, WorkerFailed
 from hvdtrain.data.sharding import ShardSampler
 from hvdtrain.stream.errors import StreamError
@@ -95,7 +95,7 @@ class TrainerGone(Exception):
     """The trainer closed its end of the pipe (exited, crashed or is shutting down)."""
 
 
-def worker_main(conn: Connection, payload: bytes) -> None:
+def worker_main(conn: Channel, payload: bytes) -> None:
     """Entry point of a producer process (spawned; the config arrives cloudpickled)."""
     import cloudpickle
 
@@ -112,7 +112,7 @@ def worker_main(conn: Connection, payload: bytes) -> None:
 
 
 class _Worker:
-    def __init__(self, conn: Connection, cfg: WorkerConfig) -> None:
+    def __init__(self, conn: Channel, cfg: WorkerConfig) -> None:
         self.conn, self.cfg = conn, cfg
         self.granted: dict[int, FreeSlot] = {}  # slot -> the message that last handed it over (segment, size)
         self.mapped: dict[int, shm.Segment] = {}
@@ -120,7 +120,7 @@ class _Worker:
         self.growing: set[int] = set()  # slots sent back to be grown, not yet returned
         self.layouts: dict[int, shm.Layout] = {}  # slot -> layout of the last batch sent in it (protocol.Batch)
         self.pending: deque[StartEpoch | Stop] = deque()
-        self.poller = select.poll()  # persistent: Connection.poll builds a selector on every call
+        self.poller = select.poll()  # persistent: a selector built per call costs more than a small batch
         self.poller.register(conn.fileno(), select.POLLIN)
 
     def pump(self, timeout: float) -> None:
@@ -128,20 +128,18 @@ class _Worker:
         try:
             if not self.poller.poll(math.ceil(timeout * 1000)):
                 return
-            while True:
-                match self.conn.recv():
-                    case FreeSlot(slot=slot, segment=segment) as msg:
+            for msg in self.conn.receive():
+                match msg:
+                    case FreeSlot(slot=slot, segment=segment):
                         self.growing.discard(slot)
                         self.granted[slot] = msg
                         if segment is not None:
                             self.map(slot)  # attach (and so unlink) a new segment at once: NOTE [shutdown]
                         self.free.append(slot)
-                    case StartEpoch() | Stop() as msg:
+                    case StartEpoch() | Stop():
                         self.pending.append(msg)
-                    case msg:
+                    case _:
                         raise TypeError(f"unexpected message from the trainer: {msg!r}")
-                if not self.poller.poll(0):
-                    return
         except (EOFError, OSError) as exc:
             raise TrainerGone from exc
 
