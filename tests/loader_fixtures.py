@@ -94,3 +94,21 @@ def logged_fetch(ds: IndexDataset, indices: np.ndarray) -> tuple[np.ndarray, np.
     finally:
         os.close(fd)
     return np.repeat(indices.astype(np.float32)[:, None], 3, axis=1), indices.astype(np.int64)
+
+
+def many_shapes(worker_id: int, num_workers: int, epoch: int, seed: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """More distinct batch layouts than a worker numbers (protocol.MAX_LAYOUTS), then early ones again, each batch
+    saying where it came from: (float32[n, 2] filled with n, int64 [worker, j])."""
+    for j, n in enumerate([*range(1, 81), 3, 1, 80, 40]):
+        yield np.full((n, 2), n, np.float32), np.array([worker_id, j], np.int64)
+
+
+def no_doorbell(worker_id: int, num_workers: int, epoch: int, seed: int) -> Iterator[np.ndarray]:
+    """Slow batches from a producer whose doorbell never rings (NOTE [ring] (d)'s lost wake-up, every time): the
+    trainer waits on its socket in vain and must find them in the ring by itself."""
+    from hvdtrain.data.channel import Channel
+
+    Channel.ring = lambda self: None  # type: ignore[method-assign]  # in this producer process only
+    for j in range(5):
+        time.sleep(0.05)
+        yield np.full(4, j, np.int64)

@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import time
-from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 
 import numpy as np
@@ -335,10 +334,10 @@ def test_protocol_messages_are_small_and_survive_pickling() -> None:
     layout, _ = shm.plan_layout({"x": np.zeros((256, 3, 32, 32), np.float32), "y": np.zeros(256, np.int64)})
     messages = [FreeSlot(0, None, 0), FreeSlot(3, "hvdtrain_1_abcdef012345", 4096),
                 StartEpoch(2, 5, ShardSampler(10, 0, 1, batch_size=2).state_dict()), StartEpoch(2, 5, None), Stop(),
-                Batch(2, 7, 3, layout), Batch(2, 8, 3, None), GrowSlot(3, 1 << 20), EpochDone(2, 8),
+                Batch(2, 7, 3, 0, layout), Batch(2, 8, 3, 0), GrowSlot(3, 1 << 20), EpochDone(2, 8),
                 WorkerFailed(2, 7, "Traceback ...")]
     for msg in messages:
-        wire = ForkingPickler.dumps(msg)  # what Connection.send writes
+        wire = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)  # what Channel.send writes (when not compact)
         back = pickle.loads(wire)
         assert back == msg and type(back) is type(msg)
         assert len(wire) < 600, (msg, len(wire))

@@ -4,12 +4,13 @@ NOTE [wire]
 A small batch's hand-off used to cost the trainer more in the pipe than anywhere else: `Connection.poll` (a system
 call), `Connection.recv` (two reads: length, then body) and unpickling a dataclass — per batch, plus a pickled
 FreeSlot per returned slot. Two messages make up nearly all the traffic, and both repeat what the other end knows:
-a Batch whose layout is its slot's previous one (protocol.Batch, layout None), and a FreeSlot that hands back the
+a Batch with a layout the trainer has (protocol.Batch, layout None), and a FreeSlot that hands back the
 segment the worker already has for that slot. So:
 (a) Frames. Every message is a frame: a 4-byte little-endian length, then the body. A body is either a compact
-    struct — `b"B"` + (generation, seq, slot) for a Batch with layout None, `b"F"` + slot for a FreeSlot equal to
-    the last one sent for that slot — or a pickle (first byte 0x80) of any other message. Each end remembers the
-    FreeSlots it sent/received per slot, so a compact FreeSlot decodes to exactly the message it stands for.
+    struct — `b"B"` + (generation, seq, slot, layout_id) for a Batch with layout None, `b"F"` + slot for a
+    FreeSlot equal to the last one sent for that slot — or a pickle (first byte 0x80) of any other message. Each
+    end remembers the FreeSlots it sent/received per slot, so a compact FreeSlot decodes to exactly the message it
+    stands for.
 (b) Reads take everything there is. `receive()` reads without blocking (MSG_DONTWAIT, so the socket stays
     blocking for sends) until the socket is empty and returns every complete frame, in order; a frame split
     across reads waits in a buffer. One system call usually brings one or more batches; no poll(0) before it.
@@ -18,6 +19,7 @@ segment the worker already has for that slot. So:
     before the end are returned first; the next `receive()` raises EOFError — so a worker's last words (its
     WorkerFailed) are read before its death is reported (NOTE [shutdown] in lifecycle.py).
 Sends are one `sendall` of one frame: a blocking write that waits only while the peer's socket buffer is full.
+An empty frame is a doorbell (NOTE [ring] in ring.py): it wakes the peer and decodes to nothing.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from typing import Any
 from hvdtrain.data.protocol import Batch, FreeSlot
 
 _LEN = struct.Struct("<I")
-_BATCH = struct.Struct("<cqqi")  # b"B", generation, seq, slot
+_BATCH = struct.Struct("<cqqii")  # b"B", generation, seq, slot, layout_id
 _FREE = struct.Struct("<ci")  # b"F", slot
 _PICKLE = 0x80  # the first byte of every pickle of protocol >= 2
 _READ = 1 << 16
@@ -64,7 +66,7 @@ class Channel:
     def send(self, msg: Any) -> None:
         """Send one message (OSError when the peer is gone)."""
         if type(msg) is Batch and msg.layout is None:
-            body = _BATCH.pack(b"B", msg.generation, msg.seq, msg.slot)
+            body = _BATCH.pack(b"B", msg.generation, msg.seq, msg.slot, msg.layout_id)
         elif type(msg) is FreeSlot and self._sent.get(msg.slot) == msg:
             body = _FREE.pack(b"F", msg.slot)
         else:
@@ -72,6 +74,10 @@ class Channel:
             if type(msg) is FreeSlot:
                 self._sent[msg.slot] = msg
         self.sock.sendall(_LEN.pack(len(body)) + body)
+
+    def ring(self) -> None:
+        """Send a doorbell: an empty frame, which wakes the peer's poll and decodes to nothing (NOTE [ring] (d))."""
+        self.sock.sendall(_LEN.pack(0))
 
     def receive(self) -> list[Any]:
         """Every message that has arrived, in order, without blocking ([] if none); EOFError once the peer has
@@ -100,21 +106,21 @@ class Channel:
             (n,) = _LEN.unpack_from(buf, pos)
             if len(buf) - pos - 4 < n:
                 break
-            msgs.append(self._decode(buf, pos + 4, n))
+            if n:  # an empty frame is a doorbell
+                msgs.append(self._decode(buf, pos + 4, n))
             pos += 4 + n
         del buf[:pos]
         return msgs
 
     def _decode(self, buf: bytearray, start: int, n: int) -> Any:
-        tag = buf[start] if n else -1
+        tag = buf[start]
         if tag == _PICKLE:
             msg = pickle.loads(buf[start:start + n])
             if type(msg) is FreeSlot:
                 self._got[msg.slot] = msg
             return msg
         if tag == 66 and n == _BATCH.size:  # b"B"
-            _, gen, seq, slot = _BATCH.unpack_from(buf, start)
-            return Batch(gen, seq, slot, None)
+            return Batch(*_BATCH.unpack_from(buf, start)[1:])
         if tag == 70 and n == _FREE.size and _FREE.unpack_from(buf, start)[1] in self._got:  # b"F"
             return self._got[_FREE.unpack_from(buf, start)[1]]
         raise ValueError(f"corrupt frame on the trainer/worker channel (first byte {tag:#x})")

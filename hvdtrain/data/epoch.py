@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 from hvdtrain.data import shm
 from hvdtrain.data.lifecycle import LoaderError, LoaderTimeoutError, WorkerError
 from hvdtrain.data.protocol import Batch, EpochDone, EpochMessage, FromWorker, GrowSlot, WorkerFailed
+from hvdtrain.data.ring import RECHECK_MAX_S, RECHECK_S
 
 if TYPE_CHECKING:
     from hvdtrain.data.loader import ShmLoader
@@ -58,13 +59,14 @@ class EpochIterator:
                 return self._finish()
             w, msg = self._receive_due()
             if type(msg) is Batch:
+                reader = self._reader(w, msg)
                 self._advance(w, ended=False)
                 ld._count_consumed()
                 if self.skip > 0:
                     self.skip -= 1
                     ld._give_back(msg.slot)
                     continue
-                return self._lend(msg.slot, ld._layouts[msg.slot])
+                return self._lend(msg.slot, reader)
             if isinstance(msg, WorkerFailed):
                 self.done = True
                 raise WorkerError(f"data worker {w} of rank {ld.rank} failed in epoch {ld.epoch} at its batch "
@@ -82,6 +84,19 @@ class EpochIterator:
         if not lent:  # handed out as a copy: NOTE [batch lifetime] (c)
             ld._give_back(slot)
         return batch
+
+    def _reader(self, w: int, msg: Batch) -> shm.Reader:
+        """The layout of batch `msg` of worker `w`, resolved now, in the worker's order (protocol.Batch)."""
+        if msg.layout_id < 0:
+            return shm.Reader(msg.layout)  # type: ignore[arg-type]  # not numbered: always sent
+        known = self.loader._layouts[w]
+        if msg.layout_id not in known:  # its layout is still in the socket: NOTE [ring] (a) in ring.py
+            self._drain(w, None)
+        try:
+            return known[msg.layout_id]
+        except KeyError:
+            raise LoaderError(f"data worker {w} of rank {self.loader.rank} sent batch {msg.seq} with layout "
+                              f"{msg.layout_id}, which it never described") from None
 
     def _advance(self, w: int, ended: bool) -> None:
         """Move the round robin on: past worker w, or dropping w when it has no more batches."""
@@ -104,12 +119,16 @@ class EpochIterator:
 
     def _receive_due(self) -> tuple[int, EpochMessage]:
         """(worker, message) of the next message to act on: the due worker's next one, or (unordered) any."""
-        if self.loader.ordered:
+        ld = self.loader
+        for w, ring in enumerate(ld._res.rings):  # any worker's GrowSlot or EpochDone: NOTE [ring] (e) in ring.py
+            if ring.sent() != ld._seen[w]:
+                self._read_socket(w, None)
+        if ld.ordered:
             w = self.active[self.pos]
             key = (w, self.next_seq[w])
             msg = self.stash.pop(key, None)
             if msg is None:
-                self._drain(w, key)  # fast path: it is usually in the socket already
+                self._drain(w, key)  # fast path: it is usually in the ring (or the socket) already
                 msg = self.stash.pop(key, None)
             if msg is not None:
                 return w, msg
@@ -128,27 +147,80 @@ class EpochIterator:
         ld = self.loader
         for w in [key[0]] if key is not None else range(ld.num_workers):
             self._drain(w, key)
-        deadline = time.monotonic() + ld.timeout
-        while (key not in self.stash) if key is not None else not self.stash:
+        deadline, recheck = time.monotonic() + ld.timeout, RECHECK_S
+        while (key not in self.stash) if key is not None else (ready := self._ready()) is None:
             ld._lender.flush()  # batches released by other threads: NOTE [batch lifetime] (d)
             left = deadline - time.monotonic()
             if left <= 0:
                 raise LoaderTimeoutError(f"no {_what(key)} from the data workers of rank {ld.rank} within "
                                          f"{ld.timeout:g} s (epoch {ld.epoch}); the workers are alive")
-            piped, exited = ld._watch.wait(min(left, ld.poll_s))
-            for w in piped:  # a dead worker's last messages (its failure) are read before its death is reported
-                self._drain(w, key)
+            piped, exited = self._sleep(min(left, ld.poll_s), recheck)
+            recheck = min(2 * recheck, RECHECK_MAX_S)
+            for w in range(ld.num_workers):  # a dead worker's last messages (its failure) are read before its
+                self._drain(w, key, woke=w in piped)  # death is reported
             for w in exited:
                 ld._fail_dead(w, f"while the trainer waited for {_what(key)}")
-        key = key if key is not None else next(iter(self.stash))  # arrival order
+        key = key if key is not None else ready
         return key, self.stash.pop(key)
 
-    def _drain(self, w: int, due: Key | None) -> None:
-        """Take in every message worker `w` has sent so far (one read: NOTE [wire] in channel.py)."""
+    def _ready(self) -> Key | None:
+        """Unordered: of the messages each worker is due to send next, the one received first. A worker's own
+        messages are still taken in its order: its socket and its ring may deliver them out of it (NOTE [ring] (a)
+        in ring.py), and an EpochDone must not overtake the batches before it."""
+        for key in self.stash:
+            if key[1] == self.next_seq[key[0]]:
+                return key
+        return None
+
+    def _sleep(self, timeout: float, recheck: float) -> tuple[list[int], list[int]]:
+        """Wait for the workers' sockets and processes (Watch.wait); with rings, NOTE [ring] (d)'s wake-up protocol
+        and at most `recheck` s."""
+        rings, watch = self.loader._res.rings, self.loader._watch
+        if not rings:
+            return watch.wait(timeout)
+        for ring in rings:
+            ring.set_waiting(True)
         try:
-            msgs = self.loader._res.conns[w].receive()
+            if any(ring.published() for ring in rings):  # published before the flag was seen: no doorbell
+                return [], []
+            return watch.wait(min(timeout, recheck))
+        finally:
+            for ring in rings:
+                ring.set_waiting(False)
+
+    def _take_ring(self, w: int) -> None:
+        """Take in the batches worker `w` has published in its ring (NOTE [ring] in ring.py)."""
+        try:
+            taken = self.loader._res.rings[w].take()
+        except ValueError as exc:
+            raise LoaderError(f"data worker {w} of rank {self.loader.rank}: {exc}") from exc
+        for gen, seq, slot, layout_id in taken:
+            if gen == self.gen:
+                self.stash[(w, seq)] = Batch(gen, seq, slot, layout_id)
+            else:  # from an abandoned iteration: the slot goes straight back
+                self.loader._give_back(slot)
+
+    def _drain(self, w: int, due: Key | None, *, woke: bool = False) -> None:
+        """Take in every message worker `w` has sent so far: its ring, then its socket if anything was sent on it
+        or it woke our poll (`woke`) (NOTE [ring] (e) in ring.py; without rings, always the socket)."""
+        rings = self.loader._res.rings
+        if rings:
+            self._take_ring(w)
+            if not woke and rings[w].sent() == self.loader._seen[w]:
+                return
+        self._read_socket(w, due)
+
+    def _read_socket(self, w: int, due: Key | None) -> None:
+        """One read of worker `w`'s socket, taking in every message in it (NOTE [wire] in channel.py)."""
+        ld = self.loader
+        if ld._res.rings:
+            ld._seen[w] = ld._res.rings[w].sent()  # before the read: every message it counts is in the socket
+        try:
+            msgs = ld._res.conns[w].receive()
         except (EOFError, OSError):
-            self.loader._fail_dead(w, f"while the trainer waited for {_what(due)}")
+            ld._fail_dead(w, f"while the trainer waited for {_what(due)}")
+        except ValueError as exc:  # a corrupt frame
+            raise LoaderError(f"data worker {w} of rank {ld.rank}: {exc}") from exc
         for msg in msgs:
             if type(msg) is Batch and msg.layout is None and msg.generation == self.gen:
                 self.stash[(w, msg.seq)] = msg  # the common case, ahead of _on_message's match
@@ -156,8 +228,8 @@ class EpochIterator:
                 self._on_message(w, msg)
 
     def _on_message(self, w: int, msg: FromWorker) -> None:
-        if isinstance(msg, Batch) and msg.layout is not None:  # every Batch is read, in order: protocol.Batch
-            self.loader._layouts[msg.slot] = shm.Reader(msg.layout)
+        if isinstance(msg, Batch) and msg.layout is not None and msg.layout_id >= 0:  # protocol.Batch
+            self.loader._layouts[w][msg.layout_id] = shm.Reader(msg.layout)
         match msg:
             case GrowSlot(slot=slot, nbytes=nbytes):
                 self.loader._grow(slot, nbytes)

@@ -53,7 +53,7 @@ class Lender:
         self.copies = 0  # batches handed out as copies to keep a worker from starving: NOTE [batch lifetime] (c)
 
     def __enter__(self) -> None:
-        """`with lender:` around the loader's own pipe traffic: a release meanwhile (GC, this thread) only queues its
+        """`with lender:` around the loader's own socket traffic: a release meanwhile (GC, this thread) only queues its
         slot, which is given back at the end: NOTE [batch lifetime] (d). (A plain class context manager: it runs
         once per batch, where a generator-based one costs more than the rest of a small batch's hand-off.)"""
         self.owner, self.busy = threading.get_ident(), True

@@ -6,23 +6,25 @@ Who owns what, and how everything ends — normally, on an exception, on interpr
   request, since only the worker knows a batch's size) and sends its name (FreeSlot); the worker attaches as soon
   as it reads that message and unlinks the name at once (shm.attach_segment). From then on the segment has no /dev/shm
   entry: both mappings stay valid and the memory is freed when the last process unmaps it, so a later SIGKILL of
-  anyone leaks nothing. A name therefore exists only between `create_segment` and the worker reading the pipe —
+  anyone leaks nothing. A name therefore exists only between `create_segment` and the worker reading the socket —
   and the worker still reads it after the trainer has died, since the message is already in its socket buffer.
   On close the trainer unlinks every name it created (FileNotFoundError = the worker already did); if trainer and
   worker are both killed inside that window, multiprocessing's resource tracker (a separate process, with which
   the trainer registered the segment) unlinks it when the last of them is gone. Only if that tracker is killed
   too does a name outlive the job; no loader removes other processes' files on its own: the application calls
   `sweep_stale_segments()` (shm.py) once at start, and scripts/fresh_state.sh cleans up between runs.
+  A worker's ring segment (NOTE [ring] in ring.py) is created before the worker starts, named in its start-up
+  config, attached and unlinked by the worker first thing, and released like a slot's.
 - Resources live in `Resources`, not in the loader, and `weakref.finalize(loader, resources.shutdown)` calls
   `shutdown` exactly once: from `close()`, from `__exit__`, when the loader is garbage-collected, or at interpreter
   exit. `close()` is therefore idempotent. (At exit, multiprocessing's own atexit hook may run first and
   terminate the daemon workers; shutdown copes with dead workers, and the segments are ours to unlink either way.)
 - shutdown: send Stop(), unlink and unmap our segments, join each worker for a grace period, then SIGTERM, then
-  SIGKILL. A worker blocked in user code stops at its next pipe check; one stuck for longer is killed.
+  SIGKILL. A worker blocked in user code stops at its next socket check; one stuck for longer is killed.
 - A worker ignores SIGINT (Ctrl-C reaches the whole process group; the trainer handles it). It ends when it
-  reads Stop(), when the pipe reports EOF (the trainer is gone: checked at least every
+  reads Stop(), when the socket reports EOF (the trainer is gone: checked at least every
   `poll_s` while it waits and between batches), or when a segment it must attach was already unlinked.
-- The trainer never blocks without a deadline: it waits on the worker pipes *and* the process sentinels with
+- The trainer never blocks without a deadline: it waits on the worker sockets *and* the process sentinels with
   `Watch.wait(timeout=poll_s)` (one poll(2) set), so a dead worker is reported at once (WorkerDiedError, and
   the loader closes itself), an exception in a worker is re-raised with its traceback (WorkerError), and a silent
   worker raises LoaderTimeoutError after `timeout` s.
@@ -48,6 +50,7 @@ from hvdtrain.data.protocol import Stop
 
 if TYPE_CHECKING:
     from hvdtrain.data.channel import Channel
+    from hvdtrain.data.ring import Ring
 
 
 class LoaderError(RuntimeError):
@@ -72,12 +75,13 @@ class LoaderTimeoutError(LoaderError, TimeoutError):
 
 
 class Resources:
-    """Everything that must be released: processes, pipes and segments (see NOTE [shutdown])."""
+    """Everything that must be released: processes, sockets and segments (see NOTE [shutdown])."""
 
     def __init__(self) -> None:
         self.procs: list[Any] = []
         self.conns: list[Channel] = []
         self.segments: dict[int, shm.Segment] = {}
+        self.rings: list[Ring] = []  # one per worker when the ring is used (NOTE [ring] in ring.py)
 
     def shutdown(self, grace_s: float = 2.0) -> None:
         for conn in self.conns:
@@ -86,6 +90,10 @@ class Resources:
         for seg in self.segments.values():
             shm.release_segment(seg, unlink=True)
         self.segments.clear()
+        for ring in self.rings:
+            ring.close()
+            shm.release_segment(ring.seg, unlink=True)
+        self.rings.clear()
         deadline = time.monotonic() + grace_s
         for proc in self.procs:
             proc.join(timeout=max(0.0, deadline - time.monotonic()))
@@ -100,7 +108,7 @@ class Resources:
 
 
 class Watch:
-    """One persistent poll(2) set over the workers' pipes and process sentinels, made once per loader.
+    """One persistent poll(2) set over the workers' sockets and process sentinels, made once per loader.
 
     `multiprocessing.connection.wait` and `Connection.poll` build a selector on every call (~10-40 µs), more than
     the rest of a small batch's hand-off; these are one system call each."""
@@ -114,7 +122,7 @@ class Watch:
                 self._owner[fd] = (w, sentinel)
 
     def wait(self, timeout: float) -> tuple[list[int], list[int]]:
-        """Wait up to `timeout` s for any pipe or process; (workers with pipe events, workers that exited)."""
+        """Wait up to `timeout` s for any socket or process; (workers with socket events, workers that exited)."""
         piped, exited = [], []
         for fd, _ in self._all.poll(max(0, math.ceil(timeout * 1000))):
             w, sentinel = self._owner[fd]

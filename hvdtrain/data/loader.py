@@ -11,7 +11,7 @@ asked for:
 (a) When an iteration has received every worker's EpochDone (the loop ran to its end), the loader sends StartEpoch
     for the iteration it expects next — the next epoch from its first batch, or the same epoch again if the user's
     last iteration repeated its epoch without a resume — under a new generation, and remembers (generation, start
-    state). The workers fill their free slots as for any iteration; nobody reads their pipes until the next
+    state). The workers fill their free slots as for any iteration; nobody reads their sockets until the next
     `iter()`. Not at construction: a resumed run asks for another epoch first, and a streamed dataset would fetch
     shards of an epoch nobody reads.
 (b) `iter()` takes that iteration over when its own start state is the one remembered (no load_state_dict(), the
@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from hvdtrain.data import shm
+from hvdtrain.data import ring, shm
 from hvdtrain.data.channel import Channel
 from hvdtrain.data.epoch import EpochIterator, Key
 from hvdtrain.data.lending import Lender
@@ -59,6 +59,10 @@ from hvdtrain.data.workers import WorkerConfig, worker_main
 __all__ = ["LoaderError", "LoaderTimeoutError", "ShmLoader", "WorkerDiedError", "WorkerError"]  # errors: lifecycle.py
 
 START_METHODS = ("spawn", "forkserver")
+SLOT_BYTES = 1 << 20
+"""Each slot's first segment, made before the workers start, so that a batch that fits never waits for a GrowSlot
+round trip (one each for every worker's every slot, 0.3-2 ms on 2 busy cores, paid in the first steps while the
+trainer is busy elsewhere). A segment is a sparse /dev/shm file: only the pages a batch writes take memory."""
 
 
 def _check_args(dataset: Any, generator: Any, batch_size: int | None, num_workers: int, prefetch: int,
@@ -165,7 +169,9 @@ class ShmLoader:
         # The current iteration's messages received ahead of their turn: its EpochIterator's `stash`, kept here so
         # that the next iteration gives their slots back even if that iterator is gone.
         self._unclaimed: dict[Key, EpochMessage] = {}
-        self._layouts: dict[int, shm.Reader] = {}  # slot -> layout of the last batch received in it, made ready
+        # Per worker: layout number -> that layout, made ready to read (protocol.Batch).
+        self._layouts: list[dict[int, shm.Reader]] = [{} for _ in range(num_workers)]
+        self._seen = [0] * num_workers  # per worker: its ring's `sent` count at our last socket read (NOTE [ring])
         self._res = Resources()
         self._finalizer = weakref.finalize(self, _shut_down, self._res, self._lender)
         self._closed = False
@@ -184,6 +190,9 @@ class ShmLoader:
 
         for w in range(self.num_workers):
             base.local_id = w
+            if ring.SUPPORTED:  # NOTE [ring] in ring.py
+                self._res.rings.append(ring.Ring(shm.create_segment(shm.PAGE), self._spw))
+                base.ring, base.ring_capacity = self._res.rings[-1].seg.name, self._spw
             payload = cloudpickle.dumps(base)
             mine, theirs = Channel.pair()
             proc = ctx.Process(target=worker_main, args=(theirs, payload), daemon=True,
@@ -193,8 +202,9 @@ class ShmLoader:
                 proc.start()
             self._res.procs.append(proc)
             theirs.close()
-            for slot in range(w * self._spw, (w + 1) * self._spw):
-                mine.send(FreeSlot(slot, None, 0))
+            for slot in range(w * self._spw, (w + 1) * self._spw):  # slot memory up front: SLOT_BYTES
+                seg = self._res.segments[slot] = shm.create_segment(SLOT_BYTES)
+                mine.send(FreeSlot(slot, seg.name, seg.size))
         self._watch = Watch(self._res.conns, self._res.procs)
 
     # ---- public API ----------------------------------------------------------------------------------------

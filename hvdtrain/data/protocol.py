@@ -1,6 +1,7 @@
-"""The messages between the trainer and its producer processes (one duplex pipe per worker).
+"""The messages between the trainer and its producer processes (a socket pair per worker: channel.py; most Batch
+messages go through a ring in shared memory instead: ring.py).
 
-Only these small frozen dataclasses cross a pipe, never array data: a batch's bytes are in a shared-memory slot,
+Only these small frozen dataclasses cross, never array data: a batch's bytes are in a shared-memory slot,
 and its message names the slot and the `shm.Layout` to read it with. Both ends dispatch on the type
 (`match msg: case Batch(seq=seq, slot=slot): ...`).
 
@@ -8,8 +9,9 @@ and its message names the slot and the `shm.Layout` to read it with. Both ends d
                                                                  memory yet; the first batch asks for some)
                         StartEpoch(generation, epoch, sampler_state)  produce this epoch (aborts the current one)
                         Stop()
-    worker -> trainer   Batch(generation, seq, slot, layout)     batch `seq` of this worker is in `slot` (layout
-                                                                 None: as the slot's previous batch)
+    worker -> trainer   Batch(generation, seq, slot, layout_id, layout)  batch `seq` of this worker is in `slot`,
+                                                                 laid out as the worker's layout number `layout_id`
+                                                                 (`layout`: that layout, sent once per number)
                         GrowSlot(slot, nbytes)                   `slot` is too small: send it back bigger
                         EpochDone(generation, seq)               no more batches (`seq` = how many there were)
                         WorkerFailed(generation, seq, traceback) user code raised before batch `seq`
@@ -57,16 +59,23 @@ class Stop:
 # ---- worker -> trainer -----------------------------------------------------------------------------------------
 
 
+MAX_LAYOUTS = 64
+"""Layouts a worker numbers (Batch.layout_id); more distinct ones (variable shapes) are sent with every batch."""
+
+
 @dataclass(frozen=True)
 class Batch:
-    """The worker's batch number `seq` of this epoch is in `slot`, laid out as `layout`; None: laid out as the
-    previous batch written into that slot (the trainer keeps each slot's last layout: pickling a layout costs more
-    than the rest of a small batch's message)."""
+    """The worker's batch number `seq` of this epoch is in `slot`, laid out as the worker's layout number
+    `layout_id`. `layout` is that layout, sent with the first batch of each number only (None afterwards: the
+    trainer keeps them; unpickling a layout costs more than the rest of a small batch's hand-off). A worker numbers
+    its first MAX_LAYOUTS distinct layouts and never renumbers one; past that, `layout_id` is -1 and `layout` is
+    always sent. The number is resolved when the batch is lent, in the worker's order (NOTE [ring] (a) in ring.py)."""
 
     generation: int
     seq: int
     slot: int
-    layout: Layout | None
+    layout_id: int
+    layout: Layout | None = None
 
 
 @dataclass(frozen=True)

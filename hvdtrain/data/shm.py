@@ -5,7 +5,7 @@ worker attaches by name and then unlinks the name at once (the memory stays mapp
 NOTE [shutdown] in lifecycle.py for why and for who cleans up what.
 
 A batch is a numpy array, a tuple/list of arrays or a dict of str -> array. Its layout (`Layout`: structure,
-and per array an offset, shape and dtype) is small metadata that crosses a pipe; the bytes are copied once, by
+and per array an offset, shape and dtype) is small metadata that crosses a socket; the bytes are copied once, by
 the worker, into the segment, and the trainer builds numpy views on the segment from the layout: no unpickling.
 """
 

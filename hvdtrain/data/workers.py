@@ -1,7 +1,8 @@
 """The producer process: runs the user's dataset/collate or generator and writes batches into shared memory.
 
-It speaks the protocol of protocol.py over one duplex pipe (only small messages cross it, never array data).
-Back-pressure: a worker owns `prefetch + 1` slots; with all of them full or held it waits (polling the pipe with a
+It speaks the protocol of protocol.py over its socket (channel.py) and publishes most batches in its ring (ring.py);
+only small messages cross, never array data.
+Back-pressure: a worker owns `prefetch + 1` slots; with all of them full or held it waits (polling the socket with a
 timeout) until the trainer hands one back (NOTE [batch lifetime] in lending.py). See NOTE [shutdown] in
 lifecycle.py for how the worker ends.
 """
@@ -23,7 +24,18 @@ import numpy as np
 
 from hvdtrain.data import shm
 from hvdtrain.data.channel import Channel
-from hvdtrain.data.protocol import Batch, EpochDone, FreeSlot, FromWorker, GrowSlot, StartEpoch, Stop, WorkerFailed
+from hvdtrain.data.protocol import (
+    MAX_LAYOUTS,
+    Batch,
+    EpochDone,
+    FreeSlot,
+    FromWorker,
+    GrowSlot,
+    StartEpoch,
+    Stop,
+    WorkerFailed,
+)
+from hvdtrain.data.ring import Ring
 from hvdtrain.data.sharding import ShardSampler
 from hvdtrain.stream.errors import StreamError
 
@@ -89,10 +101,12 @@ class WorkerConfig:
     generator: Callable[[int, int, int, int], Any] | None = None
     sampler_args: dict[str, Any] | None = None
     epochs: int | None = None  # the loader's `epochs`: a streamed dataset fetches nothing of epoch `epochs` ahead
+    ring: str | None = None  # the segment of this worker's descriptor ring (NOTE [ring] in ring.py); None: none
+    ring_capacity: int = 0
 
 
 class TrainerGone(Exception):
-    """The trainer closed its end of the pipe (exited, crashed or is shutting down)."""
+    """The trainer closed its end of the socket (exited, crashed or is shutting down)."""
 
 
 def worker_main(conn: Channel, payload: bytes) -> None:
@@ -101,7 +115,11 @@ def worker_main(conn: Channel, payload: bytes) -> None:
 
     # Ctrl-C reaches the whole process group: the trainer handles it and stops us (NOTE [shutdown]).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    worker = _Worker(conn, cloudpickle.loads(payload))
+    try:
+        worker = _Worker(conn, cloudpickle.loads(payload))
+    except TrainerGone:
+        conn.close()
+        return
     try:
         worker.serve()
     except TrainerGone:
@@ -118,10 +136,16 @@ class _Worker:
         self.mapped: dict[int, shm.Segment] = {}
         self.free: deque[int] = deque()
         self.growing: set[int] = set()  # slots sent back to be grown, not yet returned
-        self.layouts: dict[int, shm.Layout] = {}  # slot -> layout of the last batch sent in it (protocol.Batch)
+        self.layout_ids: dict[shm.Layout, int] = {}  # layout -> its number (protocol.Batch)
         self.pending: deque[StartEpoch | Stop] = deque()
         self.poller = select.poll()  # persistent: a selector built per call costs more than a small batch
         self.poller.register(conn.fileno(), select.POLLIN)
+        self.ring: Ring | None = None
+        if cfg.ring is not None:
+            try:
+                self.ring = Ring(shm.attach_segment(cfg.ring), cfg.ring_capacity)  # and unlinks it: NOTE [shutdown]
+            except FileNotFoundError as exc:  # the trainer unlinked it: it is shutting down
+                raise TrainerGone from exc
 
     def pump(self, timeout: float) -> None:
         """Take in whatever the trainer sent within `timeout` s (slots are kept, commands queued)."""
@@ -214,6 +238,8 @@ class _Worker:
             self.conn.send(msg)
         except OSError as exc:
             raise TrainerGone from exc
+        if self.ring is not None:
+            self.ring.count_sent()  # NOTE [ring] (e)
 
     def send_batch(self, gen: int, seq: int, batch: Any) -> bool:
         layout, arrays = shm.plan_layout(batch)
@@ -221,9 +247,18 @@ class _Worker:
         if slot is None:
             return False
         shm.write_batch(self.mapped[slot].buf, layout, arrays)
-        same = self.layouts.get(slot) == layout
-        self.layouts[slot] = layout
-        self.send(Batch(gen, seq, slot, None if same else layout))
+        lid = self.layout_ids.get(layout, -1)
+        known = lid >= 0
+        if not known and len(self.layout_ids) < MAX_LAYOUTS:
+            lid = self.layout_ids[layout] = len(self.layout_ids)
+        if known and self.ring is not None and self.ring.post(gen, seq, slot, lid):  # NOTE [ring] (a)
+            if self.ring.trainer_waiting():
+                try:
+                    self.conn.ring()  # NOTE [ring] (d)
+                except OSError as exc:
+                    raise TrainerGone from exc
+            return True
+        self.send(Batch(gen, seq, slot, lid, None if known else layout))
         return True
 
     def acquire(self, nbytes: int) -> int | None:
@@ -260,3 +295,7 @@ class _Worker:
         for seg in self.mapped.values():
             shm.release_segment(seg, unlink=False)
         self.mapped.clear()
+        if self.ring is not None:
+            self.ring.close()
+            shm.release_segment(self.ring.seg, unlink=False)
+            self.ring = None
