@@ -3,8 +3,10 @@ descriptor ring in shared memory (NOTE [ring] in hvdtrain/data/ring.py), alone a
 
 from __future__ import annotations
 
+import os
 import select
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -36,6 +38,13 @@ def test_every_message_crosses_the_channel_intact_in_order_and_the_common_ones_c
                 StartEpoch(2, 5, ShardSampler(10, 0, 1, batch_size=2).state_dict()), StartEpoch(2, 5, None), Stop(),
                 Batch(2, 7, 3, 0, layout), Batch(2, 8, 3, 0), Batch(2, 9, 1, -1, layout), GrowSlot(3, 1 << 20),
                 EpochDone(2, 8), WorkerFailed(2, 7, "Traceback ...", "boom", bad_data=True)]
+    frames: list[bytes] = []
+    sink = Channel(None)  # type: ignore[arg-type]  # only to see each frame
+    sink.sock = type("Sink", (), {"sendall": lambda self, data: frames.append(data)})()  # type: ignore[assignment]
+    for msg in messages:
+        sink.send(msg)
+    assert max(len(f) for f in frames) < 600  # small messages, never array data
+    assert EpochDone(2, 7) != WorkerFailed(2, 7, "") and GrowSlot(1, 2) != (1, 2)  # told apart by type
     a, b = Channel.pair()
     try:
         for msg in messages:
@@ -59,7 +68,7 @@ def test_every_message_crosses_the_channel_intact_in_order_and_the_common_ones_c
 def test_a_frame_split_across_reads_waits_for_its_rest() -> None:
     a, b = Channel.pair()
     try:
-        c = Channel(a.sock)  # only to encode: send into a buffer we control
+        c = Channel(None)  # type: ignore[arg-type]  # only to encode: send into a buffer we control
         frame = bytearray()
         c.sock = type("Sink", (), {"sendall": lambda self, data: frame.extend(data)})()  # type: ignore[assignment]
         c.send(EpochDone(4, 17))
@@ -254,3 +263,12 @@ def test_a_lost_wake_up_costs_milliseconds_not_a_hang() -> None:
         took = time.monotonic() - start
     assert got == [0, 1, 2, 3, 4]
     assert took < 3.0, f"5 batches of 50 ms took {took:.1f} s: a batch waited for poll_s, not for the re-check"
+
+
+def test_a_deep_prefetch_gets_a_ring_big_enough_and_leaves_no_segment() -> None:
+    """prefetch=150: 151 slots per worker, more descriptors than one page holds."""
+    with ShmLoader(generator=fx.endless, rank=0, size=1, num_workers=1, prefetch=150, batches_per_epoch=5) as ld:
+        assert [int(y[1]) for _, y in ld] == [0, 1, 2, 3, 4]
+        if ring.SUPPORTED:
+            assert ld._res.rings[0].seg.size >= ring.Ring.nbytes(151) > shm.PAGE
+    assert not list(Path("/dev/shm").glob(f"hvdtrain_{os.getpid()}_*"))

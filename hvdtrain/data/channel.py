@@ -71,9 +71,9 @@ class Channel:
             body = _FREE.pack(b"F", msg.slot)
         else:
             body = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
-            if type(msg) is FreeSlot:
-                self._sent[msg.slot] = msg
         self.sock.sendall(_LEN.pack(len(body)) + body)
+        if type(msg) is FreeSlot:  # only once sent whole: a compact frame must stand for what the peer has
+            self._sent[msg.slot] = msg
 
     def ring(self) -> None:
         """Send a doorbell: an empty frame, which wakes the peer's poll and decodes to nothing (NOTE [ring] (d))."""
@@ -88,6 +88,9 @@ class Channel:
             try:
                 data = self.sock.recv(_READ, socket.MSG_DONTWAIT)
             except BlockingIOError:
+                break
+            except ConnectionResetError:  # the peer died: what it sent before still counts (c)
+                self._eof = True
                 break
             if not data:
                 self._eof = True

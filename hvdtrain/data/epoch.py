@@ -18,7 +18,7 @@ Key = tuple[int, int]  # (worker, seq): where a worker's batch `seq` (or its Epo
 
 class EpochIterator:
     """What `iter(loader)` returns: round robin over the workers, each worker's batches in its order (with
-    `ordered=False`: whichever batch arrives first).
+    `ordered=False`: whichever worker's next batch arrives first).
 
     It owns the iteration's receive state: the messages that arrived ahead of their turn (`stash`, by (worker,
     seq)), the workers still producing, the seq each is due to send next and the round robin's position. The loader
@@ -59,7 +59,12 @@ class EpochIterator:
                 return self._finish()
             w, msg = self._receive_due()
             if type(msg) is Batch:
-                reader = self._reader(w, msg)
+                try:
+                    reader = self._reader(w, msg)
+                except BaseException:  # e.g. KeyboardInterrupt in its socket read: the slot must not be lost
+                    self.done = True
+                    ld._give_back(msg.slot, quiet=True)
+                    raise
                 self._advance(w, ended=False)
                 ld._count_consumed()
                 if self.skip > 0:
@@ -120,9 +125,13 @@ class EpochIterator:
     def _receive_due(self) -> tuple[int, EpochMessage]:
         """(worker, message) of the next message to act on: the due worker's next one, or (unordered) any."""
         ld = self.loader
-        for w, ring in enumerate(ld._res.rings):  # any worker's GrowSlot or EpochDone: NOTE [ring] (e) in ring.py
-            if ring.sent() != ld._seen[w]:
-                self._read_socket(w, None)
+        try:
+            for w, ring in enumerate(ld._res.rings):  # any worker's GrowSlot or EpochDone: NOTE [ring] (e)
+                if ring.sent() != ld._seen[w]:
+                    self._read_socket(w, None)
+        except LoaderError:
+            self.done = True
+            raise
         if ld.ordered:
             w = self.active[self.pos]
             key = (w, self.next_seq[w])
@@ -142,8 +151,8 @@ class EpochIterator:
         return w, msg
 
     def _receive(self, key: Key | None) -> tuple[Key, EpochMessage]:
-        """Wait (with a deadline, watching every worker) until message `key` — or with key=None any message of
-        this iteration — has arrived; returns (key, message)."""
+        """Wait (with a deadline, watching every worker) until message `key` — or with key=None any worker's next
+        message (`_ready`) — has arrived; returns (key, message)."""
         ld = self.loader
         for w in [key[0]] if key is not None else range(ld.num_workers):
             self._drain(w, key)
@@ -194,11 +203,19 @@ class EpochIterator:
             taken = self.loader._res.rings[w].take()
         except ValueError as exc:
             raise LoaderError(f"data worker {w} of rank {self.loader.rank}: {exc}") from exc
-        for gen, seq, slot, layout_id in taken:
-            if gen == self.gen:
-                self.stash[(w, seq)] = Batch(gen, seq, slot, layout_id)
-            else:  # from an abandoned iteration: the slot goes straight back
-                self.loader._give_back(slot)
+        filed = 0
+        try:
+            for gen, seq, slot, layout_id in taken:
+                if gen == self.gen:
+                    self.stash[(w, seq)] = Batch(gen, seq, slot, layout_id)
+                else:  # from an abandoned iteration: the slot goes straight back
+                    self.loader._give_back(slot)
+                filed += 1
+        except BaseException:  # e.g. KeyboardInterrupt: the slots of descriptors not filed must not be lost
+            self.done = True
+            for _, _, slot, _ in taken[filed + 1:]:
+                self.loader._give_back(slot, quiet=True)
+            raise
 
     def _drain(self, w: int, due: Key | None, *, woke: bool = False) -> None:
         """Take in every message worker `w` has sent so far: its ring, then its socket if anything was sent on it

@@ -25,9 +25,9 @@ Who owns what, and how everything ends — normally, on an exception, on interpr
   reads Stop(), when the socket reports EOF (the trainer is gone: checked at least every
   `poll_s` while it waits and between batches), or when a segment it must attach was already unlinked.
 - The trainer never blocks without a deadline: it waits on the worker sockets *and* the process sentinels with
-  `Watch.wait(timeout=poll_s)` (one poll(2) set), so a dead worker is reported at once (WorkerDiedError, and
-  the loader closes itself), an exception in a worker is re-raised with its traceback (WorkerError), and a silent
-  worker raises LoaderTimeoutError after `timeout` s.
+  `Watch.wait(timeout=poll_s)` (one poll(2) set; at most 50 ms with rings: NOTE [ring] (d) in ring.py), so a dead
+  worker is reported at once (WorkerDiedError, and the loader closes itself), an exception in a worker is re-raised
+  with its traceback (WorkerError), and a silent worker raises LoaderTimeoutError after `timeout` s.
 - Batches the user still holds keep their mapping alive after close (a lent batch holds a memoryview export that
   makes shm.Segment.close() leave the mapping to it); the memory is returned when the last view is dropped.
   NOTE [batch lifetime] in lending.py says when a slot goes back to its worker.

@@ -106,8 +106,9 @@ class ShmLoader:
     the loader then starts no epoch ahead past the last (NOTE [epoch ahead]).
 
     Iterating yields the batches in a fixed order (worker 0, 1, ... round robin; in dataset mode exactly the
-    sampler's order; generator mode with `ordered=False`: as they arrive, so one slow producer does not hold up
-    the others, at the price of a run-dependent order) as numpy arrays that *view* a shared-memory slot (no copy).
+    sampler's order; generator mode with `ordered=False`: each worker's batches in its order, the workers'
+    interleaved as they arrive, so one slow producer does not hold up the others, at the price of a run-dependent
+    order) as numpy arrays that *view* a shared-memory slot (no copy).
     A batch stays valid as long as any view of it (or a tensor made from one) is alive, also after `close()`: the
     slot goes back to its worker when the last view is released. Each worker owns `prefetch + 1` slots; a batch
     that would leave its worker none (the user keeps batches) is handed out as a private copy instead, so holding
@@ -191,7 +192,7 @@ class ShmLoader:
         for w in range(self.num_workers):
             base.local_id = w
             if ring.SUPPORTED:  # NOTE [ring] in ring.py
-                self._res.rings.append(ring.Ring(shm.create_segment(shm.PAGE), self._spw))
+                self._res.rings.append(ring.Ring(shm.create_segment(ring.Ring.nbytes(self._spw)), self._spw))
                 base.ring, base.ring_capacity = self._res.rings[-1].seg.name, self._spw
             payload = cloudpickle.dumps(base)
             mine, theirs = Channel.pair()

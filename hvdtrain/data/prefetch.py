@@ -76,7 +76,8 @@ class DevicePrefetcher:
         return self._cuda_iter()
 
     def _passthrough(self) -> Iterator[Any]:
-        return map(to_torch, self.loader)  # no generator frame to resume per batch
+        for batch in self.loader:
+            yield to_torch(batch)
 
     def _cuda_iter(self) -> Iterator[Any]:
         it = iter(self.loader)

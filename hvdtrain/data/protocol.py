@@ -5,8 +5,8 @@ Only these small frozen dataclasses cross, never array data: a batch's bytes are
 and its message names the slot and the `shm.Layout` to read it with. Both ends dispatch on the type
 (`match msg: case Batch(seq=seq, slot=slot): ...`).
 
-    trainer -> worker   FreeSlot(slot, segment, nbytes)          a free slot, now the worker's (segment None: no
-                                                                 memory yet; the first batch asks for some)
+    trainer -> worker   FreeSlot(slot, segment, nbytes)          a free slot, now the worker's, with its shared
+                                                                 memory (every slot has some from the start)
                         StartEpoch(generation, epoch, sampler_state)  produce this epoch (aborts the current one)
                         Stop()
     worker -> trainer   Batch(generation, seq, slot, layout_id, layout)  batch `seq` of this worker is in `slot`,
@@ -35,7 +35,8 @@ from hvdtrain.data.shm import Layout
 
 @dataclass(frozen=True)
 class FreeSlot:
-    """Slot `slot` is the worker's to fill: `segment` names its shared memory (None: none yet) of `nbytes`."""
+    """Slot `slot` is the worker's to fill: `segment` names its shared memory of `nbytes` (None: none; a worker
+    asks for a segment with GrowSlot)."""
 
     slot: int
     segment: str | None

@@ -1,11 +1,11 @@
 """A worker's batch announcements in shared memory, so that the trainer takes a small batch without a system call.
 
 NOTE [ring]
-Reading a Batch message from the socket (NOTE [wire] in channel.py) costs the trainer a `recv` whose kernel path
-and buffers are cold after a training step and were last touched by the producer's core: ~40 µs of the ~100 µs a
-small batch's hand-off took on the build machine. So each worker also has a ring of batch descriptors in a
-one-page shared-memory segment (created by the trainer, attached and unlinked by the worker at start, like a slot:
-NOTE [shutdown] in lifecycle.py):
+Reading a Batch message from the socket (NOTE [wire] in channel.py) costs the trainer a `recv` whose kernel path and
+buffers are cold after a training step and were last touched by the producer's core: ~40 µs of the ~100 µs a small
+batch's hand-off took on the build machine. So each worker also has a ring of batch descriptors in a small
+shared-memory segment (a page for up to 120 descriptors; created by the trainer, attached and unlinked by the worker
+at start, like a slot: NOTE [shutdown] in lifecycle.py):
 
     cell 0 (bytes 0-7)      head: descriptors the worker has published      written by the worker only
     cell 8 (bytes 64-71)    tail: descriptors the trainer has taken         written by the trainer only
@@ -31,9 +31,9 @@ NOTE [shutdown] in lifecycle.py):
     at the rings once more; a worker that publishes while `waiting` is set also sends an empty frame (a doorbell)
     on the socket. Without fences the two stores and loads can still cross (each side may read the other's old
     value), so the trainer never sleeps long before it looks at the rings again: `RECHECK_S` (1 ms) at first,
-    twice as long after each look that found nothing, up to `RECHECK_MAX_S` (50 ms; a trainer waiting seconds
-    for a download wakes 20 times a second, not 1000). A lost wake-up, a window of nanoseconds, costs at most
-    that, never a hang.
+    twice as long after each sleep while it waits for the same batch, up to `RECHECK_MAX_S` (50 ms; a trainer
+    waiting seconds for a download wakes 20 times a second, not 1000). A lost wake-up, a window of nanoseconds,
+    costs at most that, never a hang.
 (e) The socket is read only when `sent` moved since the trainer's last read (the worker counts a message after
     sending it, so a count the trainer sees is in its socket) — looked at for every worker at every batch, so a
     GrowSlot or an EpochDone is taken in at the next batch, and a batch in the ring costs no system call at all
@@ -45,10 +45,12 @@ from __future__ import annotations
 
 import os
 import platform
+import sys
 
 from hvdtrain.data import shm
 
-SUPPORTED = platform.machine().lower() in ("x86_64", "amd64") and os.environ.get("HVDTRAIN_RING", "1") != "0"
+SUPPORTED = (platform.machine().lower() in ("x86_64", "amd64") and sys.maxsize > 2**32  # 64-bit: 8-byte cells
+             and os.environ.get("HVDTRAIN_RING", "1") != "0")
 RECHECK_S, RECHECK_MAX_S = 0.001, 0.05  # how long the trainer sleeps before it looks at the rings: NOTE [ring] (d)
 _HEAD, _TAIL, _WAITING, _SENT, _FIRST = 0, 8, 16, 24, 32
 
@@ -56,8 +58,13 @@ _HEAD, _TAIL, _WAITING, _SENT, _FIRST = 0, 8, 16, 24, 32
 class Ring:
     """One worker's descriptor ring on a shared-memory segment (NOTE [ring]); both ends use the same class."""
 
+    @staticmethod
+    def nbytes(capacity: int) -> int:
+        """The segment size a ring of `capacity` descriptors needs."""
+        return 8 * (_FIRST + 4 * capacity)
+
     def __init__(self, seg: shm.Segment, capacity: int) -> None:
-        if _FIRST + 4 * capacity > seg.size // 8:
+        if Ring.nbytes(capacity) > seg.size:
             raise ValueError(f"a ring of {capacity} descriptors does not fit in {seg.size} bytes")
         self.seg, self.capacity = seg, capacity
         self.cells = seg.buf.cast("q")

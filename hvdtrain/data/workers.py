@@ -264,8 +264,8 @@ class _Worker:
     def acquire(self, nbytes: int) -> int | None:
         """A free slot of at least `nbytes`, mapped; None if a newer command arrived while waiting.
 
-        Slots are grown one at a time, when no free slot is big enough: the extra slot a worker owns for batches
-        the user holds (NOTE [batch lifetime]) gets memory only if it is ever needed."""
+        Every slot comes with `loader.SLOT_BYTES`; slots are grown one at a time, when no free slot is big enough
+        (a segment of None, which the trainer no longer sends, counts as too small)."""
         while not self.pending:
             big = [s for s in self.free if self.granted[s].segment is not None and self.granted[s].nbytes >= nbytes]
             if big:
