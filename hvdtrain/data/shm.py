@@ -185,11 +185,6 @@ def write_batch(buf: memoryview, layout: Layout, arrays: Sequence[np.ndarray]) -
         np.copyto(dst, arr, casting="no")
 
 
-def read_batch(buf: memoryview | np.ndarray, layout: Layout) -> Any:
-    """Numpy views on `buf` with the batch's structure (no copy)."""
-    return Reader(layout).read(buf)
-
-
 class Reader:
     """A layout made ready to read batches with, once per slot and layout (the trainer reads one per batch)."""
 
