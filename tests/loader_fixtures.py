@@ -112,3 +112,8 @@ def no_doorbell(worker_id: int, num_workers: int, epoch: int, seed: int) -> Iter
     for j in range(5):
         time.sleep(0.05)
         yield np.full(4, j, np.int64)
+
+
+def math_threads(worker_id: int, num_workers: int, epoch: int, seed: int) -> Iterator[np.ndarray]:
+    """One batch: the producer's OPENBLAS_NUM_THREADS and OMP_NUM_THREADS (0 when unset)."""
+    yield np.array([int(os.environ.get(name, "0")) for name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")])

@@ -171,8 +171,9 @@ def test_fetch_ahead_waits_until_the_current_block_is_local(tmp_path: Path) -> N
 
 def test_a_cold_start_fetches_the_first_block_before_any_other_shard(tmp_path: Path) -> None:
     """A real loader (2 producers, 2 fetch threads each) over a slow HTTP store: no GET of a shard outside the first
-    block starts before both shards of that block are sent (the server logs when each GET starts and just before its
-    last bytes go); each shard is fetched once. Fetching ahead as before (every fetch thread on the next blocks as
+    block starts before both shards of that block are sent (the server logs when each GET starts and just before
+    its last bytes go); each shard is fetched whole once; the range GETs of the producers' first batches are of that
+    block's shards. Fetching ahead as before (every fetch thread on the next blocks as
     soon as the first block's shards were in flight) fails here."""
     root = tmp_path / "www"
     with MDSWriter(root / "ds", {"x": "ndarray:uint8:65536"}, size_limit=4 * 65540 + 2000) as w:
@@ -200,8 +201,11 @@ def test_a_cold_start_fetches_the_first_block_before_any_other_shard(tmp_path: P
     assert sorted(seen) == list(range(32))
     names = [info.raw.basename for info in ds.index.shards]
     first = {names[int(s)] for s in ds.order.shard_order(9, 0)[:2]}
-    events = [line.split()[:2] for line in (tmp_path / "http.log").read_text().splitlines()
-              if line.startswith(("GET /ds/shard.", "LAST /ds/shard."))]
+    lines = (tmp_path / "http.log").read_text().splitlines()
+    events = [line.split()[:2] for line in lines  # whole shards: GET ... 200, and LAST before their last bytes
+              if line.startswith("LAST /ds/shard.") or (line.startswith("GET /ds/shard.") and line.endswith(" 200"))]
+    ranged = {line.split()[1].rsplit("/", 1)[-1] for line in lines if line.endswith(" 206")}
+    assert ranged and ranged <= first  # each producer's first batch, read by range: NOTE [first batches by range]
     done: set[str] = set()
     for kind, path in events:
         name = path.rsplit("/", 1)[-1]

@@ -102,6 +102,16 @@ def test_unordered_generator_mode_yields_everything_as_it_arrives() -> None:
         ShmLoader(fx.IndexDataset(4), rank=0, size=1, batch_size=2, ordered=False)
 
 
+def test_producers_start_with_single_threaded_math_unless_the_user_chose(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A producer's numpy need not start an OpenBLAS thread per core (half its start-up CPU): its environment says
+    1 thread unless the user set a number, and the trainer's own environment is left as it was."""
+    monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    with ShmLoader(generator=fx.math_threads, rank=0, size=1, num_workers=1) as ld:
+        assert [b.tolist() for b in ld] == [[1, 3]]
+    assert "OPENBLAS_NUM_THREADS" not in os.environ and os.environ["OMP_NUM_THREADS"] == "3"
+
+
 def test_per_worker_seeding_differs_and_reproduces() -> None:
     def draws(rank: int) -> np.ndarray:
         with ShmLoader(fx.RandomDataset(), rank=rank, size=2, batch_size=2, num_workers=2, shuffle=False) as ld:

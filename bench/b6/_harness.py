@@ -21,6 +21,7 @@ by a thread (`baseline_pss`: before the loader is built, torch and Gloo loaded).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import threading
@@ -132,6 +133,7 @@ def read(args: argparse.Namespace, build: Build) -> int:
     meter.sample()
     meter.start()
     out: dict[str, Any] = {"rank": args.rank, "epochs": [], "baseline_pss": meter.peak_pss}
+    gc.collect()  # the imports' garbage (torch's: 0.1-0.4 s under load) is not the loader's first batch
     t_build = time.perf_counter()
     reader = build(args, None)
     box: dict[str, Any] = {}

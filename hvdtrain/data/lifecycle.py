@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import select
 import signal
 import sys
@@ -153,3 +154,23 @@ def main_module_hidden() -> Iterator[None]:
     finally:
         if main is not None:
             sys.modules["__main__"] = main
+
+
+# Math libraries' thread pools: numpy's OpenBLAS starts one thread per core at import (half of a producer's start-up
+# CPU on this 2-core machine), and N producers' pools would oversubscribe the cores the trainer needs.
+SINGLE_THREADED = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+@contextlib.contextmanager
+def single_threaded_math() -> Iterator[None]:
+    """While starting a spawned worker, its environment says one thread for the math libraries (like torch's
+    DataLoader workers' `torch.set_num_threads(1)`), unless the user set them: a producer copies arrays and
+    starts in half the CPU time. The trainer's own libraries were configured when it imported them."""
+    added = [name for name in SINGLE_THREADED if name not in os.environ]
+    for name in added:
+        os.environ[name] = "1"
+    try:
+        yield
+    finally:
+        for name in added:
+            os.environ.pop(name, None)

@@ -51,6 +51,7 @@ from hvdtrain.data.lifecycle import (
     WorkerError,
     describe_exit,
     main_module_hidden,
+    single_threaded_math,
 )
 from hvdtrain.data.protocol import Batch, EpochMessage, FreeSlot, StartEpoch, ToWorker
 from hvdtrain.data.sharding import ShardSampler, check_positive, check_rank, check_unconsumed
@@ -199,7 +200,7 @@ class ShmLoader:
             proc = ctx.Process(target=worker_main, args=(theirs, payload), daemon=True,
                                name=f"hvdtrain-data-r{self.rank}-w{w}")
             self._res.conns.append(mine)
-            with contextlib.nullcontext() if import_main else main_module_hidden():
+            with contextlib.nullcontext() if import_main else main_module_hidden(), single_threaded_math():
                 proc.start()
             self._res.procs.append(proc)
             theirs.close()

@@ -23,6 +23,7 @@ from hvdtrain.stream.errors import StreamError
 from hvdtrain.stream.fetcher import Fetcher
 from hvdtrain.stream.nodecache import NodeCache
 from hvdtrain.stream.order import BlockShuffle
+from hvdtrain.stream.ranged import SHARE, RangedReads
 
 
 class StreamingDataset:
@@ -31,11 +32,13 @@ class StreamingDataset:
     `fields`: the columns `take()` returns (default: every column that decodes to an array); `block_shards`: shards
     per shuffle block (`order`); `cache_dir`: the node's cache root (default `cache.default_root()`);
     `max_open`: shards kept memory-mapped per process (the least recently used is unmapped beyond it: each mapping
-    holds a file descriptor). Safe to read from several threads (tf.data's)."""
+    holds a file descriptor); `ranged`: the share of the dataset's bytes a node may read by range for a cold
+    start's first batches (NOTE [first batches by range] in ranged.py; 0: never). Safe to read from several
+    threads (tf.data's)."""
 
     def __init__(self, source: str | Path, *, fields: tuple[str, ...] | None = None, block_shards: int = 4,
                  cache_dir: str | Path | None = None, max_open: int | None = None, cache_limit: int | None = None,
-                 ahead: int | None = None, fetch_threads: int = 2) -> None:
+                 ahead: int | None = None, fetch_threads: int = 2, ranged: float = SHARE) -> None:
         self.source = store.normalise(source)
         self.store = store.open_store(self.source)
         text = self._index_text()
@@ -64,6 +67,9 @@ class StreamingDataset:
         self._readers: OrderedDict[int, mds.ShardReader] = OrderedDict()
         self._lock = threading.Lock()
         self._fetcher = Fetcher(self)
+        self._ranged = RangedReads(ranged)
+        self._ranged.eligible = ranged > 0 and self.store.local_dir is None and all(
+            info.zip is None and mds.stacks(info, self.fields) for info in self.index.shards)
 
     def _index_text(self) -> str:
         try:
@@ -115,9 +121,13 @@ class StreamingDataset:
         shard, rows = self.locate(indices)
         out: dict[str, np.ndarray] = {}
         touched = np.unique(shard)
+        by_range = self._by_range(shard, rows, touched) if self._ranged.left > 0 else {}
+        if self._ranged.holding:  # the fetch-ahead threads waited for this batch (NOTE [first batches by range])
+            self._ranged.holding = False
+            self._fetcher.wake()
         for s in touched:
             where = np.flatnonzero(shard == s)
-            part = self._read_rows(int(s), rows[where])
+            part = by_range[int(s)] if int(s) in by_range else self._read_rows(int(s), rows[where])
             for name in self.fields:
                 if name not in out:
                     out[name] = np.empty((len(shard), *part[name].shape[1:]), part[name].dtype)
@@ -128,6 +138,13 @@ class StreamingDataset:
                 out[name][where] = part[name]
         self._noted(touched)
         return out
+
+    def _by_range(self, shard: np.ndarray, rows: np.ndarray, touched: np.ndarray) -> dict[int, dict[str, np.ndarray]]:
+        """The rows of the shards of this batch that are not local, read by range if this is one of a cold start's
+        first batches (NOTE [first batches by range] in ranged.py); else {}."""
+        local = lambda s: s in self._readers or self._in_place(s) or self.node.path(s).exists()  # noqa: E731
+        missing = {int(s): rows[shard == s] for s in touched if not local(int(s))}
+        return self._ranged.read(self, missing) if missing else {}
 
     def _read_rows(self, s: int, rows: np.ndarray) -> dict[str, np.ndarray]:
         with self._lock:  # a reader may be unmapped by another thread's _reader() otherwise
@@ -165,6 +182,11 @@ class StreamingDataset:
                 if attempt == 2:
                     raise StreamError(f"{self.shard_name(s)}: its cached copy in {self.cache_dir} keeps "
                                       "disappearing (is the cache limit far too small?)") from None
+        try:
+            self._ranged.check(self, s, reader)  # rows read by range before the shard was here
+        except BaseException:
+            reader.close()
+            raise
         self._readers[s] = reader
         while len(self._readers) > self.max_open:
             self._readers.popitem(last=False)[1].close()
@@ -226,6 +248,7 @@ class StreamingDataset:
         fetched ahead of that order in the background and evicted by next use (NOTE [eviction by next use]);
         `last`: no epoch follows (nothing of the next one is fetched ahead)."""
         self.node.plan(seed, epoch, last)
+        self._ranged.planned()
         self._fetcher.wake()
 
     def _noted(self, shards: np.ndarray) -> None:

@@ -67,6 +67,8 @@ class Fetcher:
 
     def _pass(self) -> None:
         """Fetch what `NodeCache.to_fetch()` lists now, skipping shards in flight elsewhere."""
+        if self.ds._ranged.hold():
+            return  # a cold start's first batch is being read by range: it has the link (the reader wakes us)
         present = lambda s: self.ds._in_place(s) or self.ds.node.path(s).exists()  # noqa: E731
         for s in self.ds.node.to_fetch(present):
             if self._stop.is_set():

@@ -236,25 +236,45 @@ class ShardReader:
     def column_block(self, rows: np.ndarray, fields: Sequence[str]) -> dict[str, np.ndarray] | None:
         """`fields` of the samples `rows` as stacked arrays, one copy out of the mapping, when every column has a
         fixed size and the fields decode to arrays (else None: decode sample by sample)."""
-        columns = dict(self.info.columns)
-        if self.stride is None or not all(columns[f].kind in ("scalar", "ndarray") for f in fields):
+        if self.stride is None or not stacks(self.info, fields):
             return None
         start, n = int(self.offsets[0]), self.info.samples
         table = np.frombuffer(self.map, np.uint8, count=n * self.stride, offset=start).reshape(n, self.stride)
         picked = table[rows]  # the one copy out of the mapping
         del table
-        out, pos = {}, 0
-        for name, enc in self.info.columns:
-            size = enc.size or 0
-            if name in fields:
-                shape = () if enc.kind == "scalar" else enc.shape
-                out[name] = picked[:, pos:pos + size].copy().view(enc.dtype).reshape(len(rows), *shape)
-            pos += size
-        return out
+        return split_columns(self.info, picked, fields)
+
+    def row_bytes(self, row: int) -> bytes:
+        """Sample `row`'s bytes as stored (a copy)."""
+        return self.map[int(self.offsets[row]):int(self.offsets[row + 1])]
 
     def close(self) -> None:
         """Unmap the file (nothing handed out views it)."""
         self.map.close()
+
+
+def stacks(info: ShardInfo, fields: Sequence[str]) -> bool:
+    """Whether samples of `info` are one fixed-size record each and `fields` decode to arrays (then a batch is
+    a table of rows: `split_columns`)."""
+    columns = dict(info.columns)
+    return info.fixed_stride is not None and all(columns[f].kind in ("scalar", "ndarray") for f in fields)
+
+
+def first_row(info: ShardInfo) -> int:
+    """Where a fixed-stride raw shard's first sample starts: its samples fill the file's end."""
+    return info.raw.bytes - info.samples * (info.fixed_stride or 0)
+
+
+def split_columns(info: ShardInfo, picked: np.ndarray, fields: Sequence[str]) -> dict[str, np.ndarray]:
+    """`fields` of a (rows, stride) uint8 table of fixed-size samples, as stacked arrays (copies)."""
+    out, pos = {}, 0
+    for name, enc in info.columns:
+        size = enc.size or 0
+        if name in fields:
+            shape = () if enc.kind == "scalar" else enc.shape
+            out[name] = picked[:, pos:pos + size].copy().view(enc.dtype).reshape(len(picked), *shape)
+        pos += size
+    return out
 
 
 # ---- writing --------------------------------------------------------------------------------------------------

@@ -1,0 +1,154 @@
+"""A cold start's first batches read by range, while their shards download whole.
+
+NOTE [first batches by range]
+A batch draws its samples from every shard of the current shuffle block (order.py), so a reader that starts on a
+cold cache waits for the whole block (4 shards of 64 MiB: 5 s on a 400 Mbit/s link) before its first batch. A raw
+shard whose columns all have a fixed size stores sample `r` at `first_row + r * stride` (mds.first_row: the
+samples fill the file's end), so those rows can be read by range GETs without the shard's header. So, after each
+`plan_epoch`, a process's first `takes` batches that touch a shard not yet local (not cached, not a file read in
+place) read that shard's rows by range (store.get_ranges: every shard of the batch at once); the whole shards are
+still fetched (fetcher.py) and everything after comes from them.
+
+The bytes read by range are downloaded twice (again inside the whole shard), so they are bounded: per node and per
+planned (seed, epoch), at most `share` of the dataset's stored bytes, or 4 MiB if that is more (`claim`: a
+ledger file in the node's cache directory, `.ranged`, under its flock; a batch that does not fit is read from its
+whole shards as before). With the default share (1.5%), epoch 1 of a dataset of 256 MiB or more downloads at
+most 1.015x the dataset plus the requests' overhead.
+
+Rows read by range are not covered by the shard's checksum (the index has one per file). Their CRC-32 is kept
+until this process maps the whole shard (checked against the index when it arrived): a row that differs there
+(the object was replaced or corrupted between the two reads) is a StreamError naming the shard and the row. A
+process that never maps the shard (it ends first) does not check its rows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+import zlib
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from hvdtrain.stream import cache, mds
+from hvdtrain.stream.errors import StreamError
+
+if TYPE_CHECKING:
+    from hvdtrain.stream.dataset import StreamingDataset
+
+LEDGER = ".ranged"  # starts with a dot: not a shard (NodeCache.usage skips it)
+SHARE = 0.015
+MIN_BYTES = 4 << 20  # a small dataset's budget: its first batches, whatever 1.5% of it is
+TAKES = 1
+HOLD_S = 1.0  # the fetch-ahead threads wait at most this long for the first batch's range reads
+
+
+class RangedReads:
+    """One process's range reads of one dataset (see NOTE [first batches by range]): `share` of the dataset per
+    node and planned epoch, the first `takes` batches of each plan in this process."""
+
+    def __init__(self, share: float = SHARE, takes: int = TAKES) -> None:
+        if not 0 <= share <= 1:
+            raise ValueError(f"ranged share must be in [0, 1], got {share}")
+        self.share, self.takes = share, takes
+        self.left = 0  # batches this process may still read by range in the current plan
+        self.eligible = False  # set by the dataset: remote, raw shards of fixed-size rows, share > 0
+        self.holding = False  # the fetcher waits: this plan's first batch is not made yet (NOTE above)
+        self.planned_at = 0.0
+        self.unchecked: dict[int, dict[int, int]] = {}  # shard -> row -> CRC-32 of the bytes read by range
+        self.lock = threading.Lock()
+        self.bytes = 0  # read by range in this process (tests, stats)
+        self.failed = 0  # batches whose range reads failed (then read from the whole shards)
+
+    def planned(self) -> None:
+        self.left = self.takes if self.eligible else 0
+        self.holding, self.planned_at = self.left > 0, time.monotonic()
+
+    def hold(self) -> bool:
+        """Whether the fetch-ahead threads should wait (the range reads of this plan's first batch go first)."""
+        return self.holding and time.monotonic() - self.planned_at < HOLD_S
+
+    def budget(self, ds: StreamingDataset) -> int:
+        """Bytes the node may read by range per planned epoch: `share` of the dataset, at least `MIN_BYTES`."""
+        return max(int(self.share * sum(s.remote_file.bytes for s in ds.index.shards)), MIN_BYTES)
+
+    def read(self, ds: StreamingDataset, wanted: dict[int, np.ndarray]) -> dict[int, dict[str, np.ndarray]]:
+        """`{shard: rows}` of shards not local -> their rows' fields read by range, or {} when this batch is not
+        read by range (not among the first `takes` of a plan, no budget left, the range read failed)."""
+        infos = {s: ds.index.shards[s] for s in wanted}
+        with self.lock:
+            if self.left <= 0 or ds.node.epoch_order is None:  # (`eligible`: remote, raw, fixed-size rows)
+                return {}
+            nbytes = sum(len(rows) * (infos[s].fixed_stride or 0) for s, rows in wanted.items())
+            if not claim(ds.node.dir, f"{ds.node.seed} {ds.node.epoch}", nbytes, self.budget(ds)):
+                self.left = 0
+                return {}
+            self.left -= 1
+        requests = {}
+        for s, rows in wanted.items():
+            info = infos[s]
+            stride = info.fixed_stride or 0
+            requests[info.raw.basename] = ((mds.first_row(info) + rows * stride).tolist(), [stride] * len(rows))
+        try:
+            got = ds.store.get_ranges(requests)  # type: ignore[attr-defined]  # RemoteStore (local_dir is None)
+            if any(len(part) != (infos[s].fixed_stride or 0) for s in wanted for part in got[infos[s].raw.basename]):
+                raise StreamError("a range read returned another length than asked for")
+        except StreamError:  # no range requests there, or a fault: the whole shard's read retries and names it
+            with self.lock:
+                self.left, self.failed = 0, self.failed + 1
+            return {}
+        out = {}
+        for s, rows in wanted.items():
+            info, parts = infos[s], got[infos[s].raw.basename]
+            picked = np.empty((len(rows), info.fixed_stride or 0), np.uint8)
+            for k, part in enumerate(parts):
+                picked[k] = np.frombuffer(part, np.uint8)
+            with self.lock:
+                self.unchecked.setdefault(s, {}).update(
+                    (row, zlib.crc32(part)) for row, part in zip(rows.tolist(), parts, strict=True))
+                self.bytes += picked.nbytes
+            out[s] = mds.split_columns(info, picked, ds.fields)
+        return out
+
+    def check(self, ds: StreamingDataset, s: int, reader: mds.ShardReader) -> None:
+        """Compare the rows of shard `s` read by range with the whole shard now mapped (StreamError if one
+        differs)."""
+        with self.lock:
+            sums = self.unchecked.pop(s, None)
+        for row, crc in (sums or {}).items():
+            if zlib.crc32(reader.row_bytes(row)) != crc:
+                raise StreamError(f"{ds.shard_name(s)}: sample {row}, read by range before the whole shard arrived, "
+                                  "differs from the shard's checked copy: the object changed or was corrupted "
+                                  "between the two reads (a batch already used the range read); upload it again "
+                                  "and restart")
+
+    def __getstate__(self) -> dict[str, object]:
+        return {"share": self.share, "takes": self.takes, "eligible": self.eligible}  # the rest is per process
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__init__(state["share"], state["takes"])  # type: ignore[misc, arg-type]
+        self.eligible = bool(state["eligible"])
+
+
+def claim(directory: Path, plan: str, nbytes: int, budget: int) -> bool:
+    """Add `nbytes` to the node's range reads for `plan` in `directory`'s ledger if they stay within `budget`
+    (a ledger of another plan starts again at 0); whether they did. A busy or unwritable ledger: False."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with cache.file_lock(directory / f"{LEDGER}.lock", 5.0, "counting range reads"):
+            path = directory / LEDGER
+            spent = 0
+            with contextlib.suppress(FileNotFoundError, ValueError):
+                text_plan, _, text_spent = path.read_text().rpartition(" ")
+                spent = int(text_spent) if text_plan == plan else 0
+            if spent + nbytes > budget:
+                return False
+            part = path.with_name(f"{LEDGER}.{os.getpid()}")
+            part.write_text(f"{plan} {spent + nbytes}")
+            os.replace(part, path)
+            return True
+    except (OSError, cache.Busy):
+        return False

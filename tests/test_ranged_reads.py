@@ -1,0 +1,169 @@
+"""A cold start's first batches read by range GETs while their shards download whole (NOTE [first batches by range]
+in hvdtrain/stream/ranged.py), against real servers on 127.0.0.1: moto's S3 server (range requests) and the static
+HTTP server of tests/scripts/http_store.py (none: Python's http.server answers a range with the whole file)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hvdtrain.data import ShmLoader
+from hvdtrain.stream import MDSWriter, StreamError, StreamingDataset, cache, mds, ranged, store
+from tests.stores import HttpStore, MotoS3
+
+BUCKET = "hvdtrain-ranged"
+STRIDE = 3 * 4 + 8  # x float32[3], y int64: every sample is one fixed-size row
+
+
+def write_dataset(out: Path, n: int = 200, *, per_shard: int = 20, compression: str | None = None) -> Path:
+    """Samples whose x encodes their own index (x[0] == i), in raw shards of `per_shard` rows."""
+    with MDSWriter(out, {"x": "ndarray:float32:3", "y": "int64"}, compression=compression, hashes=["sha1"],
+                   size_limit=per_shard * (STRIDE + 4) + 300) as w:
+        for i in range(n):
+            w.write({"x": np.array([i, i + 0.5, -i], np.float32), "y": i % 5})
+    return out
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MotoS3]:
+    server = MotoS3(tmp_path_factory.mktemp("moto") / "requests.log")
+    server.start()
+    try:
+        server.client().create_bucket(Bucket=BUCKET)
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(autouse=True)
+def _env(s3: MotoS3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for key, value in s3.env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv(cache.ENV_DIR, str(tmp_path / "cache"))
+    monkeypatch.setenv(store.ENV_RETRY, "20")
+
+
+def upload(s3: MotoS3, local: Path, prefix: str) -> str:
+    client = s3.client()
+    for path in sorted(local.iterdir()):
+        client.put_object(Bucket=BUCKET, Key=f"{prefix}/{path.name}", Body=path.read_bytes())
+    return f"s3://{BUCKET}/{prefix}"
+
+
+def ranged_gets(s3: MotoS3, prefix: str) -> int:
+    """GETs of `prefix`'s shards that moto answered 206 (a range)."""
+    return len(re.findall(rf"GET /{BUCKET}/{prefix}/shard\.\S+ HTTP/1\.1\S*\"? 206", s3.log.read_text()))  # (colored)
+
+
+def test_a_cold_starts_first_batch_is_read_by_range_then_every_sample_from_the_checked_shards(
+        tmp_path: Path, s3: MotoS3) -> None:
+    local = write_dataset(tmp_path / "ds")
+    url = upload(s3, local, "first")
+    ds, here = StreamingDataset(url, block_shards=4), StreamingDataset(local, block_shards=4)
+    assert ds._ranged.eligible and not here._ranged.eligible  # a local raw shard is read in place anyway
+    ds.plan_epoch(3, 0)
+    order = ds.order(3, 0)
+    first = ds.take(order[:16])  # the fetch-ahead threads wait for it: no shard of the block is local yet
+    assert np.array_equal(first["x"][:, 0], order[:16]) and np.array_equal(first["y"], here.take(order[:16])["y"])
+    assert ds._ranged.bytes == 16 * STRIDE and ds._ranged.failed == 0
+    touched = {int(s) for s in ds.locate(order[:16])[0]}
+    assert 1 <= ranged_gets(s3, "first") <= len(touched)  # adjacent rows of a shard coalesce into one request
+    assert set(ds._ranged.unchecked) == touched
+    assert (ds.cache_dir / ranged.LEDGER).read_text() == f"3 0 {16 * STRIDE}"
+    rest = ds.take(order[16:])  # only the first batch of a plan: the rest waits for the whole shards
+    assert ds._ranged.bytes == 16 * STRIDE
+    assert np.array_equal(rest["x"], here.take(order[16:])["x"])
+    assert ds._ranged.unchecked == {}  # each row read by range was compared with its checked shard
+    ds.close()
+
+
+def test_producers_read_their_first_batch_by_range_and_every_sample_comes_once(tmp_path: Path, s3: MotoS3) -> None:
+    """Real producer processes (2): each reads its first batch by range; the node's ledger counts both."""
+    url = upload(s3, write_dataset(tmp_path / "ds", 240), "loader")
+    ds = StreamingDataset(url, block_shards=4)
+    loader = ShmLoader(ds, batch_size=12, rank=0, size=1, num_workers=2, fetch=StreamingDataset.take,
+                       order=ds.order, seed=1, epochs=1)
+    try:
+        seen = [int(v) for batch in loader for v in batch["x"][:, 0]]
+    finally:
+        loader.close()
+        ds.close()
+    assert sorted(seen) == list(range(240))
+    assert (ds.cache_dir / ranged.LEDGER).read_text() == f"1 0 {2 * 12 * STRIDE}"
+    assert ranged_gets(s3, "loader") >= 2
+
+
+def test_range_reads_stay_within_the_nodes_budget(tmp_path: Path, s3: MotoS3) -> None:
+    assert ranged.claim(tmp_path, "0 0", 60, 100)
+    assert not ranged.claim(tmp_path, "0 0", 50, 100)  # 110 > 100: refused, nothing added
+    assert ranged.claim(tmp_path, "0 0", 40, 100)
+    assert ranged.claim(tmp_path, "0 1", 100, 100)  # another epoch's plan starts again at 0
+    url = upload(s3, write_dataset(tmp_path / "ds"), "budget")
+    ds = StreamingDataset(url, block_shards=4)
+    assert ds._ranged.budget(ds) == ranged.MIN_BYTES  # 1.5% of a small dataset is less
+    ds.plan_epoch(0, 0)
+    assert ranged.claim(ds.cache_dir, "0 0", ranged.MIN_BYTES - 16 * STRIDE + 1, ranged.MIN_BYTES)  # others' reads
+    idx = ds.order(0, 0)[:16]
+    assert np.array_equal(ds.take(idx)["x"][:, 0], idx)
+    assert ds._ranged.bytes == 0 and ranged_gets(s3, "budget") == 0
+    ds.close()
+
+
+def test_compressed_shards_and_a_zero_share_are_never_read_by_range(tmp_path: Path, s3: MotoS3) -> None:
+    zipped = StreamingDataset(upload(s3, write_dataset(tmp_path / "z", compression="zstd"), "zipped"))
+    off = StreamingDataset(upload(s3, write_dataset(tmp_path / "raw"), "off"), ranged=0.0)
+    for ds in (zipped, off):
+        assert not ds._ranged.eligible
+        ds.plan_epoch(0, 0)
+        idx = ds.order(0, 0)[:8]
+        assert np.array_equal(ds.take(idx)["x"][:, 0], idx) and ds._ranged.bytes == 0
+        ds.close()
+    with pytest.raises(ValueError, match="ranged share must be in"):
+        StreamingDataset(url_of(tmp_path, s3), ranged=1.5)
+
+
+def url_of(tmp_path: Path, s3: MotoS3) -> str:
+    return upload(s3, write_dataset(tmp_path / "any", 40), "any")
+
+
+def test_a_row_that_changed_between_its_range_read_and_the_whole_shard_is_named(tmp_path: Path, s3: MotoS3) -> None:
+    local = write_dataset(tmp_path / "ds")
+    url = upload(s3, local, "changed")
+    ds = StreamingDataset(url, block_shards=4, fetch_threads=0)  # whole shards only when read: the test decides when
+    ds.plan_epoch(7, 0)
+    order = ds.order(7, 0)
+    shard, row = (int(v[0]) for v in ds.locate(order[:1]))
+    info = ds.index.shards[shard]
+    good = (local / info.raw.basename).read_bytes()
+    bad = bytearray(good)
+    at = mds.first_row(info) + row * STRIDE
+    bad[at:at + 4] = np.float32(-1).tobytes()  # sample order[0]'s x[0], same length
+    s3.client().put_object(Bucket=BUCKET, Key=f"changed/{info.raw.basename}", Body=bytes(bad))
+    assert ds.take(order[:16])["x"][0, 0] == -1  # read by range: the changed bytes
+    s3.client().put_object(Bucket=BUCKET, Key=f"changed/{info.raw.basename}", Body=good)  # the index's version
+    with pytest.raises(StreamError, match=rf"{re.escape(ds.shard_name(shard))}: sample {row}, read by range before "
+                                          "the whole shard arrived, differs from the shard's checked copy"):
+        ds.take(order[16:])
+    ds.close()
+
+
+def test_a_server_without_range_requests_reads_the_whole_shards(tmp_path: Path) -> None:
+    root = tmp_path / "www"
+    write_dataset(root / "ds")
+    server = HttpStore(root, tmp_path / "http.log", ranges=False)  # a range gets the whole file (200)
+    server.start()
+    try:
+        ds = StreamingDataset(f"{server.url}/ds", block_shards=4)
+        ds.plan_epoch(2, 0)
+        order = ds.order(2, 0)
+        assert np.array_equal(ds.take(order)["x"][:, 0], order)
+        assert ds._ranged.failed == 1 and ds._ranged.bytes == 0
+        ds.close()
+    finally:
+        server.stop()
+    shutil.rmtree(root)
