@@ -127,6 +127,18 @@ def test_compressed_shards_and_a_zero_share_are_never_read_by_range(tmp_path: Pa
         StreamingDataset(url_of(tmp_path, s3), ranged=1.5)
 
 
+def test_the_share_comes_from_the_environment_and_a_bad_one_is_named(tmp_path: Path, s3: MotoS3,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    url = url_of(tmp_path, s3)
+    monkeypatch.setenv(ranged.ENV_SHARE, "0")
+    assert not StreamingDataset(url)._ranged.eligible
+    monkeypatch.setenv(ranged.ENV_SHARE, "0.1")
+    assert StreamingDataset(url)._ranged.share == 0.1
+    monkeypatch.setenv(ranged.ENV_SHARE, "lots")
+    with pytest.raises(StreamError, match=r"HVDTRAIN_STREAM_RANGED='lots' is not allowed: .* from 0 \(off\) to 1"):
+        StreamingDataset(url)
+
+
 def url_of(tmp_path: Path, s3: MotoS3) -> str:
     return upload(s3, write_dataset(tmp_path / "any", 40), "any")
 

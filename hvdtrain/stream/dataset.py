@@ -23,7 +23,7 @@ from hvdtrain.stream.errors import StreamError
 from hvdtrain.stream.fetcher import Fetcher
 from hvdtrain.stream.nodecache import NodeCache
 from hvdtrain.stream.order import BlockShuffle
-from hvdtrain.stream.ranged import SHARE, RangedReads
+from hvdtrain.stream.ranged import RangedReads, default_share
 
 
 class StreamingDataset:
@@ -33,12 +33,12 @@ class StreamingDataset:
     per shuffle block (`order`); `cache_dir`: the node's cache root (default `cache.default_root()`);
     `max_open`: shards kept memory-mapped per process (the least recently used is unmapped beyond it: each mapping
     holds a file descriptor); `ranged`: the share of the dataset's bytes a node may read by range for a cold
-    start's first batches (NOTE [first batches by range] in ranged.py; 0: never). Safe to read from several
-    threads (tf.data's)."""
+    start's first batches (NOTE [first batches by range] in ranged.py; 0: never; default
+    `$HVDTRAIN_STREAM_RANGED`, else 1.5%). Safe to read from several threads (tf.data's)."""
 
     def __init__(self, source: str | Path, *, fields: tuple[str, ...] | None = None, block_shards: int = 4,
                  cache_dir: str | Path | None = None, max_open: int | None = None, cache_limit: int | None = None,
-                 ahead: int | None = None, fetch_threads: int = 2, ranged: float = SHARE) -> None:
+                 ahead: int | None = None, fetch_threads: int = 2, ranged: float | None = None) -> None:
         self.source = store.normalise(source)
         self.store = store.open_store(self.source)
         text = self._index_text()
@@ -67,8 +67,8 @@ class StreamingDataset:
         self._readers: OrderedDict[int, mds.ShardReader] = OrderedDict()
         self._lock = threading.Lock()
         self._fetcher = Fetcher(self)
-        self._ranged = RangedReads(ranged)
-        self._ranged.eligible = ranged > 0 and self.store.local_dir is None and all(
+        self._ranged = RangedReads(default_share() if ranged is None else ranged)
+        self._ranged.eligible = self._ranged.share > 0 and self.store.local_dir is None and all(
             info.zip is None and mds.stacks(info, self.fields) for info in self.index.shards)
 
     def _index_text(self) -> str:

@@ -18,7 +18,8 @@ start over a 400 Mbit/s link waited for ~8 shards instead of 4 (B6). When the re
 rule keeps the bandwidth on what it waits for. The readers wake the threads whenever their position moves (once
 the block is local they make batches, so the next blocks start at once), and every thread looks again each second.
 (A thread that fetched a shard waking the others at once was tried: the same first batch, ~30 MiB more peak PSS
-per rank in B6.)
+per rank in B6.) Before any of that, while this process reads a plan's first batch by range (ranged.py, NOTE
+[first batches by range]), the threads wait (at most 1 s): those few MiB go first, the whole shards right after.
 """
 
 from __future__ import annotations

@@ -41,9 +41,25 @@ if TYPE_CHECKING:
 
 LEDGER = ".ranged"  # starts with a dot: not a shard (NodeCache.usage skips it)
 SHARE = 0.015
+ENV_SHARE = "HVDTRAIN_STREAM_RANGED"
 MIN_BYTES = 4 << 20  # a small dataset's budget: its first batches, whatever 1.5% of it is
 TAKES = 1
 HOLD_S = 1.0  # the fetch-ahead threads wait at most this long for the first batch's range reads
+
+
+def default_share() -> float:
+    """`$HVDTRAIN_STREAM_RANGED` (a share of the dataset, 0 turns range reads off), else `SHARE`."""
+    text = os.environ.get(ENV_SHARE)
+    if text is None:
+        return SHARE
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= 1:
+        raise StreamError(f"{ENV_SHARE}={text!r} is not allowed: give the share of the dataset a node may read by "
+                          f"range for a cold start's first batches, a number from 0 (off) to 1 (default {SHARE})")
+    return value
 
 
 class RangedReads:
