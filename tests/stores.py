@@ -87,16 +87,17 @@ class MotoS3(Server):
 class HttpStore(Server):
     """tests/scripts/http_store.py serving `root` (started again, it listens on the same port)."""
 
-    def __init__(self, root: Path, log: Path, delay_per_mib: float = 0.0, ranges: bool = True) -> None:
+    def __init__(self, root: Path, log: Path, delay_per_mib: float = 0.0, ranges: bool = True,
+                 range_delay: float = 0.0) -> None:
         super().__init__(log)
-        self.root, self.delay, self.ranges = root, delay_per_mib, ranges
+        self.root, self.delay, self.ranges, self.range_delay = root, delay_per_mib, ranges, range_delay
         self.port_file = log.with_suffix(".port")
         self.port = 0
 
     def argv(self) -> list[str]:
         return [sys.executable, str(harness.REPO / "tests" / "scripts" / "http_store.py"), str(self.root),
                 str(self.port_file), "--delay-per-mib", str(self.delay), "--port", str(self.port),
-                *([] if self.ranges else ["--no-ranges"])]
+                "--range-delay", str(self.range_delay), *([] if self.ranges else ["--no-ranges"])]
 
     def start(self) -> None:
         self.port_file.unlink(missing_ok=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -64,11 +65,12 @@ def test_a_cold_starts_first_batch_is_read_by_range_then_every_sample_from_the_c
         tmp_path: Path, s3: MotoS3) -> None:
     local = write_dataset(tmp_path / "ds")
     url = upload(s3, local, "first")
-    ds, here = StreamingDataset(url, block_shards=4), StreamingDataset(local, block_shards=4)
+    ds = StreamingDataset(url, block_shards=4, fetch_threads=0)  # no whole shard before the test reads one
+    here = StreamingDataset(local, block_shards=4)
     assert ds._ranged.eligible and not here._ranged.eligible  # a local raw shard is read in place anyway
     ds.plan_epoch(3, 0)
     order = ds.order(3, 0)
-    first = ds.take(order[:16])  # the fetch-ahead threads wait for it: no shard of the block is local yet
+    first = ds.take(order[:16])
     assert np.array_equal(first["x"][:, 0], order[:16]) and np.array_equal(first["y"], here.take(order[:16])["y"])
     assert ds._ranged.bytes == 16 * STRIDE and ds._ranged.failed == 0
     touched = {int(s) for s in ds.locate(order[:16])[0]}
@@ -162,6 +164,27 @@ def test_a_row_that_changed_between_its_range_read_and_the_whole_shard_is_named(
                                           "the whole shard arrived, differs from the shard's checked copy"):
         ds.take(order[16:])
     ds.close()
+
+
+def test_whole_shards_local_before_the_range_read_answers_are_read_instead(tmp_path: Path) -> None:
+    """The race: a server that answers ranges after 5 s; the fetch threads wait HOLD_S, fetch the block whole, and
+    the batch is made from it without waiting for the range read."""
+    root = tmp_path / "www"
+    write_dataset(root / "ds")
+    server = HttpStore(root, tmp_path / "http.log", range_delay=5.0)
+    server.start()
+    try:
+        ds = StreamingDataset(f"{server.url}/ds", block_shards=4)
+        ds.plan_epoch(4, 0)
+        order = ds.order(4, 0)
+        t0 = time.monotonic()
+        assert np.array_equal(ds.take(order[:16])["x"][:, 0], order[:16])
+        assert time.monotonic() - t0 < 4.0
+        assert ds._ranged.lost == 1 and ds._ranged.bytes == 0 and ds._ranged.unchecked == {}
+        assert np.array_equal(ds.take(order[16:])["x"][:, 0], order[16:])
+        ds.close()
+    finally:
+        server.stop()
 
 
 def test_a_server_without_range_requests_reads_the_whole_shards(tmp_path: Path) -> None:

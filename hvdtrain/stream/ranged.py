@@ -9,6 +9,13 @@ samples fill the file's end), so those rows can be read by range GETs without th
 place) read that shard's rows by range (store.get_ranges: every shard of the batch at once); the whole shards are
 still fetched (fetcher.py) and everything after comes from them.
 
+Which comes first: for `HOLD_S` after the plan, the process's fetch-ahead threads wait (unless its first batch is
+made sooner), so that on a slow link the batch's few MiB are not sharing it with whole shards. Then the whole
+shards download while the range read goes on, and the batch takes whichever is complete first: the range read, or
+every shard it touches being local (`race`, checked every `POLL_S`). A server slow at ranges (moto copies the whole
+object for each one) or a fast link where the whole shards arrive sooner costs at most the hold; a range read
+that never answers is given up after `RACE_S`.
+
 The bytes read by range are downloaded twice (again inside the whole shard), so they are bounded: per node and per
 planned (seed, epoch), at most `share` of the dataset's stored bytes, or 4 MiB if that is more (`claim`: a
 ledger file in the node's cache directory, `.ranged`, under its flock; a batch that does not fit is read from its
@@ -28,8 +35,9 @@ import os
 import threading
 import time
 import zlib
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -39,12 +47,15 @@ from hvdtrain.stream.errors import StreamError
 if TYPE_CHECKING:
     from hvdtrain.stream.dataset import StreamingDataset
 
+T = TypeVar("T")
 LEDGER = ".ranged"  # starts with a dot: not a shard (NodeCache.usage skips it)
 SHARE = 0.015
 ENV_SHARE = "HVDTRAIN_STREAM_RANGED"
 MIN_BYTES = 4 << 20  # a small dataset's budget: its first batches, whatever 1.5% of it is
 TAKES = 1
 HOLD_S = 1.0  # the fetch-ahead threads wait at most this long for the first batch's range reads
+POLL_S = 0.005  # how often a range read in flight looks whether its whole shards arrived first
+RACE_S = 60.0  # a range read not answered within this is given up for the whole shards
 
 
 def default_share() -> float:
@@ -78,6 +89,7 @@ class RangedReads:
         self.lock = threading.Lock()
         self.bytes = 0  # read by range in this process (tests, stats)
         self.failed = 0  # batches whose range reads failed (then read from the whole shards)
+        self.lost = 0  # batches whose whole shards were local before their range reads answered
 
     def planned(self) -> None:
         self.left = self.takes if self.eligible else 0
@@ -91,9 +103,11 @@ class RangedReads:
         """Bytes the node may read by range per planned epoch: `share` of the dataset, at least `MIN_BYTES`."""
         return max(int(self.share * sum(s.remote_file.bytes for s in ds.index.shards)), MIN_BYTES)
 
-    def read(self, ds: StreamingDataset, wanted: dict[int, np.ndarray]) -> dict[int, dict[str, np.ndarray]]:
-        """`{shard: rows}` of shards not local -> their rows' fields read by range, or {} when this batch is not
-        read by range (not among the first `takes` of a plan, no budget left, the range read failed)."""
+    def read(self, ds: StreamingDataset, wanted: dict[int, np.ndarray],
+             local: Callable[[int], bool]) -> dict[int, dict[str, np.ndarray]]:
+        """`{shard: rows}` of shards not `local` -> their rows' fields read by range, or {} when this batch is not
+        read by range (not among the first `takes` of a plan, no budget left, the range read failed, or the whole
+        shards were local first)."""
         infos = {s: ds.index.shards[s] for s in wanted}
         with self.lock:
             if self.left <= 0 or ds.node.epoch_order is None:  # (`eligible`: remote, raw, fixed-size rows)
@@ -109,7 +123,12 @@ class RangedReads:
             stride = info.fixed_stride or 0
             requests[info.raw.basename] = ((mds.first_row(info) + rows * stride).tolist(), [stride] * len(rows))
         try:
-            got = ds.store.get_ranges(requests)  # type: ignore[attr-defined]  # RemoteStore (local_dir is None)
+            got = race(lambda: ds.store.get_ranges(requests),  # type: ignore[attr-defined]  # a RemoteStore
+                       lambda: all(local(s) for s in wanted))
+            if got is None:  # the whole shards won: read from them
+                with self.lock:
+                    self.left, self.lost = 0, self.lost + 1
+                return {}
             if any(len(part) != (infos[s].fixed_stride or 0) for s in wanted for part in got[infos[s].raw.basename]):
                 raise StreamError("a range read returned another length than asked for")
         except StreamError:  # no range requests there, or a fault: the whole shard's read retries and names it
@@ -147,6 +166,30 @@ class RangedReads:
     def __setstate__(self, state: dict[str, object]) -> None:
         self.__init__(state["share"], state["takes"])  # type: ignore[misc, arg-type]
         self.eligible = bool(state["eligible"])
+
+
+def race(fetch: Callable[[], T], whole_local: Callable[[], bool]) -> T | None:
+    """`fetch()` (run on a daemon thread), or None as soon as `whole_local()` (or after `RACE_S`); its error is
+    raised here. A lost fetch finishes on its own and is dropped."""
+    box: dict[str, Any] = {}
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            box["got"] = fetch()
+        except BaseException as e:  # handed to the waiting reader
+            box["error"] = e
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="hvdtrain-ranged", daemon=True).start()
+    deadline = time.monotonic() + RACE_S
+    while not done.wait(POLL_S):
+        if whole_local() or time.monotonic() > deadline:
+            return None
+    if "error" in box:
+        raise box["error"]
+    return box["got"]
 
 
 def claim(directory: Path, plan: str, nbytes: int, budget: int) -> bool:

@@ -7,7 +7,7 @@ before the last bytes of its body are sent (no client can hold a whole body befo
 the requests the server answered and sees which overlapped.
 A path containing `forbidden` answers 403. `--delay-per-mib` sends bodies slowly (a download in flight a test can
 kill). `Range: bytes=A-B` is answered 206 with those bytes (logged `GET <path> 206`, no LAST line), unless
-`--no-ranges`: then with the whole file, as Python's http.server does.
+`--no-ranges`: then with the whole file, as Python's http.server does; `--range-delay S` waits S seconds first.
 """
 
 from __future__ import annotations
@@ -24,11 +24,13 @@ from pathlib import Path
 class Server(ThreadingHTTPServer):
     allow_reuse_address = True
     daemon_threads = True
+    request_queue_size = 128  # socketserver's 5 drops the SYNs of a client's parallel range GETs (1 s retries)
 
 
 class Handler(SimpleHTTPRequestHandler):
     delay_per_mib = 0.0
     ranges = True
+    range_delay = 0.0
 
     def do_GET(self) -> None:
         if "forbidden" in self.path:
@@ -52,6 +54,7 @@ class Handler(SimpleHTTPRequestHandler):
             self.send_error(416, "Range Not Satisfiable")
             return
         last = min(last, size - 1)
+        time.sleep(self.range_delay)
         self.send_response(206)
         self.send_header("Content-Range", f"bytes {first}-{last}/{size}")
         self.send_header("Content-Length", str(last - first + 1))
@@ -87,8 +90,10 @@ def main() -> None:
     parser.add_argument("--delay-per-mib", type=float, default=0.0)
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--no-ranges", action="store_true", help="answer a Range request with the whole file (200)")
+    parser.add_argument("--range-delay", type=float, default=0.0, help="seconds before answering a Range request")
     args = parser.parse_args()
-    Handler.delay_per_mib, Handler.ranges = args.delay_per_mib, not args.no_ranges
+    Handler.delay_per_mib, Handler.range_delay = args.delay_per_mib, args.range_delay
+    Handler.ranges = not args.no_ranges
     server = Server(("127.0.0.1", args.port), functools.partial(Handler, directory=str(args.root)))
     tmp = args.port_file.with_suffix(".tmp")
     tmp.write_text(str(server.server_address[1]))
