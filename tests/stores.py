@@ -1,17 +1,24 @@
 """Real object-store servers for the tests, on 127.0.0.1 in their own processes: moto's S3 server and a static HTTP
 server (tests/scripts/http_store.py). Both log every request, so tests count the GETs a server answered; both can
-be stopped and started again on the same port (a store that goes away mid-epoch)."""
+be stopped and started again on the same port (a store that goes away mid-epoch). Also the datasets they serve
+(`write_dataset`) and the environment that points hvdtrain at them (`point_at`)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
+import pytest
+
+from hvdtrain.stream import MDSWriter, cache, store
 from tests import harness
 
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
@@ -113,3 +120,36 @@ class HttpStore(Server):
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+
+SAMPLE_BYTES = 3 * 4 + 8 + 4  # write_dataset's x float32[3], y int64, and MDS's 4-byte offset
+
+
+def write_dataset(out: Path, n: int, *, per_shard: int = 10, compression: str | None = "zstd",
+                  hashes: tuple[str, ...] = ()) -> Path:
+    """An MDS dataset of `n` samples whose x encodes their own index (x[0] == i), ~`per_shard` per shard."""
+    with MDSWriter(out, {"x": "ndarray:float32:3", "y": "int64"}, compression=compression, hashes=list(hashes),
+                   size_limit=per_shard * SAMPLE_BYTES + 200, meta={"num_classes": 5}) as w:
+        for i in range(n):
+            w.write({"x": np.array([i, i + 0.5, -i], np.float32), "y": i % 5})
+    return out
+
+
+@contextlib.contextmanager
+def moto_bucket(log: Path, bucket: str) -> Iterator[MotoS3]:
+    """A started moto server with `bucket` created; stopped after."""
+    server = MotoS3(log)
+    server.start()
+    try:
+        server.client().create_bucket(Bucket=bucket)
+        yield server
+    finally:
+        server.stop()
+
+
+def point_at(s3: MotoS3, cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """hvdtrain's S3 client at `s3`, its node cache in `cache_dir`, 20 s of retries."""
+    for key, value in s3.env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv(cache.ENV_DIR, str(cache_dir))
+    monkeypatch.setenv(store.ENV_RETRY, "20")

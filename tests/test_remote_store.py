@@ -26,39 +26,18 @@ from hvdtrain.data import ShmLoader, WorkerError
 from hvdtrain.stream import BlockShuffle, MDSWriter, StreamError, StreamingDataset, cache, readers, store
 from hvdtrain.stream.nodecache import CacheTooSmall, NodeCache
 from tests import harness
-from tests.stores import HttpStore, MotoS3
+from tests.stores import HttpStore, MotoS3, moto_bucket, point_at, write_dataset
 
 BUCKET = "hvdtrain-test"
-SAMPLE_BYTES = 3 * 4 + 8 + 4  # x float32[3], y int64, and MDS's 4-byte offset
-
-
-def write_dataset(out: Path, n: int, *, per_shard: int = 10, compression: str | None = "zstd",
-                  hashes: tuple[str, ...] = ()) -> Path:
-    """Samples whose x encodes their own index (x[0] == i)."""
-    with MDSWriter(out, {"x": "ndarray:float32:3", "y": "int64"}, compression=compression, hashes=list(hashes),
-                   size_limit=per_shard * SAMPLE_BYTES + 200, meta={"num_classes": 5}) as w:
-        for i in range(n):
-            w.write({"x": np.array([i, i + 0.5, -i], np.float32), "y": i % 5})
-    return out
-
-
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MotoS3]:
-    server = MotoS3(tmp_path_factory.mktemp("moto") / "requests.log")
-    server.start()
-    try:
-        server.client().create_bucket(Bucket=BUCKET)
+    with moto_bucket(tmp_path_factory.mktemp("moto") / "requests.log", BUCKET) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(autouse=True)
 def _env(s3: MotoS3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    for key, value in s3.env.items():
-        monkeypatch.setenv(key, value)
-    monkeypatch.setenv(cache.ENV_DIR, str(tmp_path / "cache"))
-    monkeypatch.setenv(store.ENV_RETRY, "20")
+    point_at(s3, tmp_path / "cache", monkeypatch)
     return tmp_path / "cache"
 
 

@@ -165,7 +165,10 @@ SINGLE_THREADED = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 def single_threaded_math() -> Iterator[None]:
     """While starting a spawned worker, its environment says one thread for the math libraries (like torch's
     DataLoader workers' `torch.set_num_threads(1)`), unless the user set them: a producer copies arrays and
-    starts in half the CPU time. The trainer's own libraries were configured when it imported them."""
+    starts in half the CPU time. The trainer's own libraries were configured when it imported them. The variables
+    must be in the environment the child is exec'd with (its numpy is imported before any code of ours runs
+    there), so they are in the trainer's for the few milliseconds of `Process.start()`, like `main_module_hidden`;
+    not with 'forkserver' (its children inherit the server's environment)."""
     added = [name for name in SINGLE_THREADED if name not in os.environ]
     for name in added:
         os.environ[name] = "1"

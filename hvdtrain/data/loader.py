@@ -200,7 +200,8 @@ class ShmLoader:
             proc = ctx.Process(target=worker_main, args=(theirs, payload), daemon=True,
                                name=f"hvdtrain-data-r{self.rank}-w{w}")
             self._res.conns.append(mine)
-            with contextlib.nullcontext() if import_main else main_module_hidden(), single_threaded_math():
+            math_env = single_threaded_math() if ctx.get_start_method() == "spawn" else contextlib.nullcontext()
+            with contextlib.nullcontext() if import_main else main_module_hidden(), math_env:
                 proc.start()
             self._res.procs.append(proc)
             theirs.close()

@@ -144,7 +144,7 @@ class StreamingDataset:
         first batches (NOTE [first batches by range] in ranged.py); else {}."""
         local = lambda s: s in self._readers or self._in_place(s) or self.node.path(s).exists()  # noqa: E731
         missing = {int(s): rows[shard == s] for s in touched if not local(int(s))}
-        return self._ranged.read(self, missing, local) if missing else {}
+        return self._ranged.read(self, missing, local)  # (nothing missing still counts as one of the first takes)
 
     def _read_rows(self, s: int, rows: np.ndarray) -> dict[str, np.ndarray]:
         with self._lock:  # a reader may be unmapped by another thread's _reader() otherwise

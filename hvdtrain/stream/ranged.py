@@ -13,7 +13,9 @@ Which comes first: for `HOLD_S` after the plan, the process's fetch-ahead thread
 made sooner), so that on a slow link the batch's few MiB are not sharing it with whole shards. Then the whole
 shards download while the range read goes on, and the batch takes whichever is complete first: the range read, or
 every shard it touches being local (`race`, checked every `POLL_S`), so a server that never answers ranges costs
-at most the hold and one whole-shard download, and a range read is given up after `RACE_S`. The hold is 1 s:
+at most the hold and one whole-shard download (with fetch threads; without them the range read is given up after
+`RACE_S`). The first `takes` batches after a plan are the only ones that may read by range, whether or not they
+needed to: a warm cache's later batches never do. The hold is 1 s:
 against 0.3 s in B6 (400 Mbit/s link), 0.90-0.93 s to the first batch vs 0.92-1.20 s. A server slow at ranges
 still slows the whole shards it serves meanwhile: moto copies the whole object for every range GET, and B6's
 first batch on its unshaped link is 0.77-0.86 s with range reads, 0.49-0.57 s without (HVDTRAIN_STREAM_RANGED=0);
@@ -22,11 +24,13 @@ over an HTTP server that seeks (tests/scripts/http_store.py) it is 0.49-0.55 s w
 The bytes read by range are downloaded twice (again inside the whole shard), so they are bounded: per node and per
 planned (seed, epoch), at most `share` of the dataset's stored bytes, or 4 MiB if that is more (`claim`: a
 ledger file in the node's cache directory, `.ranged`, under its flock; a batch that does not fit is read from its
-whole shards as before). With the default share (1.5%), epoch 1 of a dataset of 256 MiB or more downloads at
-most 1.015x the dataset plus the requests' overhead.
+whole shards as before). With the default share (1.5%), epoch 1 of a dataset of 267 MiB or more (4 MiB / 1.5%)
+downloads at most 1.015x the dataset, plus the requests' overhead and the gaps of under 16 KiB that obstore reads
+to merge neighbouring ranges into one request (not counted).
 
 Rows read by range are not covered by the shard's checksum (the index has one per file). Their CRC-32 is kept
-until this process maps the whole shard (checked against the index when it arrived): a row that differs there
+until this process maps the whole shard (checked against the index when it arrived: its size, and its hashes
+where this machine computes them; xxh* needs the xxhash package): a row that differs there
 (the object was replaced or corrupted between the two reads) is a StreamError naming the shard and the row. A
 process that never maps the shard (it ends first) does not check its rows.
 """
@@ -46,6 +50,7 @@ import numpy as np
 
 from hvdtrain.stream import cache, mds
 from hvdtrain.stream.errors import StreamError
+from hvdtrain.stream.store import env_number
 
 if TYPE_CHECKING:
     from hvdtrain.stream.dataset import StreamingDataset
@@ -63,17 +68,8 @@ RACE_S = 60.0  # a range read not answered within this is given up for the whole
 
 def default_share() -> float:
     """`$HVDTRAIN_STREAM_RANGED` (a share of the dataset, 0 turns range reads off), else `SHARE`."""
-    text = os.environ.get(ENV_SHARE)
-    if text is None:
-        return SHARE
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value <= 1:
-        raise StreamError(f"{ENV_SHARE}={text!r} is not allowed: give the share of the dataset a node may read by "
-                          f"range for a cold start's first batches, a number from 0 (off) to 1 (default {SHARE})")
-    return value
+    return env_number(ENV_SHARE, SHARE, 0.0, 1.0, "the share of the dataset a node may read by range for a cold "
+                      f"start's first batches, a number from 0 (off) to 1 (default {SHARE})")
 
 
 class RangedReads:
@@ -109,34 +105,22 @@ class RangedReads:
     def read(self, ds: StreamingDataset, wanted: dict[int, np.ndarray],
              local: Callable[[int], bool]) -> dict[int, dict[str, np.ndarray]]:
         """`{shard: rows}` of shards not `local` -> their rows' fields read by range, or {} when this batch is not
-        read by range (not among the first `takes` of a plan, no budget left, the range read failed, or the whole
-        shards were local first)."""
-        infos = {s: ds.index.shards[s] for s in wanted}
+        read by range (not among the first `takes` of a plan, nothing missing, no budget left, the range read
+        failed, or the whole shards were local first). Every call counts as one of the plan's `takes`."""
         with self.lock:
             if self.left <= 0 or ds.node.epoch_order is None:  # (`eligible`: remote, raw, fixed-size rows)
                 return {}
-            nbytes = sum(len(rows) * (infos[s].fixed_stride or 0) for s, rows in wanted.items())
-            if not claim(ds.node.dir, f"{ds.node.seed} {ds.node.epoch}", nbytes, self.budget(ds)):
-                self.left = 0
-                return {}
             self.left -= 1
-        requests = {}
-        for s, rows in wanted.items():
-            info = infos[s]
-            stride = info.fixed_stride or 0
-            requests[info.raw.basename] = ((mds.first_row(info) + rows * stride).tolist(), [stride] * len(rows))
-        try:
-            got = race(lambda: ds.store.get_ranges(requests),  # type: ignore[attr-defined]  # a RemoteStore
-                       lambda: all(local(s) for s in wanted))
-            if got is None:  # the whole shards won: read from them
-                with self.lock:
-                    self.left, self.lost = 0, self.lost + 1
-                return {}
-            if any(len(part) != (infos[s].fixed_stride or 0) for s in wanted for part in got[infos[s].raw.basename]):
-                raise StreamError("a range read returned another length than asked for")
-        except StreamError:  # no range requests there, or a fault: the whole shard's read retries and names it
+        if not wanted:
+            return {}
+        infos = {s: ds.index.shards[s] for s in wanted}
+        nbytes = sum(len(rows) * (infos[s].fixed_stride or 0) for s, rows in wanted.items())
+        if not claim(ds.node.dir, f"{ds.node.seed} {ds.node.epoch}", nbytes, self.budget(ds)):
             with self.lock:
-                self.left, self.failed = 0, self.failed + 1
+                self.left = 0  # the node's budget is spent
+            return {}
+        got = self._fetch(ds, wanted, local)
+        if got is None:
             return {}
         out = {}
         for s, rows in wanted.items():
@@ -144,20 +128,58 @@ class RangedReads:
             picked = np.empty((len(rows), info.fixed_stride or 0), np.uint8)
             for k, part in enumerate(parts):
                 picked[k] = np.frombuffer(part, np.uint8)
-            with self.lock:
-                self.unchecked.setdefault(s, {}).update(
-                    (row, zlib.crc32(part)) for row, part in zip(rows.tolist(), parts, strict=True))
-                self.bytes += picked.nbytes
+            self._note(ds, s, {row: zlib.crc32(part) for row, part in zip(rows.tolist(), parts, strict=True)})
             out[s] = mds.split_columns(info, picked, ds.fields)
+        with self.lock:
+            self.bytes += nbytes
         return out
+
+    def _fetch(self, ds: StreamingDataset, wanted: dict[int, np.ndarray],
+               local: Callable[[int], bool]) -> dict[str, list[memoryview]] | None:
+        """The rows' bytes by object name, each checked to be one row long; None (counted) when the whole shards
+        were local first or the range read failed."""
+        requests = {}
+        for s, rows in wanted.items():
+            info = ds.index.shards[s]
+            stride = info.fixed_stride or 0
+            requests[info.raw.basename] = ((mds.first_row(info) + rows * stride).tolist(), [stride] * len(rows))
+        try:
+            got = race(lambda: ds.store.get_ranges(requests),  # type: ignore[attr-defined]  # a RemoteStore
+                       lambda: all(local(s) for s in wanted))
+            for s, rows in wanted.items():
+                info = ds.index.shards[s]
+                parts = [] if got is None else got[info.raw.basename]
+                if got is not None and (len(parts) != len(rows) or any(len(p) != info.fixed_stride for p in parts)):
+                    raise StreamError(f"{ds.shard_name(s)}: a range read returned other parts than asked for")
+        except (StreamError, OSError, RuntimeError, ValueError):  # no ranges there, a fault, a timeout: whole shards
+            with self.lock:
+                self.left, self.failed = 0, self.failed + 1
+            return None
+        if got is None:  # the whole shards won: read from them
+            with self.lock:
+                self.left, self.lost = 0, self.lost + 1
+        return got
+
+    def _note(self, ds: StreamingDataset, s: int, sums: dict[int, int]) -> None:
+        """Keep the CRCs of shard `s`'s rows read by range until it is mapped; if another thread mapped it
+        meanwhile (its `_reader` found nothing to check), check them now."""
+        with ds._lock:
+            with self.lock:
+                self.unchecked.setdefault(s, {}).update(sums)
+            reader = ds._readers.get(s)
+            if reader is not None:
+                self.check(ds, s, reader)
 
     def check(self, ds: StreamingDataset, s: int, reader: mds.ShardReader) -> None:
         """Compare the rows of shard `s` read by range with the whole shard now mapped (StreamError if one
-        differs)."""
+        differs; the rows stay unchecked, so every later opening of the shard fails the same way). Call with the
+        dataset's lock held (the reader stays mapped)."""
         with self.lock:
             sums = self.unchecked.pop(s, None)
         for row, crc in (sums or {}).items():
             if zlib.crc32(reader.row_bytes(row)) != crc:
+                with self.lock:
+                    self.unchecked.setdefault(s, {}).update(sums or {})
                 raise StreamError(f"{ds.shard_name(s)}: sample {row}, read by range before the whole shard arrived, "
                                   "differs from the shard's checked copy: the object changed or was corrupted "
                                   "between the two reads (a batch already used the range read); upload it again "
@@ -172,8 +194,8 @@ class RangedReads:
 
 
 def race(fetch: Callable[[], T], whole_local: Callable[[], bool]) -> T | None:
-    """`fetch()` (run on a daemon thread), or None as soon as `whole_local()` (or after `RACE_S`); its error is
-    raised here. A lost fetch finishes on its own and is dropped."""
+    """`fetch()` (run on a daemon thread), or None as soon as `whole_local()`; its error is raised here, and a
+    StreamError after `RACE_S`. A lost fetch finishes on its own and is dropped."""
     box: dict[str, Any] = {}
     done = threading.Event()
 
@@ -188,8 +210,10 @@ def race(fetch: Callable[[], T], whole_local: Callable[[], bool]) -> T | None:
     threading.Thread(target=run, name="hvdtrain-ranged", daemon=True).start()
     deadline = time.monotonic() + RACE_S
     while not done.wait(POLL_S):
-        if whole_local() or time.monotonic() > deadline:
+        if whole_local():
             return None
+        if time.monotonic() > deadline:
+            raise StreamError(f"a range read did not answer in {RACE_S:.0f} s")
     if "error" in box:
         raise box["error"]
     return box["got"]

@@ -15,11 +15,12 @@ last error and how long it was retried. Every error is a StreamError.
 
 from __future__ import annotations
 
+import math
 import os
 import random
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -29,6 +30,7 @@ REMOTE_SCHEMES = ("s3", "gs", "http", "https")
 ENV_RETRY = "HVDTRAIN_STREAM_RETRY_S"
 DEFAULT_RETRY_S = 120.0
 COALESCE = 16 << 10  # get_ranges: ranges closer than this are one request (adjacent rows of a shard)
+RANGES_TIMEOUT_S = 150.0  # get_ranges waits this long for its threads (obstore's own request timeout is 120 s)
 T = TypeVar("T")
 
 
@@ -61,18 +63,24 @@ def join(source: str, name: str) -> str:
     return f"{source.rstrip('/')}/{name}" if is_url(source) else os.path.join(source, name)
 
 
-def retry_seconds() -> float:
-    text = os.environ.get(ENV_RETRY)
+def env_number(name: str, default: float, low: float, high: float, what: str) -> float:
+    """The number in environment variable `name` (`default` when unset); StreamError naming it, its value and
+    `what` it means when it is not a number from `low` to `high`."""
+    text = os.environ.get(name)
     if text is None:
-        return DEFAULT_RETRY_S
+        return default
     try:
         value = float(text)
     except ValueError:
-        value = -1.0
-    if not value >= 0:
-        raise StreamError(f"{ENV_RETRY}={text!r} is not allowed: give the seconds to keep retrying a store that "
-                          f"does not answer, a number >= 0 (default {DEFAULT_RETRY_S:.0f})")
+        value = math.nan
+    if not low <= value <= high:
+        raise StreamError(f"{name}={text!r} is not allowed: give {what}")
     return value
+
+
+def retry_seconds() -> float:
+    return env_number(ENV_RETRY, DEFAULT_RETRY_S, 0.0, math.inf, "the seconds to keep retrying a store that does "
+                      f"not answer, a number >= 0 (default {DEFAULT_RETRY_S:.0f})")
 
 
 class Store:
@@ -139,7 +147,7 @@ class RemoteStore(Store):
 
     def get_ranges(self, ranges: Mapping[str, tuple[Sequence[int], Sequence[int]]]) -> dict[str, list[memoryview]]:
         """Byte ranges of several objects at once: `{name: (starts, lengths)}` -> `{name: [each range's bytes]}`.
-        One thread per object, each object's ranges in flight together (obstore: up to 10 requests, ranges less
+        One daemon thread per object, each object's ranges in flight together (obstore: up to 10 requests, ranges less
         than `COALESCE` bytes apart merged). One try, no retries: any failure (a server without range requests
         included) is a StreamError naming the object, and the caller reads the whole object instead."""
         import obstore
@@ -155,11 +163,26 @@ class RemoteStore(Store):
                 raise StreamError(f"{self.url(name)}: range read failed ({_first_line(e)})") from None
             return [memoryview(part) for part in got]
 
-        if len(ranges) == 1:
-            name = next(iter(ranges))
-            return {name: one(name)}
-        with ThreadPoolExecutor(len(ranges), thread_name_prefix="hvdtrain-range") as pool:
-            return dict(zip(ranges, pool.map(one, ranges), strict=True))
+        got: dict[str, list[memoryview] | BaseException] = {}
+
+        def run(name: str) -> None:
+            try:
+                got[name] = one(name)
+            except BaseException as e:  # raised below, in the caller's thread
+                got[name] = e
+
+        threads = [threading.Thread(target=run, args=(name,), name="hvdtrain-range", daemon=True) for name in ranges]
+        for t in threads:  # daemon threads: a process may exit while one waits on a stalled server
+            t.start()
+        for t in threads:
+            t.join(RANGES_TIMEOUT_S)
+        for name in ranges:
+            value = got.get(name)
+            if isinstance(value, BaseException):
+                raise value
+            if value is None:
+                raise StreamError(f"{self.url(name)}: range read not answered in {RANGES_TIMEOUT_S:.0f} s")
+        return got  # type: ignore[return-value]  # every value is a list here
 
     def put(self, name: str, data: bytes) -> None:
         import obstore
