@@ -21,7 +21,7 @@ import sys
 import termios
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -152,6 +152,18 @@ def _drain(fd: int, sink: list[bytes], stop: threading.Event) -> None:
             sink.append(chunk)
 
 
+def _as_from_a_terminal(controlling: bool) -> Callable[[], None]:
+    """The launcher's start, as a user's shell gives it: SIGINT and SIGQUIT at their defaults (a test run started in
+    the background by a shell without job control ignores both, and exec keeps an ignored signal: the launcher
+    would never see the test's Ctrl-C), and with `controlling` the pseudo-terminal on stdin as its terminal."""
+    def setup() -> None:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.signal(signal.SIGQUIT, signal.SIG_DFL)
+        if controlling:
+            fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+    return setup
+
+
 def kill_launcher_when(argv: Sequence[str], ready, signum: int, *, timeout: float, cwd: Path | None = None,
                        via_terminal: bool = False) -> Killed:
     """Start argv (`hvdtrain run ...`) in a new session; once `ready()` holds, snapshot its descendants and signal the
@@ -162,7 +174,7 @@ def kill_launcher_when(argv: Sequence[str], ready, signum: int, *, timeout: floa
     master, slave = os.openpty() if via_terminal else os.pipe()
     stdin = slave if via_terminal else subprocess.DEVNULL
     proc = subprocess.Popen(list(argv), stdin=stdin, stdout=slave, stderr=slave, cwd=cwd, start_new_session=True,
-                            preexec_fn=(lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0)) if via_terminal else None)
+                            preexec_fn=_as_from_a_terminal(via_terminal))
     STARTED_SESSIONS.add(proc.pid)
     os.close(slave)
     sink: list[bytes] = []
