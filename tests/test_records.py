@@ -135,7 +135,7 @@ def test_a_rank_that_raises_is_named_with_its_exception_from_its_record(controll
     assert found[1].exception == "ValueError" and found[1].code == 1, found
     assert "raise ValueError" in found[1].traceback and found[1].pid > 0 and found[1].time > 0
     assert found[0].failed  # the victim: Horovod shut down under it (or it was stopped)
-    assert _temp_records() == before  # with logs.dir no temporary directory is made
+    assert _temp_records() <= before  # with logs.dir no temporary directory is made (a stale one may be swept)
 
 
 @pytest.mark.slow
@@ -148,7 +148,7 @@ def test_exit_codes_come_from_the_record_and_the_temporary_directory_is_removed(
     # record said it was ending with 3, which its supervisor's record keeps
     assert re.search(r"hvdtrain: rank 1 on host localhost exited with code 3 \((the first rank to fail|the cause)",
                      res.output), res.describe()
-    assert _temp_records() == before
+    assert _temp_records() <= before  # its own removed; a stale one an earlier test left may be swept too
 
 
 @pytest.mark.slow
