@@ -133,6 +133,7 @@ def run_ranks(args: argparse.Namespace, system: str, source: str, samples: int, 
     port = free_port()
     procs = []
     log = out.with_suffix(".log")
+    os.sync()  # the datasets just written, the last run's cache: no system starts while the disk writes them back
     with open(log, "wb") as logf:
         for r in range(2):
             renv = {**os.environ, **env, "RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r),

@@ -117,3 +117,13 @@ def no_doorbell(worker_id: int, num_workers: int, epoch: int, seed: int) -> Iter
 def math_threads(worker_id: int, num_workers: int, epoch: int, seed: int) -> Iterator[np.ndarray]:
     """One batch: the producer's OPENBLAS_NUM_THREADS and OMP_NUM_THREADS (0 when unset)."""
     yield np.array([int(os.environ.get(name, "0")) for name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")])
+
+
+def timed_start(worker_id: int, num_workers: int, epoch: int, seed: int) -> Iterator[np.ndarray]:
+    """[worker, when its generator started, when this batch was made] x 2; producer 0's first batch takes
+    $HVDTRAIN_TEST_FIRST_S seconds to make (NOTE [first producer first] in hvdtrain/data/boot.py)."""
+    started = time.time()
+    for j in range(2):
+        if worker_id == 0 and j == 0:
+            time.sleep(float(os.environ.get("HVDTRAIN_TEST_FIRST_S", "0")))
+        yield np.array([worker_id, started, time.time()])

@@ -4,8 +4,10 @@ tests/scripts/http_store.py (ranges answered 206, after a delay if asked, or wit
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
+import threading
 import time
 import zlib
 from collections.abc import Iterator
@@ -74,10 +76,10 @@ def test_a_cold_starts_first_batch_is_read_by_range_then_every_sample_from_the_c
     ds.close()
 
 
-def test_producers_read_their_first_batches_by_range_and_every_sample_comes_once(tmp_path: Path, s3: MotoS3) -> None:
-    """Real producer processes (2), the ledger file shared by the node: the first batch made is read by range whole
-    (no shard can be local before it: each producer's fetch threads wait for its own first batch), the other
-    producer's first batch too for the shards not yet local then."""
+def test_only_the_producer_of_the_ranks_first_batch_reads_by_range_and_every_sample_comes_once(
+        tmp_path: Path, s3: MotoS3) -> None:
+    """Real producer processes (2), the ledger file shared by the node: producer 0 makes the rank's first batch
+    and reads it by range; producer 1 (the second batch) waits for that read, then for the whole shards."""
     url = upload(s3, write_dataset(tmp_path / "ds", 240), "loader")
     ds = StreamingDataset(url, block_shards=4)
     loader = ShmLoader(ds, batch_size=12, rank=0, size=1, num_workers=2, fetch=StreamingDataset.take,
@@ -89,8 +91,44 @@ def test_producers_read_their_first_batches_by_range_and_every_sample_comes_once
         ds.close()
     assert sorted(seen) == list(range(240))
     plan, _, spent = (ds.cache_dir / ranged.LEDGER).read_text().rpartition(" ")
-    assert plan == "1 0" and 12 * STRIDE <= int(spent) <= 2 * 12 * STRIDE and int(spent) % STRIDE == 0
+    assert plan == "1 0" and 0 < int(spent) <= 12 * STRIDE and int(spent) % STRIDE == 0  # one batch at most
     assert ranged_gets(s3, "loader") >= 1
+    assert not ranged.busy(ds.cache_dir)  # the announcement ended with the read
+
+
+def test_whole_shards_wait_while_another_process_reads_its_first_batch_by_range(
+        tmp_path: Path, s3: MotoS3, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process that does not lead (leads=False: not the rank's first batch) neither reads by range nor starts
+    whole shards (fetch threads and reader alike) while another process's announced range read is in flight;
+    it goes on when that ends, and after HOLD_S whatever happens."""
+    monkeypatch.setattr(ranged, "HOLD_S", 6.0)  # long enough that only the announcement can end the wait
+    url = upload(s3, write_dataset(tmp_path / "ds"), "hold")
+    ds = StreamingDataset(url, block_shards=4, fetch_threads=2)
+    other = ranged.announce(ds.cache_dir)  # the leading process (a separate open file: flock treats it as one)
+    assert other is not None and ranged.busy(ds.cache_dir)
+    ds.plan_epoch(5, 0, leads=False)
+    order = ds.order(5, 0)
+    timer = threading.Timer(1.0, os.close, (other,))  # the leader's range read ends after 1 s
+    timer.start()
+    t0 = time.monotonic()
+    try:
+        time.sleep(0.6)
+        assert ds.node.usage() == []  # the fetch threads hold: nothing of the block was downloaded
+        assert np.array_equal(ds.take(order[:16])["x"][:, 0], order[:16])
+    finally:
+        timer.join()
+    assert 1.0 <= time.monotonic() - t0 < 5.0
+    assert ds._ranged.bytes == 0 and ranged_gets(s3, "hold") == 0 and ds._ranged.left == 0
+    ds.close()
+    monkeypatch.setattr(ranged, "HOLD_S", 0.5)
+    again = StreamingDataset(url, block_shards=4, fetch_threads=0, cache_dir=tmp_path / "cache2")
+    stuck = ranged.announce(again.cache_dir)  # a leader that never finishes: the wait still ends after HOLD_S
+    again.plan_epoch(5, 1, leads=False)
+    t0 = time.monotonic()
+    assert len(again.take(again.order(5, 1)[:16])["x"]) == 16
+    assert 0.5 <= time.monotonic() - t0 < 5.0
+    again.close()
+    os.close(stuck)
 
 
 def test_range_reads_stay_within_the_nodes_budget(tmp_path: Path, s3: MotoS3) -> None:

@@ -20,6 +20,7 @@ from hvdtrain.data import (
     ShmLoader,
     WorkerDiedError,
     WorkerError,
+    boot,
     derive_seed,
     shm,
     sweep_stale_segments,
@@ -268,6 +269,23 @@ def test_bad_arguments_are_named_and_start_nothing(kwargs: dict, words: list[str
     with pytest.raises(ValueError) as err:
         ShmLoader(fx.IndexDataset(4), **args)
     assert all(w in str(err.value) for w in words), str(err.value)
+
+
+@pytest.mark.parametrize("first_s", [0.3, 3.0])
+def test_the_producer_of_the_first_batch_starts_before_the_others(first_s: float,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """NOTE [first producer first]: producer 1 starts once producer 0 has sent its first batch (0.3 s to make),
+    but waits boot.WAIT_S (1 s) at most (3 s to make)."""
+    monkeypatch.setenv("HVDTRAIN_TEST_FIRST_S", str(first_s))
+    with ShmLoader(generator=fx.timed_start, rank=0, size=1, num_workers=2, batches_per_epoch=4) as ld:
+        rows = [np.array(b) for b in ld]
+    first_made = next(r[2] for r in rows if r[0] == 0)
+    second_started = next(r[1] for r in rows if r[0] == 1)
+    assert sorted(r[0] for r in rows) == [0, 0, 1, 1]
+    if first_s < boot.WAIT_S:
+        assert second_started >= first_made, rows
+    else:
+        assert second_started < first_made - 1.0, rows
 
 
 TRAINER = r"""

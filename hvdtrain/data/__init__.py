@@ -1,26 +1,34 @@
 """Data-parallel input pipeline: sharding, shared-memory producer processes, device prefetch, stall metrics.
 
-Nothing here imports horovod: loaders take `rank` and `size` as arguments. torch and TensorFlow are imported only
-when `TorchLoader`/`DevicePrefetcher`/`to_torch` or `to_tf_dataset` are first used.
+Nothing here imports horovod: loaders take `rank` and `size` as arguments. Every name is imported when first used
+(`from hvdtrain.data import ShmLoader` imports the loader then), so a producer process importing its own modules
+(boot.py, workers.py) does not import the trainer's, and torch and TensorFlow are imported only when
+`TorchLoader`/`DevicePrefetcher`/`to_torch` or `to_tf_dataset` are first used.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import importlib
+from typing import TYPE_CHECKING, Any
 
-from hvdtrain.data.loader import (
-    LoaderError,
-    LoaderTimeoutError,
-    ShmLoader,
-    WorkerDiedError,
-    WorkerError,
-)
-from hvdtrain.data.sharding import ShardSampler, expected_batches
-from hvdtrain.data.shm import sweep_stale_segments
-from hvdtrain.data.stall import StallMeter
-from hvdtrain.data.workers import WorkerInfo, default_collate, derive_seed, worker_info
+if TYPE_CHECKING:
+    from hvdtrain.data.loader import LoaderError, LoaderTimeoutError, ShmLoader, WorkerDiedError, WorkerError
+    from hvdtrain.data.prefetch import DevicePrefetcher
+    from hvdtrain.data.sharding import ShardSampler, expected_batches
+    from hvdtrain.data.shm import sweep_stale_segments
+    from hvdtrain.data.stall import StallMeter
+    from hvdtrain.data.tf_adapter import to_tf_dataset
+    from hvdtrain.data.torch_adapter import TorchLoader, to_torch
+    from hvdtrain.data.workers import WorkerInfo, default_collate, derive_seed, worker_info
 
 _LAZY = {
+    **dict.fromkeys(("LoaderError", "LoaderTimeoutError", "ShmLoader", "WorkerDiedError", "WorkerError"),
+                    "hvdtrain.data.loader"),
+    "ShardSampler": "hvdtrain.data.sharding",
+    "expected_batches": "hvdtrain.data.sharding",
+    "sweep_stale_segments": "hvdtrain.data.shm",
+    "StallMeter": "hvdtrain.data.stall",
+    **dict.fromkeys(("WorkerInfo", "default_collate", "derive_seed", "worker_info"), "hvdtrain.data.workers"),
     "TorchLoader": "hvdtrain.data.torch_adapter",
     "to_torch": "hvdtrain.data.torch_adapter",
     "DevicePrefetcher": "hvdtrain.data.prefetch",
@@ -50,7 +58,9 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        import importlib
-
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'hvdtrain.data' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})

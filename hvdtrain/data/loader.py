@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import multiprocessing as mp
+import socket
 import warnings
 import weakref
 from collections.abc import Callable
@@ -39,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from hvdtrain.data import ring, shm
+from hvdtrain.data.boot import producer_main
 from hvdtrain.data.channel import Channel
 from hvdtrain.data.epoch import EpochIterator, Key
 from hvdtrain.data.lending import Lender
@@ -55,7 +57,7 @@ from hvdtrain.data.lifecycle import (
 )
 from hvdtrain.data.protocol import Batch, EpochMessage, FreeSlot, StartEpoch, ToWorker
 from hvdtrain.data.sharding import ShardSampler, check_positive, check_rank, check_unconsumed
-from hvdtrain.data.workers import WorkerConfig, worker_main
+from hvdtrain.data.workers import WorkerConfig
 
 __all__ = ["LoaderError", "LoaderTimeoutError", "ShmLoader", "WorkerDiedError", "WorkerError"]  # errors: lifecycle.py
 
@@ -190,24 +192,30 @@ class ShmLoader:
     def _start(self, base: WorkerConfig, ctx: Any, import_main: bool) -> None:
         import cloudpickle
 
-        for w in range(self.num_workers):
-            base.local_id = w
-            if ring.SUPPORTED:  # NOTE [ring] in ring.py
-                self._res.rings.append(ring.Ring(shm.create_segment(ring.Ring.nbytes(self._spw)), self._spw))
-                base.ring, base.ring_capacity = self._res.rings[-1].seg.name, self._spw
-            payload = cloudpickle.dumps(base)
-            mine, theirs = Channel.pair()
-            proc = ctx.Process(target=worker_main, args=(theirs, payload), daemon=True,
-                               name=f"hvdtrain-data-r{self.rank}-w{w}")
-            self._res.conns.append(mine)
-            math_env = single_threaded_math() if ctx.get_start_method() == "spawn" else contextlib.nullcontext()
-            with contextlib.nullcontext() if import_main else main_module_hidden(), math_env:
-                proc.start()
-            self._res.procs.append(proc)
-            theirs.close()
-            for slot in range(w * self._spw, (w + 1) * self._spw):  # slot memory up front: SLOT_BYTES
-                seg = self._res.segments[slot] = shm.create_segment(SLOT_BYTES)
-                mine.send(FreeSlot(slot, seg.name, seg.size))
+        gate = socket.socketpair() if self.num_workers > 1 else None  # NOTE [first producer first] in boot.py
+        try:
+            for w in range(self.num_workers):
+                base.local_id = w
+                if ring.SUPPORTED:  # NOTE [ring] in ring.py
+                    self._res.rings.append(ring.Ring(shm.create_segment(ring.Ring.nbytes(self._spw)), self._spw))
+                    base.ring, base.ring_capacity = self._res.rings[-1].seg.name, self._spw
+                payload = cloudpickle.dumps(base)
+                mine, theirs = Channel.pair()
+                started, wait_for = (None, None) if gate is None else (gate[0], None) if w == 0 else (None, gate[1])
+                proc = ctx.Process(target=producer_main, args=(theirs.sock, payload, started, wait_for), daemon=True,
+                                   name=f"hvdtrain-data-r{self.rank}-w{w}")
+                self._res.conns.append(mine)
+                math_env = single_threaded_math() if ctx.get_start_method() == "spawn" else contextlib.nullcontext()
+                with contextlib.nullcontext() if import_main else main_module_hidden(), math_env:
+                    proc.start()
+                self._res.procs.append(proc)
+                theirs.close()
+                for slot in range(w * self._spw, (w + 1) * self._spw):  # slot memory up front: SLOT_BYTES
+                    seg = self._res.segments[slot] = shm.create_segment(SLOT_BYTES)
+                    mine.send(FreeSlot(slot, seg.name, seg.size))
+        finally:
+            for end in gate or ():
+                end.close()  # the producers have their copies: only producer 0's can signal or close it
         self._watch = Watch(self._res.conns, self._res.procs)
 
     # ---- public API ----------------------------------------------------------------------------------------

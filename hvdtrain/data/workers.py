@@ -9,10 +9,12 @@ lifecycle.py for how the worker ends.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import select
 import signal
+import socket
 import sys
 import traceback
 from collections import deque
@@ -109,14 +111,15 @@ class TrainerGone(Exception):
     """The trainer closed its end of the socket (exited, crashed or is shutting down)."""
 
 
-def worker_main(conn: Channel, payload: bytes) -> None:
-    """Entry point of a producer process (spawned; the config arrives cloudpickled)."""
+def worker_main(conn: Channel, payload: bytes, started: socket.socket | None = None) -> None:
+    """A producer process (spawned through boot.py; the config arrives cloudpickled); `started` is signalled
+    after its first batch is sent (NOTE [first producer first] in boot.py)."""
     import cloudpickle
 
     # Ctrl-C reaches the whole process group: the trainer handles it and stops us (NOTE [shutdown]).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        worker = _Worker(conn, cloudpickle.loads(payload))
+        worker = _Worker(conn, cloudpickle.loads(payload), started)
     except TrainerGone:
         conn.close()
         return
@@ -125,13 +128,14 @@ def worker_main(conn: Channel, payload: bytes) -> None:
     except TrainerGone:
         pass
     finally:
+        worker.signal_started()
         worker.unmap_all()
         conn.close()
 
 
 class _Worker:
-    def __init__(self, conn: Channel, cfg: WorkerConfig) -> None:
-        self.conn, self.cfg = conn, cfg
+    def __init__(self, conn: Channel, cfg: WorkerConfig, started: socket.socket | None = None) -> None:
+        self.conn, self.cfg, self.started = conn, cfg, started
         self.granted: dict[int, FreeSlot] = {}  # slot -> the message that last handed it over (segment, size)
         self.mapped: dict[int, shm.Segment] = {}
         self.free: deque[int] = deque()
@@ -199,6 +203,7 @@ class _Worker:
                     break
                 if not self.send_batch(gen, seq, batch):
                     return
+                self.signal_started()
                 seq += 1
             self.send(EpochDone(gen, seq))
         except TrainerGone:
@@ -206,9 +211,18 @@ class _Worker:
         except Exception as exc:
             self.send(WorkerFailed(gen, seq, traceback.format_exc(), str(exc), isinstance(exc, StreamError)))
         finally:
+            self.signal_started()  # (an epoch without batches, failed or abandoned: nothing to wait for)
             close = getattr(source, "close", None)
             if close is not None:
                 close()  # run the user generator's finally blocks when an epoch is abandoned
+
+    def signal_started(self) -> None:
+        """The other producers of the rank may start now (NOTE [first producer first] in boot.py)."""
+        started, self.started = self.started, None
+        if started is not None:
+            with contextlib.suppress(OSError):
+                started.send(b"s")
+            started.close()
 
     def batches(self, info: WorkerInfo, state: dict[str, Any] | None) -> Iterator[Any]:
         if self.cfg.generator is not None:
@@ -220,14 +234,13 @@ class _Worker:
         sampler = ShardSampler(rank=cfg.rank, size=cfg.size, seed=cfg.seed, **(cfg.sampler_args or {}))
         if state is not None:
             sampler.load_state_dict(state)
+        mine = sampler.batches()[cfg.local_id::cfg.workers_per_rank]  # 0 makes the rank's next batch
         plan = getattr(cfg.dataset, "plan_epoch", None)
         if callable(plan) and sampler.shuffle:  # a streamed dataset fetches ahead (hvdtrain.stream.fetcher)
-            if cfg.epochs is not None and sampler.epoch >= cfg.epochs - 1:
-                plan(sampler.seed, sampler.epoch, last=True)  # the job's last epoch: fetch nothing of the next
-            else:
-                plan(sampler.seed, sampler.epoch)
+            last = cfg.epochs is not None and sampler.epoch >= cfg.epochs - 1  # the job's last: fetch no more
+            plan(sampler.seed, sampler.epoch, last=last, leads=cfg.local_id == 0 and len(mine) > 0)
         collate = cfg.collate or default_collate
-        for idx in sampler.batches()[cfg.local_id::cfg.workers_per_rank]:
+        for idx in mine:
             if cfg.fetch is not None:
                 yield cfg.fetch(cfg.dataset, idx)
             else:

@@ -121,10 +121,11 @@ class StreamingDataset:
         shard, rows = self.locate(indices)
         out: dict[str, np.ndarray] = {}
         touched = np.unique(shard)
-        by_range = self._by_range(shard, rows, touched) if self._ranged.left > 0 else {}
-        if self._ranged.holding:  # the fetch-ahead threads waited for this batch (NOTE [first batches by range])
-            self._ranged.holding = False
-            self._fetcher.wake()
+        by_range: dict[int, dict[str, np.ndarray]] = {}
+        if self._ranged.left > 0:
+            by_range = self._by_range(shard, rows, touched)
+        elif self._ranged.holding and not all(self._local(int(s)) for s in touched):
+            self._ranged.wait()  # another process's first batch is read by range (NOTE [first batches by range])
         for s in touched:
             where = np.flatnonzero(shard == s)
             part = by_range[int(s)] if int(s) in by_range else self._read_rows(int(s), rows[where])
@@ -142,9 +143,11 @@ class StreamingDataset:
     def _by_range(self, shard: np.ndarray, rows: np.ndarray, touched: np.ndarray) -> dict[int, dict[str, np.ndarray]]:
         """The rows of the shards of this batch that are not local, read by range if this is one of a cold start's
         first batches (NOTE [first batches by range] in ranged.py); else {}."""
-        local = lambda s: s in self._readers or self._in_place(s) or self.node.path(s).exists()  # noqa: E731
-        missing = {int(s): rows[shard == s] for s in touched if not local(int(s))}
-        return self._ranged.read(self, missing, local)  # (nothing missing still counts as one of the first takes)
+        missing = {int(s): rows[shard == s] for s in touched if not self._local(int(s))}
+        return self._ranged.read(self, missing, self._local)  # (nothing missing still counts as a first take)
+
+    def _local(self, s: int) -> bool:
+        return s in self._readers or self._in_place(s) or self.node.path(s).exists()
 
     def _read_rows(self, s: int, rows: np.ndarray) -> dict[str, np.ndarray]:
         with self._lock:  # a reader may be unmapped by another thread's _reader() otherwise
@@ -243,12 +246,13 @@ class StreamingDataset:
 
     # ---- the loader's plan: fetch ahead, evict by next use ------------------------------------------------------
 
-    def plan_epoch(self, seed: int, epoch: int, last: bool = False) -> None:
+    def plan_epoch(self, seed: int, epoch: int, last: bool = False, leads: bool = True) -> None:
         """The coming reads follow `BlockShuffle(seed, epoch)` (the loader's producers call this): shards are
         fetched ahead of that order in the background and evicted by next use (NOTE [eviction by next use]);
-        `last`: no epoch follows (nothing of the next one is fetched ahead)."""
+        `last`: no epoch follows (nothing of the next one is fetched ahead); `leads`: this process makes the
+        reader's first batch of the plan (only that one may be read by range, NOTE [first batches by range])."""
         self.node.plan(seed, epoch, last)
-        self._ranged.planned()
+        self._ranged.planned(self.node.dir, leads)
         self._fetcher.wake()
 
     def _noted(self, shards: np.ndarray) -> None:
@@ -267,6 +271,7 @@ class StreamingDataset:
                     self._readers.pop(s).close()
 
     def close(self) -> None:
+        self._ranged.release()
         self._fetcher.stop()
         self.node.close()
         with self._lock:

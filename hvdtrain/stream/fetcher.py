@@ -18,7 +18,7 @@ start over a 400 Mbit/s link waited for ~8 shards instead of 4 (B6). When the re
 rule keeps the bandwidth on what it waits for. The readers wake the threads whenever their position moves (once
 the block is local they make batches, so the next blocks start at once), and every thread looks again each second.
 (A thread that fetched a shard waking the others at once was tried: the same first batch, ~30 MiB more peak PSS
-per rank in B6.) Before any of that, while this process reads a plan's first batch by range (ranged.py, NOTE
+per rank in B6.) Before any of that, while the node's first batches of a plan are read by range (ranged.py, NOTE
 [first batches by range]), the threads wait (at most 1 s): those few MiB go first, the whole shards right after.
 """
 
@@ -68,8 +68,7 @@ class Fetcher:
 
     def _pass(self) -> None:
         """Fetch what `NodeCache.to_fetch()` lists now, skipping shards in flight elsewhere."""
-        if self.ds._ranged.hold():
-            return  # a cold start's first batch is being read by range: it has the link (the reader wakes us)
+        self.ds._ranged.wait(self._stop)  # a cold start's first batches are read by range: they have the link
         present = lambda s: self.ds._in_place(s) or self.ds.node.path(s).exists()  # noqa: E731
         for s in self.ds.node.to_fetch(present):
             if self._stop.is_set():

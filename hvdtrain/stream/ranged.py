@@ -5,21 +5,30 @@ A batch draws its samples from every shard of the current shuffle block (order.p
 cold cache waits for the whole block (4 shards of 64 MiB: 5 s on a 400 Mbit/s link) before its first batch. A raw
 shard whose columns all have a fixed size stores sample `r` at `first_row + r * stride` (mds.first_row: the
 samples fill the file's end), so those rows can be read by range GETs without the shard's header. So, after each
-`plan_epoch`, a process's first `takes` batches that touch a shard not yet local (not cached, not a file read in
-place) read that shard's rows by range (store.get_ranges: every shard of the batch at once); the whole shards are
-still fetched (fetcher.py) and everything after comes from them.
+`plan_epoch`, the first `takes` batches that touch a shard not yet local (not cached, not a file read in place)
+of the process that makes the reader's first batch (`leads`: the loader's producer 0; the rank's second batch,
+producer 1's, comes a step later and would only share the link with it) read that shard's rows by range
+(store.get_ranges: every shard of the batch at once); the whole shards are still fetched (fetcher.py) and
+everything after comes from them.
 
-Which comes first: for `HOLD_S` after the plan, the process's fetch-ahead threads wait (unless its first batch is
-made sooner), so that on a slow link the batch's few MiB are not sharing it with whole shards. Then the whole
-shards download while the range read goes on, and the batch takes whichever is complete first: the range read, or
-every shard it touches being local (`race`, checked every `POLL_S`), so a server that never answers ranges costs
-at most the hold and one whole-shard download (with fetch threads; without them the range read is given up after
-`RACE_S`). The first `takes` batches after a plan are the only ones that may read by range, whether or not they
-needed to: a warm cache's later batches never do. The hold is 1 s:
-against 0.3 s in B6 (400 Mbit/s link), 0.90-0.93 s to the first batch vs 0.92-1.20 s. A server slow at ranges
-still slows the whole shards it serves meanwhile: moto copies the whole object for every range GET, and B6's
-first batch on its unshaped link is 0.77-0.86 s with range reads, 0.49-0.57 s without (HVDTRAIN_STREAM_RANGED=0);
-over an HTTP server that seeks (tests/scripts/http_store.py) it is 0.49-0.55 s with them, 0.56-0.58 s without.
+What waits: a leading process announces its range read at the plan, before it starts (a shared flock on `BUSY` in
+the node's cache directory, dropped when its first batches are made, and by the kernel if it dies). From its plan,
+for at most `HOLD_S`, every eligible process's whole-shard reads (fetch-ahead threads, and readers that do not lead)
+wait while its own range read or another announced one on the node is in flight: the node's first batches (a few
+MiB) have the link to themselves. (Producer 0 of every rank starts before the others, NOTE [first producer first] in
+hvdtrain/data/boot.py, so a rank's other producers plan after its leader announced, unless it takes 1 s to start.)
+Then the whole shards download while any range read still goes on, and each first batch takes whichever is complete
+first: the range read, or every shard it touches being local (`race`, checked every `POLL_S`), so a server that
+never answers ranges costs at most the hold and one whole-shard download (with fetch threads; without them the range
+read is given up after `RACE_S`). The first `takes` batches after a plan are the only ones that may read by range,
+whether or not they needed to: a warm cache's later batches never do. B6 (400 Mbit/s link, 2 ranks of 2 producers,
+100 KiB records), to the first batch: 1.66-1.71 s without range reads; 0.82-0.99 s when every producer read its
+first batch by range and held only its own fetch threads; 0.48-0.56 s with the leaders alone, the node-wide wait and
+producer 0 starting first. A 0.3 s hold instead of 1 s measured 0.92-1.20 s vs 0.90-0.93 s (every producer reading
+by range). A server slow at ranges still slows the whole shards it serves meanwhile: moto copies the whole object
+for every range GET, and B6's first batch on its unshaped link is 0.48-0.54 s with range reads, 0.33-0.37 s without
+(HVDTRAIN_STREAM_RANGED=0); over an HTTP server that seeks (tests/scripts/http_store.py) it was 0.49-0.55 s with
+them, 0.56-0.58 s without (before producer 0 started first).
 
 The bytes read by range are downloaded twice (again inside the whole shard), so they are bounded: per node and per
 planned (seed, epoch), at most `share` of the dataset's stored bytes, or 4 MiB if that is more (`claim`: a
@@ -38,6 +47,7 @@ process that never maps the shard (it ends first) does not check its rows.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import threading
 import time
@@ -61,7 +71,8 @@ SHARE = 0.015
 ENV_SHARE = "HVDTRAIN_STREAM_RANGED"
 MIN_BYTES = 4 << 20  # a small dataset's budget: its first batches, whatever 1.5% of it is
 TAKES = 1
-HOLD_S = 1.0  # the fetch-ahead threads wait at most this long for the first batch's range reads
+HOLD_S = 1.0  # whole-shard reads wait at most this long after a plan for the first batches' range reads
+BUSY = ".ranged.busy"  # a shared flock on it: a range read of a plan's first batch is in flight on the node
 POLL_S = 0.005  # how often a range read in flight looks whether its whole shards arrived first
 RACE_S = 60.0  # a range read not answered within this is given up for the whole shards
 
@@ -74,7 +85,8 @@ def default_share() -> float:
 
 class RangedReads:
     """One process's range reads of one dataset (see NOTE [first batches by range]): `share` of the dataset per
-    node and planned epoch, the first `takes` batches of each plan in this process."""
+    node and planned epoch, the first `takes` batches of each plan in the process that makes the reader's first
+    batches (`leads`)."""
 
     def __init__(self, share: float = SHARE, takes: int = TAKES) -> None:
         if not 0 <= share <= 1:
@@ -82,21 +94,52 @@ class RangedReads:
         self.share, self.takes = share, takes
         self.left = 0  # batches this process may still read by range in the current plan
         self.eligible = False  # set by the dataset: remote, raw shards of fixed-size rows, share > 0
-        self.holding = False  # the fetcher waits: this plan's first batch is not made yet (NOTE above)
+        self.holding = False  # whole-shard reads may still have to wait in this plan (`hold`)
         self.planned_at = 0.0
+        self.dir: Path | None = None  # the node's cache directory (the ledger and the announcement live there)
+        self._announced: int | None = None  # the fd holding this process's shared flock on BUSY
         self.unchecked: dict[int, dict[int, int]] = {}  # shard -> row -> CRC-32 of the bytes read by range
         self.lock = threading.Lock()
         self.bytes = 0  # read by range in this process (tests, stats)
         self.failed = 0  # batches whose range reads failed (then read from the whole shards)
         self.lost = 0  # batches whose whole shards were local before their range reads answered
 
-    def planned(self) -> None:
-        self.left = self.takes if self.eligible else 0
-        self.holding, self.planned_at = self.left > 0, time.monotonic()
+    def planned(self, directory: Path, leads: bool = True) -> None:
+        """A new plan: a leading process announces its coming range read at once (before any other process of
+        the node may start whole shards); every eligible process's whole-shard reads may wait (`hold`)."""
+        self.release()
+        self.dir, self.planned_at = directory, time.monotonic()
+        self.left = self.takes if self.eligible and leads else 0
+        self.holding = self.eligible
+        if self.left > 0:
+            with self.lock:
+                self._announced = announce(directory)
+
+    def release(self) -> None:
+        """This process's first batches are made: its announcement ends (closing the fd drops the flock)."""
+        with self.lock:
+            fd, self._announced = self._announced, None
+        if fd is not None:
+            os.close(fd)
 
     def hold(self) -> bool:
-        """Whether the fetch-ahead threads should wait (the range reads of this plan's first batch go first)."""
-        return self.holding and time.monotonic() - self.planned_at < HOLD_S
+        """Whether whole-shard reads should wait now: at most `HOLD_S` after the plan, while this process's own
+        first batch is not made or a range read announced by another process on the node is in flight."""
+        if not self.holding:
+            return False
+        waited = time.monotonic() - self.planned_at
+        if waited < HOLD_S and self.dir is not None and (self.left > 0 or busy(self.dir)):
+            return True
+        self.holding = False
+        return False
+
+    def wait(self, stop: threading.Event | None = None) -> None:
+        """Wait while `hold()` (at most `HOLD_S` after the plan), or until `stop` is set."""
+        while self.hold():
+            if stop is None:
+                time.sleep(POLL_S)
+            elif stop.wait(POLL_S):
+                return
 
     def budget(self, ds: StreamingDataset) -> int:
         """Bytes the node may read by range per planned epoch: `share` of the dataset, at least `MIN_BYTES`."""
@@ -111,6 +154,14 @@ class RangedReads:
             if self.left <= 0 or ds.node.epoch_order is None:  # (`eligible`: remote, raw, fixed-size rows)
                 return {}
             self.left -= 1
+        try:
+            return self._read(ds, wanted, local)
+        finally:
+            if self.left <= 0:
+                self.release()
+
+    def _read(self, ds: StreamingDataset, wanted: dict[int, np.ndarray],
+              local: Callable[[int], bool]) -> dict[int, dict[str, np.ndarray]]:
         if not wanted:
             return {}
         infos = {s: ds.index.shards[s] for s in wanted}
@@ -238,3 +289,49 @@ def claim(directory: Path, plan: str, nbytes: int, budget: int) -> bool:
             return True
     except (OSError, cache.Busy):
         return False
+
+
+def announce(directory: Path) -> int | None:
+    """Take a shared flock on `directory`'s BUSY file: the node sees a range read in flight until the returned fd
+    is closed (or this process dies). None if it cannot be taken (then nobody waits for this one)."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd = os.open(directory / BUSY, os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError:
+        return None
+    deadline = time.monotonic() + 1.0
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:  # a `busy` check holds it exclusively for a moment
+            if time.monotonic() < deadline:
+                time.sleep(0.001)
+                continue
+        except OSError:  # a filesystem without flock
+            pass
+        os.close(fd)
+        return None
+
+
+def busy(directory: Path, tries: int = 3) -> bool:
+    """Whether a process on the node announced a range read (holds a shared flock on BUSY) and is not done. The
+    check takes the lock exclusively for a moment, so another check can be what holds it: `tries` times, 1 ms
+    apart, before it answers yes. An error (no flock there): no."""
+    try:
+        fd = os.open(directory / BUSY, os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError:
+        return False
+    try:
+        for k in range(tries):
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return False
+            except BlockingIOError:
+                if k + 1 < tries:
+                    time.sleep(0.001)
+            except OSError:
+                return False
+        return True
+    finally:
+        os.close(fd)  # (drops the exclusive lock if taken)

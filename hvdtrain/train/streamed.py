@@ -57,9 +57,9 @@ class StreamSplit:
             return tuple(enc.shape)
         return tuple(self.take(np.array([0]))[0].shape[1:])
 
-    def plan_epoch(self, seed: int, epoch: int, last: bool = False) -> None:
+    def plan_epoch(self, seed: int, epoch: int, last: bool = False, leads: bool = True) -> None:
         """Called by the loader's producers: fetch ahead of this epoch's order (StreamingDataset.plan_epoch)."""
-        self.data.plan_epoch(seed, epoch, last)
+        self.data.plan_epoch(seed, epoch, last, leads)
 
     def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         x, y = self.take(np.array([i]))
