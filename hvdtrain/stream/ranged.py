@@ -111,9 +111,9 @@ class RangedReads:
         self.dir, self.planned_at = directory, time.monotonic()
         self.left = self.takes if self.eligible and leads else 0
         self.holding = self.eligible
-        if self.left > 0:
-            with self.lock:
-                self._announced = announce(directory)
+        fd = announce(directory) if self.left > 0 else None  # (outside the lock: it may retry for up to 1 s)
+        with self.lock:
+            self._announced = fd
 
     def release(self) -> None:
         """This process's first batches are made: its announcement ends (closing the fd drops the flock)."""
