@@ -201,7 +201,8 @@ class ShmLoader:
                     base.ring, base.ring_capacity = self._res.rings[-1].seg.name, self._spw
                 payload = cloudpickle.dumps(base)
                 mine, theirs = Channel.pair()
-                started, wait_for = (None, None) if gate is None else (gate[0], None) if w == 0 else (None, gate[1])
+                started = gate[0] if gate is not None and w == 0 else None  # producer 0 signals its first batch
+                wait_for = gate[1] if gate is not None and w > 0 else None  # the others wait for it
                 proc = ctx.Process(target=producer_main, args=(theirs.sock, payload, started, wait_for), daemon=True,
                                    name=f"hvdtrain-data-r{self.rank}-w{w}")
                 self._res.conns.append(mine)
