@@ -9,6 +9,22 @@ note() { echo "gpu_check-note: $*"; }
 set -E
 trap 'note "failed (exit $?): $BASH_COMMAND"' ERR
 
+# The headline numbers of a step's JSON for its note (never fails: "no numbers" if the file is missing or odd).
+numbers() {
+  "$VPY" - "$1" "$2" <<'PY' 2>/dev/null || echo "no numbers"
+import json, sys
+kind, d = sys.argv[1], json.load(open(sys.argv[2]))
+if kind == "recipe":
+    print(f"{d['samples_per_sec']:.0f} samples/s, data wait {d['data_wait_share']:.1%} of step")
+else:  # h2d: per workload, the step time vs data already on the GPU and the host's wait in next()
+    print("; ".join(
+        f"{n} {w['modes']['prefetch']['ratio_vs_resident']:.3f}x resident (goal <= 1.02 "
+        f"{'met' if w['goals']['prefetch_ratio_met'] else 'NOT met'}), host wait in next() "
+        f"{w['modes']['prefetch']['wait_share']:.1%} of step (goal <= 1% "
+        f"{'met' if w['goals']['prefetch_wait_met'] else 'NOT met'})" for n, w in d["workloads"].items()))
+PY
+}
+
 step_env() {
   set -e
   nvidia-smi
@@ -118,7 +134,7 @@ step_collectives() {
 step_h2d() {
   "$VPY" bench/h2d_overlap.py --rounds 2 --steps 60 --warmup 10 --json "$OUT_DIR/h2d_overlap.json"
   local rc=$?
-  note "bench/h2d_overlap.py exit $rc (numbers in h2d_overlap.json)"
+  note "bench/h2d_overlap.py exit $rc: $(numbers h2d "$OUT_DIR/h2d_overlap.json") (h2d_overlap.json)"
   return $rc
 }
 
@@ -128,7 +144,7 @@ step_recipe() {
     --model resnet --synthetic-shape 3,32,32 --synthetic-samples 40000 --batch-size 128 --epochs 1 \
     --no-progress --run-dir "$WORK/run/pytorch"
   cp "$WORK/run/pytorch/summary.json" "$OUT_DIR/recipe_summary.json"
-  note "PyTorch recipe, ResNet on CUDA, one epoch of batches of 128 (recipe_summary.json)"
+  note "PyTorch recipe, ResNet on CUDA, one epoch of batches of 128: $(numbers recipe "$OUT_DIR/recipe_summary.json")"
 }
 
 step_keras() {

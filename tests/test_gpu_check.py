@@ -54,6 +54,23 @@ def test_the_project_patch_applies_to_the_vendored_sdist(vendor: Path, tmp_path:
     assert r.returncode == 0 and "FAILED" not in r.stdout, r.stdout + r.stderr
 
 
+def test_the_patched_sources_include_every_header_gcc_13_no_longer_brings_in(vendor: Path, tmp_path: Path) -> None:
+    """The first GPU machine (GCC 13, CUDA 13) failed to build the unpatched group_table.h and common.h, which GCC 12
+    builds: the patch must add what libstdc++ 13 stopped including for them (scripts/horovod_includes.py)."""
+    with tarfile.open(vendor / "horovod-0.28.1.tar.gz") as tar:
+        tar.extractall(tmp_path, filter="data")
+    src = tmp_path / "horovod-0.28.1"
+    check = [sys.executable, str(ROOT / "scripts" / "horovod_includes.py"), str(src)]
+    before = subprocess.run(check, capture_output=True, text=True, timeout=60)
+    assert before.returncode == 1, before.stdout + before.stderr
+    assert "horovod/common/group_table.h: uses names from <string>" in before.stdout, before.stdout
+    assert "horovod/common/common.h: uses names from <stdexcept>" in before.stdout, before.stdout
+    subprocess.run(["patch", "-p1", "--quiet", "-d", str(src), "-i",
+                    str(ROOT / "scripts" / "patches" / "horovod-0.28.1.patch")], check=True, timeout=60)
+    after = subprocess.run(check, capture_output=True, text=True, timeout=60)
+    assert after.returncode == 0 and after.stdout == "", after.stdout + after.stderr
+
+
 def test_dry_run_prints_the_nccl_build_flags(vendor: Path) -> None:
     r = sh(CHECK, "--dry-run", "--vendor", vendor, "--skip", "racecheck,keras",
            env={"HOROVOD_BUILD_CUDA_CC_LIST": "90"})
@@ -130,3 +147,21 @@ def test_setup_gpu_option_is_documented_and_unknown_options_are_refused() -> Non
 def test_python_312_is_admitted_and_311_stays() -> None:
     spec = SpecifierSet(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"])
     assert "3.11.7" in spec and "3.12.3" in spec and "3.10.12" not in spec
+
+
+def test_step_notes_carry_the_h200_runs_headline_numbers_and_survive_a_missing_file(tmp_path: Path) -> None:
+    """The h2d and recipe notes of summary.txt, made from the JSON the 2026-11-26 H200 run wrote (bench/results/)."""
+    results = ROOT / "bench" / "results" / "gpu-h200-2026-11-26"
+
+    def numbers(kind: str, path: Path) -> str:
+        r = sh("-c", f'source scripts/gpu_steps.sh; numbers {kind} "$1"', "numbers", path, env={"VPY": sys.executable})
+        assert r.returncode == 0, r.stderr
+        return r.stdout.strip()
+
+    h2d = numbers("h2d", results / "h2d_overlap.json")
+    assert h2d.startswith("large 1.006x resident (goal <= 1.02 met), host wait in next() 22.9% of step "
+                          "(goal <= 1% NOT met); imagenet 1.004x resident"), h2d
+    assert numbers("recipe", results / "recipe_summary.json") == "15273 samples/s, data wait 18.0% of step"
+    (tmp_path / "odd.json").write_text("{}")
+    assert numbers("recipe", tmp_path / "odd.json") == "no numbers"
+    assert numbers("h2d", tmp_path / "missing.json") == "no numbers"

@@ -1,0 +1,86 @@
+"""List the Horovod sources that use a standard-library name without including its header, directly or through the
+headers of the source tree (its own and third_party's).
+
+    python scripts/horovod_includes.py SRC          (SRC: an unpacked, patched horovod-0.28.1; exit 1 if any is found)
+
+Why: libstdc++ 13 (GCC 13, Ubuntu 24.04, the GPU images) stopped including <string>, <stdexcept>, <cstdint>,
+<system_error> and <cstdio> from its other headers, and Horovod 0.28.1 relied on that: its GPU build failed on
+group_table.h (`std::string`) and common.h (`std::logic_error`) on the first GPU machine lent to this project, while
+GCC 12 (Debian 12, CI) built it. A standard header is treated as providing only itself, which is what every
+libstdc++ guarantees; headers outside the tree (CUDA, MPI, NVTX) provide nothing. scripts/patches/ adds the includes;
+tests/test_gpu_check.py runs this over the sdist before and after the patch.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+NEEDS = {  # header -> the names that need it, and the headers that provide them
+    "string": (r"std::(string\b|to_string\b|sto(i|l|ul|ll|ull|f|d)\b|getline\b)", {"string"}),
+    "stdexcept": (r"std::(logic_error|runtime_error|invalid_argument|out_of_range|domain_error|length_error"
+                  r"|overflow_error|range_error)\b", {"stdexcept"}),
+    "system_error": (r"std::(system_error|error_code|error_category|generic_category|system_category)\b",
+                     {"system_error"}),
+    "cstdint": (r"(?<![\w:])(std::)?u?int(8|16|32|64)_t\b", {"cstdint", "stdint.h", "cinttypes", "inttypes.h"}),
+    "cstdio": (r"(?<![\w:])(std::)?(printf|fprintf|snprintf|sprintf|fopen|fclose|fflush)\s*\(", {"cstdio", "stdio.h"}),
+}
+SKIP_DIRS = {"rocm", "mxnet", "ddl"}  # not built by hvdtrain (ROCm, MXNet, IBM DDL)
+INCLUDE = re.compile(r'^\s*#\s*include\s*([<"])([^>"]+)[>"]', re.M)
+
+
+def search_path(src: Path) -> list[Path]:
+    """The include directories of Horovod's CMake build that lie inside the sdist."""
+    tp = src / "third_party"
+    return [src, tp / "gloo", tp / "eigen", tp / "flatbuffers" / "include", tp / "lbfgs" / "include",
+            tp / "HTTPRequest" / "include", *sorted((tp / "boost").glob("*/include"))]
+
+
+def headers_seen(path: Path, dirs: list[Path], cache: dict[Path, set[str]], stack: frozenset[Path] = frozenset()
+                 ) -> set[str]:
+    """Every standard header `path` includes, following the includes that resolve inside the tree."""
+    if path in cache:
+        return cache[path]
+    seen: set[str] = set()
+    for _, name in INCLUDE.findall(path.read_text(errors="replace")):
+        found = next((d / name for d in (path.parent, *dirs) if (d / name).is_file()), None)
+        if found is None:
+            seen.add(name)  # a standard (or outside) header: provides itself only
+        elif found.resolve() not in stack:
+            seen |= headers_seen(found.resolve(), dirs, cache, stack | {path})
+    cache[path] = seen
+    return seen
+
+
+def missing_includes(src: Path) -> dict[str, list[str]]:
+    """{file relative to src: [headers it needs but never sees]} over horovod/'s C++ and CUDA sources."""
+    dirs, cache = search_path(src), {}
+    files = [p for p in sorted((src / "horovod").rglob("*"))
+             if p.suffix in {".h", ".cc", ".cu"} and not SKIP_DIRS & set(p.parts)]
+    fragments = {name for p in files for _, name in INCLUDE.findall(p.read_text(errors="replace"))
+                 if name.endswith(".cc")}  # .cc files #included into another one (gpu_context_impl.cc)
+    found: dict[str, list[str]] = {}
+    for p in files:
+        if p.name in fragments:
+            continue
+        code = re.sub(r"//[^\n]*|/\*.*?\*/", "", p.read_text(errors="replace"), flags=re.S)
+        seen = headers_seen(p.resolve(), dirs, cache)
+        lacking = [h for h, (names, providers) in NEEDS.items() if re.search(names, code) and not providers & seen]
+        if lacking:
+            found[str(p.relative_to(src))] = lacking
+    return found
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1 or not (Path(argv[0]) / "horovod").is_dir():
+        print("usage: python scripts/horovod_includes.py SRC  (SRC: an unpacked horovod sdist)", file=sys.stderr)
+        return 2
+    found = missing_includes(Path(argv[0]))
+    for name, headers in found.items():
+        print(f"{name}: uses names from <{'>, <'.join(headers)}> without including it")
+    return 1 if found else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
