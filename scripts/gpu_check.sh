@@ -84,7 +84,8 @@ CC_LIST="${HOROVOD_BUILD_CUDA_CC_LIST:-$("$PY" -c 'import torch; a, b = torch.cu
 # MPI: optional where mpicc exists (CMake uses it if it works), left out where it does not.
 MPI_FLAG=HOROVOD_WITHOUT_MPI=1
 command -v mpicc >/dev/null && MPI_FLAG=""
-# make -k: a failing build reports every error in one run (a GPU machine's minutes are few).
+# make -k: a failing build reports every error in one run (a GPU machine's minutes are few; Ninja, used
+# where make is missing, ignores MAKEFLAGS).
 build_flags() {
   echo "HOROVOD_GPU_OPERATIONS=NCCL HOROVOD_CUDA_HOME=$CUDA_HOME_DIR CUDA_HOME=$CUDA_HOME_DIR" \
        "HOROVOD_NCCL_INCLUDE=${NCCL_DIR:-NOT_FOUND}/include HOROVOD_NCCL_LIB=$1 HOROVOD_NCCL_LINK=SHARED" \

@@ -15,13 +15,14 @@ numbers() {
 import json, sys
 kind, d = sys.argv[1], json.load(open(sys.argv[2]))
 if kind == "recipe":
-    print(f"{d['samples_per_sec']:.0f} samples/s, data wait {d['data_wait_share']:.1%} of step")
+    line = f"{d['samples_per_sec']:.0f} samples/s, data wait {d['data_wait_share']:.1%} of step"
 else:  # h2d: per workload, the step time vs data already on the GPU and the host's wait in next()
-    print("; ".join(
+    line = ("; ".join(
         f"{n} {w['modes']['prefetch']['ratio_vs_resident']:.3f}x resident (goal <= 1.02 "
         f"{'met' if w['goals']['prefetch_ratio_met'] else 'NOT met'}), host wait in next() "
         f"{w['modes']['prefetch']['wait_share']:.1%} of step (goal <= 1% "
         f"{'met' if w['goals']['prefetch_wait_met'] else 'NOT met'})" for n, w in d["workloads"].items()))
+sys.exit(1) if not line else print(line)
 PY
 }
 

@@ -9,6 +9,10 @@ group_table.h (`std::string`) and common.h (`std::logic_error`) on the first GPU
 GCC 12 (Debian 12, CI) built it. A standard header is treated as providing only itself, which is what every
 libstdc++ guarantees; headers outside the tree (CUDA, MPI, NVTX) provide nothing. scripts/patches/ adds the includes;
 tests/test_gpu_check.py runs this over the sdist before and after the patch.
+
+Limits (it reads text; it does not preprocess): an include inside an `#if` block counts as made whatever the
+condition; only `std::`-qualified names are matched for <string>, <stdexcept> and <system_error> (`using std::x`
+then `x` is missed); a `.cc` file #included into another (gpu_context_impl.cc) is checked as part of that file.
 """
 
 from __future__ import annotations
@@ -28,6 +32,14 @@ NEEDS = {  # header -> the names that need it, and the headers that provide them
 }
 SKIP_DIRS = {"rocm", "mxnet", "ddl"}  # not built by hvdtrain (ROCm, MXNet, IBM DDL)
 INCLUDE = re.compile(r'^\s*#\s*include\s*([<"])([^>"]+)[>"]', re.M)
+# A string literal (kept: "http://..." is no comment) or a comment (dropped).
+LITERAL_OR_COMMENT = re.compile(r'"(?:\\.|[^"\\\n])*"|//[^\n]*|/\*.*?\*/', re.S)
+
+
+def code_of(path: Path) -> str:
+    """The file's text without its comments."""
+    text = path.read_text(errors="replace")
+    return LITERAL_OR_COMMENT.sub(lambda m: m.group(0) if m.group(0).startswith('"') else " ", text)
 
 
 def search_path(src: Path) -> list[Path]:
@@ -43,7 +55,7 @@ def headers_seen(path: Path, dirs: list[Path], cache: dict[Path, set[str]], stac
     if path in cache:
         return cache[path]
     seen: set[str] = set()
-    for _, name in INCLUDE.findall(path.read_text(errors="replace")):
+    for _, name in INCLUDE.findall(code_of(path)):
         found = next((d / name for d in (path.parent, *dirs) if (d / name).is_file()), None)
         if found is None:
             seen.add(name)  # a standard (or outside) header: provides itself only
@@ -55,18 +67,19 @@ def headers_seen(path: Path, dirs: list[Path], cache: dict[Path, set[str]], stac
 
 def missing_includes(src: Path) -> dict[str, list[str]]:
     """{file relative to src: [headers it needs but never sees]} over horovod/'s C++ and CUDA sources."""
-    dirs, cache = search_path(src), {}
-    files = [p for p in sorted((src / "horovod").rglob("*"))
-             if p.suffix in {".h", ".cc", ".cu"} and not SKIP_DIRS & set(p.parts)]
-    fragments = {name for p in files for _, name in INCLUDE.findall(p.read_text(errors="replace"))
-                 if name.endswith(".cc")}  # .cc files #included into another one (gpu_context_impl.cc)
+    dirs, cache = search_path(src), dict[Path, set[str]]()
+    files = [p for p in sorted((src / "horovod").rglob("*")) if p.is_file() and p.suffix in {".h", ".cc", ".cu"}
+             and not SKIP_DIRS & set(p.relative_to(src).parts)]
+    code = {p: code_of(p) for p in files}
+    included = {p: [p.parent / name for _, name in INCLUDE.findall(code[p]) if name.endswith(".cc")] for p in files}
+    fragments = {f for fs in included.values() for f in fs}  # .cc files #included into another one
     found: dict[str, list[str]] = {}
     for p in files:
-        if p.name in fragments:
-            continue
-        code = re.sub(r"//[^\n]*|/\*.*?\*/", "", p.read_text(errors="replace"), flags=re.S)
+        if p in fragments:
+            continue  # checked as part of the file that includes it
+        text = code[p] + "".join(code.get(f, "") for f in included[p])
         seen = headers_seen(p.resolve(), dirs, cache)
-        lacking = [h for h, (names, providers) in NEEDS.items() if re.search(names, code) and not providers & seen]
+        lacking = [h for h, (names, providers) in NEEDS.items() if re.search(names, text) and not providers & seen]
         if lacking:
             found[str(p.relative_to(src))] = lacking
     return found

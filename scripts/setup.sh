@@ -8,7 +8,8 @@
 #   2. venv:    creates ./.venv (Python 3.11) unless it exists.
 #   3. pip:     installs hvdtrain (editable) with torch==2.13.0 and the pinned versions in scripts/constraints.txt.
 #   4. horovod: downloads the horovod==0.28.1 sdist from PyPI, checks its sha256, applies
-#               scripts/patches/horovod-0.28.1.patch (C++17 for torch >= 2.1; drop XLA ops for TF >= 2.19; the standard includes GCC 13 needs) and
+#               scripts/patches/horovod-0.28.1.patch (C++17 for torch >= 2.1; drop XLA ops for TF >= 2.19;
+#               gloo's interface for process sets; the standard includes GCC 13 needs) and
 #               builds it with PyTorch ops and the Gloo and MPI controllers. Skipped when the stamp in
 #               .venv/hvdtrain-horovod.stamp matches (same Horovod, patch, torch, build flags) and Horovod imports.
 #   5. check:   runs `hvdtrain doctor`.

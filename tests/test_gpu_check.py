@@ -165,3 +165,5 @@ def test_step_notes_carry_the_h200_runs_headline_numbers_and_survive_a_missing_f
     (tmp_path / "odd.json").write_text("{}")
     assert numbers("recipe", tmp_path / "odd.json") == "no numbers"
     assert numbers("h2d", tmp_path / "missing.json") == "no numbers"
+    (tmp_path / "empty.json").write_text('{"workloads": {}}')
+    assert numbers("h2d", tmp_path / "empty.json") == "no numbers"
