@@ -22,7 +22,9 @@ else:  # h2d: per workload, the step time vs data already on the GPU and the hos
         f"{'met' if w['goals']['prefetch_ratio_met'] else 'NOT met'}), host wait in next() "
         f"{w['modes']['prefetch']['wait_share']:.1%} of step (goal <= 1% "
         f"{'met' if w['goals']['prefetch_wait_met'] else 'NOT met'})" for n, w in d["workloads"].items()))
-sys.exit(1) if not line else print(line)
+if not line:
+    sys.exit(1)
+print(line)
 PY
 }
 

@@ -17,8 +17,10 @@ then `x` is missed); a `.cc` file #included into another (gpu_context_impl.cc) i
 
 from __future__ import annotations
 
+import functools
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 NEEDS = {  # header -> the names that need it, and the headers that provide them
@@ -49,18 +51,18 @@ def search_path(src: Path) -> list[Path]:
             tp / "HTTPRequest" / "include", *sorted((tp / "boost").glob("*/include"))]
 
 
-def headers_seen(path: Path, dirs: list[Path], cache: dict[Path, set[str]], stack: frozenset[Path] = frozenset()
-                 ) -> set[str]:
+def headers_seen(path: Path, dirs: list[Path], read: Callable[[Path], str], cache: dict[Path, set[str]],
+                 stack: frozenset[Path] = frozenset()) -> set[str]:
     """Every standard header `path` includes, following the includes that resolve inside the tree."""
     if path in cache:
         return cache[path]
     seen: set[str] = set()
-    for _, name in INCLUDE.findall(code_of(path)):
+    for _, name in INCLUDE.findall(read(path)):
         found = next((d / name for d in (path.parent, *dirs) if (d / name).is_file()), None)
         if found is None:
             seen.add(name)  # a standard (or outside) header: provides itself only
         elif found.resolve() not in stack:
-            seen |= headers_seen(found.resolve(), dirs, cache, stack | {path})
+            seen |= headers_seen(found.resolve(), dirs, read, cache, stack | {path})
     cache[path] = seen
     return seen
 
@@ -68,17 +70,18 @@ def headers_seen(path: Path, dirs: list[Path], cache: dict[Path, set[str]], stac
 def missing_includes(src: Path) -> dict[str, list[str]]:
     """{file relative to src: [headers it needs but never sees]} over horovod/'s C++ and CUDA sources."""
     dirs, cache = search_path(src), dict[Path, set[str]]()
+    read = functools.cache(code_of)  # each file read once per call
     files = [p for p in sorted((src / "horovod").rglob("*")) if p.is_file() and p.suffix in {".h", ".cc", ".cu"}
              and not SKIP_DIRS & set(p.relative_to(src).parts)]
-    code = {p: code_of(p) for p in files}
-    included = {p: [p.parent / name for _, name in INCLUDE.findall(code[p]) if name.endswith(".cc")] for p in files}
+    included = {p: [p.parent / name for _, name in INCLUDE.findall(read(p)) if name.endswith(".cc")]
+                for p in files}
     fragments = {f for fs in included.values() for f in fs}  # .cc files #included into another one
     found: dict[str, list[str]] = {}
     for p in files:
         if p in fragments:
             continue  # checked as part of the file that includes it
-        text = code[p] + "".join(code.get(f, "") for f in included[p])
-        seen = headers_seen(p.resolve(), dirs, cache)
+        text = read(p) + "".join(read(f) for f in included[p] if f.is_file())
+        seen = headers_seen(p.resolve(), dirs, read, cache)
         lacking = [h for h, (names, providers) in NEEDS.items() if re.search(names, text) and not providers & seen]
         if lacking:
             found[str(p.relative_to(src))] = lacking
@@ -87,7 +90,8 @@ def missing_includes(src: Path) -> dict[str, list[str]]:
 
 def main(argv: list[str]) -> int:
     if len(argv) != 1 or not (Path(argv[0]) / "horovod").is_dir():
-        print("usage: python scripts/horovod_includes.py SRC  (SRC: an unpacked horovod sdist)", file=sys.stderr)
+        print(f"horovod_includes: expected one argument, the folder of an unpacked horovod sdist (holding horovod/); "
+              f"got {argv}. usage: python scripts/horovod_includes.py SRC", file=sys.stderr)
         return 2
     found = missing_includes(Path(argv[0]))
     for name, headers in found.items():
