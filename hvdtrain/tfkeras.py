@@ -8,10 +8,12 @@ the hooks it overrides, so the ranks silently drift apart. hvdtrain never lets a
 
 - `import_tensorflow()` sets `TF_USE_LEGACY_KERAS=1` (unless the user set it already), imports TF and checks
   which Keras `tf.keras` is; Keras 3 raises `KerasVersionError` naming the fix.
-- `import_horovod_keras()` does that, then imports `horovod.tensorflow.keras` and repairs its one Keras-3 leak:
-  Horovod binds `from keras import backend as K`, which is Keras 3's backend even in legacy mode (it lacks
-  `get_value`, `set_value`, `constant`, so `LearningRateWarmupCallback` and `MetricAverageCallback` would fail);
-  it is rebound to `tf.keras.backend` (tf_keras's).
+- `import_horovod_keras()` does that, then imports `horovod.tensorflow.keras`.
+
+The Horovod that scripts/setup.sh builds guards itself too, for scripts that never import hvdtrain (its patch):
+every entry point of its Keras integration raises `UnsupportedKerasError` on a Keras 3 object, and its modules bind
+tf.keras's own backend (0.28.1 bound `from keras import backend`, Keras 3's even in legacy mode, which lacks
+`get_value`, so `LearningRateWarmupCallback` failed). tests/test_horovod_keras.py runs both paths.
 
 `keras_verdict()` is the pure decision (no TensorFlow needed), shared with `hvdtrain doctor`.
 """
@@ -134,13 +136,8 @@ def import_tensorflow(set_legacy: bool = True) -> Any:
 
 
 def import_horovod_keras(set_legacy: bool = True) -> tuple[Any, Any]:
-    """(tensorflow, horovod.tensorflow.keras), guarded against Keras 3, with Horovod's backend handle fixed."""
+    """(tensorflow, horovod.tensorflow.keras), guarded against Keras 3."""
     tf = import_tensorflow(set_legacy)
     import horovod.tensorflow.keras as hvd
-    import horovod.tensorflow.keras.callbacks as hvd_callbacks
 
-    legacy_backend = tf.keras.backend
-    for module in (hvd, hvd_callbacks):
-        if not hasattr(getattr(module, "K", legacy_backend), "get_value"):
-            module.K = legacy_backend  # Keras 3's `keras.backend` leaked in; see the module docstring
     return tf, hvd

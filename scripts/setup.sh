@@ -127,6 +127,13 @@ pip_packages() {
     [[ -n "${HOROVOD_CUDA_HOME:-}" ]] || gpu_pkgs+=("cuda-toolkit[nvcc,crt,cccl,cudart]")
   fi
   "${pip[@]}" install -c "$CONSTRAINTS" -e "$ROOT[$EXTRAS]" "${gpu_pkgs[@]}"
+  # Earlier installs put pytest-randomly here; it reorders every pytest run in this venv, users' included (a
+  # distributed test suite's ranks then disagree on the order and hang). See the dev extra in pyproject.toml.
+  if PYTHONPATH= "$VENV/bin/python" -c 'import importlib.metadata as m; m.distribution("pytest-randomly")' 2>/dev/null
+  then
+    "${pip[@]}" uninstall -y pytest-randomly
+    echo "    removed pytest-randomly (it reorders every pytest run in this venv; scripts/test_order.sh brings its own)"
+  fi
   echo "    torch $("$VENV/bin/python" -c 'import torch; print(torch.__version__)')," \
        "tensorflow $("$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("tensorflow"))' \
                      2>/dev/null || echo none)," \

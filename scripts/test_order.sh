@@ -11,6 +11,15 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 bash scripts/setup.sh
 PYTEST=(.venv/bin/python -m pytest -q)
+# pytest-randomly lives outside the venv (pyproject.toml's `order` extra says why): installed into a directory of
+# its own and put on the path of the random-order run alone.
+ORDER_PLUGINS="$ROOT/.build/pytest-order"
+random_order_plugin() {
+  if [[ ! -d "$ORDER_PLUGINS/pytest_randomly" ]]; then
+    .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps -c scripts/constraints.txt \
+      --target "$ORDER_PLUGINS" pytest-randomly
+  fi
+}
 if (($#)); then modes=("$@"); else modes=(reverse random files); fi
 failed=()
 
@@ -30,7 +39,9 @@ run() {  # name, pytest arguments...
 for mode in "${modes[@]}"; do
   case "$mode" in
     reverse) run reverse --reverse ;;
-    random) run "random (seed ${RANDOM_SEED:=$RANDOM})" -p randomly "--randomly-seed=$RANDOM_SEED" ;;
+    random) random_order_plugin
+            PYTHONPATH="$ORDER_PLUGINS${PYTHONPATH:+:$PYTHONPATH}" \
+              run "random (seed ${RANDOM_SEED:=$RANDOM})" -p randomly "--randomly-seed=$RANDOM_SEED" ;;
     files) for file in tests/test_*.py; do run "$file alone" "$file"; done ;;
     *) echo "unknown mode '$mode': expected reverse, random or files" >&2; exit 2 ;;
   esac
