@@ -11,14 +11,12 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 bash scripts/setup.sh
 PYTEST=(.venv/bin/python -m pytest -q)
-# pytest-randomly lives outside the venv (pyproject.toml's `order` extra says why): installed into a directory of
-# its own and put on the path of the random-order run alone.
+# pytest-randomly lives outside the venv (pyproject.toml's dev extra says why): installed, at the version pinned in
+# scripts/constraints.txt, into a directory of its own and put on the path of the random-order run alone.
 ORDER_PLUGINS="$ROOT/.build/pytest-order"
 random_order_plugin() {
-  if [[ ! -d "$ORDER_PLUGINS/pytest_randomly" ]]; then
-    .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps -c scripts/constraints.txt \
-      --target "$ORDER_PLUGINS" pytest-randomly
-  fi
+  .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps --upgrade -c scripts/constraints.txt \
+    --target "$ORDER_PLUGINS" pytest-randomly
 }
 if (($#)); then modes=("$@"); else modes=(reverse random files); fi
 failed=()
