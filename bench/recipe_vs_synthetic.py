@@ -90,9 +90,10 @@ def recipe_side(args: argparse.Namespace, dataset: str, run_dir: Path) -> tuple[
     import horovod.torch as hvd
     import torch
 
-    from hvdtrain.data import DevicePrefetcher, ShmLoader, StallMeter
+    from hvdtrain.data import DevicePrefetcher, ShmLoader
     from hvdtrain.train import datasets
-    from hvdtrain.train.torchkit import epoch_seed, lr_schedule, model_name, pin_device, sgd
+    from hvdtrain.train.precision import Precision
+    from hvdtrain.train.torchkit import Meters, epoch_seed, lr_schedule, model_name, pin_device, sgd
 
     if str(RECIPES) not in sys.path:
         sys.path.insert(0, str(RECIPES))
@@ -119,13 +120,15 @@ def recipe_side(args: argparse.Namespace, dataset: str, run_dir: Path) -> tuple[
     loader = DevicePrefetcher(ShmLoader(splits.train, rank=rank, size=size, batch_size=cfg.batch_size,
                                         num_workers=cfg.num_workers, seed=cfg.seed, fetch=datasets.take,
                                         order=splits.train.order), device)
-    side = SimpleNamespace(cfg=cfg, train_loader=loader, meter=StallMeter(), rank=rank)
+    side = SimpleNamespace(cfg=cfg, train_loader=loader, meter=Meters.on(device), rank=rank)
+    precision = Precision(cfg.precision, device)
 
     def iteration(epoch: int) -> float:
         torch.manual_seed(epoch_seed(cfg.seed, epoch, rank))
         loader.set_epoch(epoch)
         start = time.perf_counter()
-        train = recipe.train_epoch(cfg, epoch, cfg.epochs, model, optimizer, schedule, loader, side.meter)
+        train = recipe.train_epoch(cfg, epoch, cfg.epochs, model, optimizer, schedule, loader, side.meter,
+                                   precision)
         return train["samples"] / (time.perf_counter() - start) / size
 
     return side, iteration

@@ -59,6 +59,7 @@ from hvdtrain.train.config import parse_config
 from hvdtrain.train.entry import exit_with
 from hvdtrain.train.lr import LRSchedule
 from hvdtrain.train.metrics import History, MetricSums, build_summary, combine_stall
+from hvdtrain.train.precision import Precision, prepare_model
 from hvdtrain.train.report import log, nothing_to_train, same_weights, wait_share
 
 EVENTS_NAME = "elastic.jsonl"
@@ -75,6 +76,9 @@ class Config(torchkit.TorchConfig):
         super().__post_init__()
         if self.commit_every < 1:
             raise ValueError(f"--commit-every must be >= 1, got {self.commit_every}")
+        if self.precision == "fp16":
+            raise ValueError("--precision fp16 is not supported by the elastic recipe (the loss scale is not part "
+                             "of its elastic state yet); use --precision bf16, or recipes/pytorch_train.py")
 
 
 @dataclass
@@ -88,6 +92,8 @@ class Job:
     device: torch.device
     splits: datasets.Splits
     model: nn.Module
+    net: nn.Module  # what the training step calls: model, or torch.compile(model) with --compile
+    precision: Precision
     optimizer: torch.optim.Optimizer
     schedule: LRSchedule
     loader: DevicePrefetcher
@@ -164,23 +170,24 @@ def train_step(j: Job, state: hvd.elastic.TorchState, x: torch.Tensor, y: torch.
         group["lr"] = lr
     j.optimizer.zero_grad()
     # Horovod: backward_passes_per_step chunks, each a backward() DistributedOptimizer accumulates locally.
-    losses = torchkit.forward_backward(j.model, x, y, j.cfg.backward_passes_per_step, sums)
+    losses = torchkit.forward_backward(j.net, x, y, j.cfg.backward_passes_per_step, sums, j.precision,
+                                       j.cfg.channels_last)
     # Horovod: wait for the averaged gradients, check them for NaN/Inf (every rank alike, NOTE [divergence
     # checks]), apply them without waiting again. The step counts from the epoch's start over every world size it
     # saw, so no per-epoch total is shown.
     j.optimizer.synchronize()
-    if j.cfg.check_finite and not torchkit.gradients_finite(j.model):
+    if j.cfg.check_finite and j.precision.diverged(j.model, j.optimizer):
         raise divergence.at_step(state.epoch, state.batch, None, "the averaged gradients hold NaN/Inf",
-                                 divergence.worst(losses))
+                                 divergence.worst([float(v) for v in losses]))
     with j.optimizer.skip_synchronize():
-        j.optimizer.step()
-    return losses[-1]
+        j.precision.step(j.optimizer)
+    return float(losses[-1])
 
 
 def commit(j: Job, state: hvd.elastic.TorchState, sums: MetricSums) -> None:
     # Horovod: fold this rank's metric sums since the last commit into the state's global sums (one allreduce),
     # so that a restore neither loses nor double-counts them.
-    total = allreduce_sum(np.array([sums.loss_sum, sums.correct, sums.count], dtype=np.float64))
+    total = allreduce_sum(sums.values())
     state.train_sums = tuple(float(a + b) for a, b in zip(state.train_sums, total, strict=True))
     sums.loss_sum, sums.correct, sums.count = 0.0, 0, 0
     state.data = j.loader.state_dict()  # the global samples consumed in this epoch: a prefix of its order
@@ -212,7 +219,8 @@ def end_epoch(j: Job, state: hvd.elastic.TorchState, started: float, samples0: f
     # Horovod: average the BatchNorm buffers (gradients are averaged, buffers are not), then the validation
     # sums over every rank's shard.
     torchkit.average_buffers(j.model, lambda buf, name: hvd.allreduce(buf, op=hvd.Average, name=name))
-    val = torchkit.validation_sums(j.model, j.splits.val, j.rank, j.size, j.device).reduce(allreduce_sum)
+    val = torchkit.validation_sums(j.model, j.splits.val, j.rank, j.size, j.device, j.precision,
+                                   j.cfg.channels_last).reduce(allreduce_sum)
     loss_sum, correct, count = state.train_sums
     train_loss = loss_sum / max(count, 1)
     if j.cfg.check_finite:  # before the epoch is recorded or checkpointed (NOTE [divergence checks])
@@ -314,7 +322,9 @@ def main(argv: list[str] | None = None) -> int:
     # Horovod: everything every rank must agree on after a reset; rank 0's copy is broadcast by state.sync().
     state = hvd.elastic.TorchState(model=model, optimizer=optimizer, epoch=first, batch=0, data=None,
                                    train_sums=(0.0, 0.0, 0.0), history=tuple(rows), sizes=(size,), resets=0)
-    j = Job(cfg, rank, size, device, splits, model, optimizer, schedule,
+    # --channels-last / --compile / --precision bf16 as in recipes/pytorch_train.py (`net` is what trains).
+    net = prepare_model(model, cfg.channels_last, cfg.compile)
+    j = Job(cfg, rank, size, device, splits, model, net, Precision(cfg.precision, device), optimizer, schedule,
             loader=make_loader(cfg, splits, rank, size, device), run_dir=run_dir)
     # Horovod: called on the surviving ranks after every reset (not on new ones: they build all of this).
     state.register_reset_callbacks([lambda: on_reset(j, state)])

@@ -46,20 +46,21 @@ import torch
 from pytorch_models import make_model
 from torch import nn
 
-from hvdtrain.data import DevicePrefetcher, ShmLoader, StallMeter, sweep_stale_segments
+from hvdtrain.data import DevicePrefetcher, ShmLoader, sweep_stale_segments
 from hvdtrain.train import checkpoint, datasets, divergence, rundir
 from hvdtrain.train.config import parse_config
 from hvdtrain.train.entry import exit_with
 from hvdtrain.train.lr import LRSchedule, scaled_epochs
 from hvdtrain.train.metrics import History, MetricSums, build_summary, combine_stall
+from hvdtrain.train.precision import Precision, prepare_model
 from hvdtrain.train.progress import progress_bar
-from hvdtrain.train.report import log, nothing_to_train, same_weights, wait_share
+from hvdtrain.train.report import log, nothing_to_train, same_weights
 from hvdtrain.train.torchkit import (
+    Meters,
     TorchConfig,
     average_buffers,
     epoch_seed,
     forward_backward,
-    gradients_finite,
     load_latest,
     lr_schedule,
     model_name,
@@ -86,41 +87,46 @@ def allreduce_sum(values: np.ndarray) -> np.ndarray:
     return hvd.allreduce(torch.from_numpy(values), op=hvd.Sum).numpy()
 
 
-def train_epoch(cfg: Config, epoch: int, epochs: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-                schedule: LRSchedule, loader: DevicePrefetcher, meter: StallMeter) -> dict[str, float]:
-    model.train()
+def train_epoch(cfg: Config, epoch: int, epochs: int, net: nn.Module, optimizer: torch.optim.Optimizer,
+                schedule: LRSchedule, loader: DevicePrefetcher, meters: Meters, precision: Precision
+                ) -> dict[str, float]:
+    net.train()
     sums, steps = MetricSums(), len(loader)
     # Horovod: only rank 0 shows progress (every rank's bar would interleave in the output).
-    bar = progress_bar(meter.wrap(loader), steps, f"epoch {epoch + 1}/{epochs}",
+    bar = progress_bar(meters.wrap(loader), steps, f"epoch {epoch + 1}/{epochs}",
                        enabled=hvd.rank() == 0 and cfg.progress)
-    for step, (x, y) in enumerate(bar):  # meter.wrap times the wait for each batch and the step after it
+    for step, (x, y) in enumerate(bar):  # meters time the host's wait for each batch and the GPU's idle gap
         lr = schedule.lr_for_step(epoch, step, steps)
         for group in optimizer.param_groups:
             group["lr"] = lr
         optimizer.zero_grad()
-        # Horovod: backward_passes_per_step chunks, each a backward() DistributedOptimizer accumulates locally.
-        losses = forward_backward(model, x, y, cfg.backward_passes_per_step, sums)
+        # Horovod: backward_passes_per_step chunks, each a backward() DistributedOptimizer accumulates locally
+        # (under --precision's autocast; fp16 scales the loss: NOTE [fp16 with Horovod] in precision.py).
+        losses = forward_backward(net, x, y, cfg.backward_passes_per_step, sums, precision, cfg.channels_last)
         # Horovod: wait for the allreduce of the gradients, check the averaged gradients (the same on every rank:
         # all ranks stop at the same step, NOTE [divergence checks] in hvdtrain/train/divergence.py), then apply
         # them (skip_synchronize: step() must not wait for the allreduce a second time).
         optimizer.synchronize()
-        if cfg.check_finite and not gradients_finite(model):
+        if cfg.check_finite and precision.diverged(net, optimizer):
             raise divergence.at_step(epoch, step, steps, "the averaged gradients hold NaN/Inf",
-                                     divergence.worst(losses))
+                                     divergence.worst([float(v) for v in losses]))
         with optimizer.skip_synchronize():
-            optimizer.step()
-        bar.set_postfix(loss=f"{losses[-1]:.3f}", lr=f"{lr:.3g}", refresh=False)
+            precision.step(optimizer)
+        if bar.disable is False and (step % 50 == 0 or step == steps - 1):  # reading the loss waits for the GPU
+            bar.set_postfix(loss=f"{float(losses[-1]):.3f}", lr=f"{lr:.3g}", refresh=False)
     bar.close()
     # Horovod: average loss and accuracy over all ranks' samples (one allreduce).
     return sums.reduce(allreduce_sum)
 
 
-def evaluate(model: nn.Module, val_set: datasets.ArrayDataset, device: torch.device) -> dict[str, float]:
+def evaluate(cfg: Config, model: nn.Module, val_set: datasets.ArrayDataset, device: torch.device,
+             precision: Precision) -> dict[str, float]:
     # Horovod: gradients are averaged but BatchNorm running statistics are not; average them too, so every rank
     # validates and rank 0 checkpoints the same model.
     average_buffers(model, lambda buf, name: hvd.allreduce(buf, op=hvd.Average, name=name))
     # Horovod: validation metrics over the whole validation set = sums over every rank's shard.
-    return validation_sums(model, val_set, hvd.rank(), hvd.size(), device).reduce(allreduce_sum)
+    return validation_sums(model, val_set, hvd.rank(), hvd.size(), device, precision,
+                           cfg.channels_last).reduce(allreduce_sum)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -155,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     # ---- 3. model, LR, optimizer
     torch.manual_seed(cfg.seed)
     model = make_model(model_name(cfg, splits), splits.sample_shape, splits.num_classes, cfg.model_width).to(device)
+    # --channels-last lays the weights out NHWC; --compile trains through torch.compile (`net`; `model` is kept for
+    # checkpoints, validation and the digests: both share the parameters). --precision: autocast (+ fp16 scaler).
+    net, precision = prepare_model(model, cfg.channels_last, cfg.compile), Precision(cfg.precision, device)
     # Horovod: scale the LR by the number of workers (and backward passes per step), warm it up (Goyal et al.).
     schedule = lr_schedule(cfg, size)
     # Horovod: wrap the optimizer: gradients are averaged over all ranks by allreduce inside step().
@@ -164,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         backward_passes_per_step=cfg.backward_passes_per_step)
 
     # ---- 4. resume, then the same starting point on every rank
-    first, rows = load_latest(ckpt_dir, model, optimizer) if rank == 0 and cfg.resume else (0, [])
+    first, rows = load_latest(ckpt_dir, model, optimizer, precision) if rank == 0 and cfg.resume else (0, [])
     # Horovod: every rank resumes at rank 0's epoch, with rank 0's history.
     first = hvd.broadcast_object(first, root_rank=0, name="resume.epoch")
     history = History(hvd.broadcast_object(rows, root_rank=0, name="resume.history"))
@@ -173,33 +182,35 @@ def main(argv: list[str] | None = None) -> int:
     # zero-gradient step, which with weight decay moves the weights; broadcasting the weights last undoes that.
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    # Horovod: fp16's loss scale too (NOTE [fp16 with Horovod]): every rank skips the same overflowing steps.
+    precision.load_state_dict(hvd.broadcast_object(precision.state_dict(), root_rank=0, name="resume.precision"))
     log(rank, f"{size} ranks on {device.type} ({torch.get_num_threads()} threads each)  dataset {splits.name}: "
               f"{len(splits.train)} train / {len(splits.val)} val  model {type(model).__name__}  epochs "
               f"{f'{first + 1}..{epochs}' if first < epochs else 'all done'}  batch {cfg.batch_size}×{size} "
-              f"ranks  peak lr {schedule.peak_lr:g}")
+              f"ranks  peak lr {schedule.peak_lr:g}  {cfg.precision}{'  channels-last' if cfg.channels_last else ''}"
+              f"{'  compiled' if cfg.compile else ''}")
 
     # ---- 5. train and validate
-    meter = StallMeter()
+    meters = Meters.on(device)  # the host's wait for data and, on a GPU, the GPU's idle gap, per step
     writer = tensorboard_writer(rank == 0 and cfg.tensorboard, run_dir)  # Horovod: TensorBoard on rank 0 only.
     done, samples, seconds = first, 0.0, 0.0
     try:
         for epoch in range(first, epochs):
             torch.manual_seed(epoch_seed(cfg.seed, epoch, rank))
             loader.set_epoch(epoch)  # a new shuffle each epoch, the same permutation on every rank
-            start, step0 = time.perf_counter(), len(meter.steps)
-            train = train_epoch(cfg, epoch, epochs, model, optimizer, schedule, loader, meter)
+            start, mark = time.perf_counter(), meters.mark()
+            train = train_epoch(cfg, epoch, epochs, net, optimizer, schedule, loader, meters, precision)
             took = time.perf_counter() - start
-            val = evaluate(model, splits.val, device)
+            val = evaluate(cfg, model, splits.val, device, precision)
             if cfg.check_finite:  # before anything records or checkpoints the epoch (NOTE [divergence checks])
                 divergence.check_epoch(epoch, {"train_loss": train["loss"], "val_loss": val["loss"]})
             done, samples, seconds = epoch + 1, samples + train["samples"], seconds + took
             row = history.record(done, train_loss=train["loss"], train_accuracy=train["accuracy"],
                                  val_loss=val["loss"], val_accuracy=val["accuracy"], lr=optimizer.param_groups[0]["lr"],
-                                 samples_per_sec=train["samples"] / took,
-                                 data_wait_share=wait_share(meter.waits[step0:], meter.steps[step0:]))
+                                 samples_per_sec=train["samples"] / took, **meters.epoch_shares(mark))
             if rank == 0:  # Horovod: only rank 0 reports and writes checkpoints (all ranks hold the same weights).
                 report_epoch(row, epochs, writer)
-                save_checkpoint(cfg, ckpt_dir, done, model, optimizer, history)
+                save_checkpoint(cfg, ckpt_dir, done, model, optimizer, history, precision)
             if cfg.stop_after_epoch is not None and cfg.stop_after_epoch <= done < epochs:
                 log(rank, f"stopping after epoch {done} as asked (--stop-after-epoch); run again without it to resume")
                 break
@@ -213,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     digests = hvd.allgather_object(weights_digest(model), name="final.digest")
     log(rank, same_weights(digests, size))
     # Horovod: gather every rank's data-wait statistics for the summary.
-    stall = combine_stall(hvd.allgather_object(meter.summary(), name="final.stall"))
+    stall = combine_stall(hvd.allgather_object(meters.summary(), name="final.stall"))
     if rank != 0:
         return 0
     if done == first:  # nothing trained in this run: keep the summary of the run that did the training
@@ -223,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = build_summary(epochs_completed=done, epochs_total=epochs, history=history,
                             samples_per_sec=samples / seconds if seconds else math.nan, stall=stall,
                             extra={"world_size": size, "resumed_from_epoch": first, "weights_sha256_by_rank": digests})
-    path = write_run_summary(run_dir, summary, meter, cfg.stall_plot, size)
+    path = write_run_summary(run_dir, summary, meters.stall, cfg.stall_plot, size)
     newest, last = checkpoint.list_checkpoints(ckpt_dir), summary["val_accuracy"]
     print(f"done: {done}/{epochs} epochs, validation accuracy {'n/a' if last is None else format(last, '.2%')}\n"
           f"checkpoint: {newest[-1][1] if newest else '(none)'}\nsummary:    {path}", flush=True)

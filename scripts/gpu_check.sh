@@ -12,7 +12,10 @@
 #   build        Horovod 0.28.1 from the vendored sdist + scripts/patches, NCCL ops, Gloo (+ MPI if mpicc is there),
 #                for this GPU's compute capability; then `hvdtrain doctor --require nccl`, `horovodrun --check-build`
 #   collectives  horovodrun -np 1 --gloo: allreduce/allgather/broadcast of CUDA tensors through NCCL, checked
-#   recipe       recipes/pytorch_train.py, synthetic data, ResNet on CUDA, a few hundred steps; its summary.json
+#   recipe       recipes/pytorch_train.py, synthetic data, ResNet on CUDA, one epoch in fp32 and one in bf16 +
+#                channels-last; their summary.json (samples/s, host data wait, GPU idle between steps)
+#   feed         bench/gpu_feed.py (B8): the recipe's loop fed by hvdtrain vs data already on the GPU vs torch's
+#                DataLoader(pin_memory=True), bf16 + channels-last; its goals marked met / NOT met
 #   prefetch     tests/test_prefetch_cuda.py + tests/test_prefetch.py under TORCH_CUDA_SANITIZER=1
 #   h2d          bench/h2d_overlap.py: step time with the prefetcher vs synchronous copies vs data on the GPU
 #   racecheck    compute-sanitizer --tool racecheck over a few of those tests (skipped where it is missing)
@@ -27,7 +30,7 @@
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-STEPS=(env venv build collectives recipe prefetch h2d racecheck keras)
+STEPS=(env venv build collectives recipe feed prefetch h2d racecheck keras)
 OUT_DIR="$PWD/gpu-check-out" VENDOR="$ROOT/.gpu-vendor" PY=python3 WORK="" SKIP="" ONLY="" DRY=0 NEED_GPU=1 BUDGET=540
 HOROVOD_VERSION="0.28.1"
 HOROVOD_SHA256="92a43f5a94c43907a56805bad15f19700c62ffc83b7ca483f9e104e229f67ef0"  # as in scripts/setup.sh
@@ -117,7 +120,7 @@ mkdir -p "$WORK/run"
 LOG="$OUT_DIR/gpu_check.log" RESULTS="$WORK/steps.tsv" VENV="$WORK/venv"
 VPY="$VENV/bin/python"
 : > "$LOG"; : > "$RESULTS"
-rm -f "$OUT_DIR"/{gpu_check.json,summary.txt,collectives.json,h2d_overlap.json,recipe_summary.json,horovod_build.log}
+rm -f "$OUT_DIR"/{gpu_check.json,summary.txt,collectives.json,h2d_overlap.json,recipe_summary.json,gpu_feed.json,horovod_build.log}
 export ROOT OUT_DIR VENDOR PY WORK VENV VPY SDIST NCCL_DIR CC_LIST CUDA_HOME_DIR HOROVOD_VERSION PYTHONUNBUFFERED=1
 export HVDTRAIN_CACHE_DIR="$WORK/cache" HVDTRAIN_DATA_CACHE="$WORK/data-cache"
 cd "$ROOT" || exit 1
@@ -150,6 +153,7 @@ run_step venv 180
 run_step build 420
 run_step collectives 120
 run_step recipe 150
+run_step feed 150
 run_step prefetch 180
 run_step h2d 180
 run_step racecheck 100

@@ -39,6 +39,8 @@ def build_report(steps: list[dict[str, Any]], out: Path, work: Path) -> dict[str
         "collectives": _load(out / "collectives.json"),
         "h2d_overlap": _load(out / "h2d_overlap.json"),
         "recipe": _load(out / "recipe_summary.json"),
+        "recipe_bf16": _load(work / "recipe_bf16_summary.json"),
+        "gpu_feed": {k: v for k, v in (_load(out / "gpu_feed.json") or {}).items() if k != "windows"} or None,
     }
 
 
@@ -51,6 +53,13 @@ def summary_text(report: dict[str, Any]) -> str:
     lines.append("")
     for s in report["steps"]:
         lines.append(f"  {s['name']:<12} {s['status']:<8} {s['seconds']:>7.1f} s  {s['note']}")
+    feed = report.get("gpu_feed")
+    if feed and isinstance(feed.get("goals"), dict):
+        lines += ["", f"B8 gpu_feed.json: {feed.get('config')}"]
+        lines += [f"  {name:<11} {m['samples_per_s']:>9.0f} samples/s  step {m['step_ms']:.3f} ms  GPU idle "
+                  f"{m['gpu_idle_share']:.2%}  host wait {m['data_wait_share']:.2%}"
+                  for name, m in feed["median"].items()]
+        lines += [f"  goal {k}: {g['value']:.4g} {'met' if g['met'] else 'NOT met'}" for k, g in feed["goals"].items()]
     h2d = report["h2d_overlap"]
     if h2d:
         lines += ["", "h2d_overlap.json:", json.dumps(h2d, indent=1)[:3000]]

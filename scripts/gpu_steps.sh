@@ -16,6 +16,13 @@ import json, sys
 kind, d = sys.argv[1], json.load(open(sys.argv[2]))
 if kind == "recipe":
     line = f"{d['samples_per_sec']:.0f} samples/s, data wait {d['data_wait_share']:.1%} of step"
+    if d.get("gpu_idle_share") is not None:
+        line += f", GPU idle {d['gpu_idle_share']:.1%} between steps"
+elif kind == "feed":  # B8: hvdtrain's feed vs data on the GPU vs DataLoader, with the goals
+    med = d["median"]
+    line = (", ".join(f"{f} {m['samples_per_s']:.0f}/s" for f, m in med.items())
+            + "; " + "; ".join(f"{k}: {g['value']:.3g} {'met' if g['met'] else 'NOT met'}"
+                               for k, g in d["goals"].items()))
 else:  # h2d: per workload, the step time vs data already on the GPU and the host's wait in next()
     line = ("; ".join(
         f"{n} {w['modes']['prefetch']['ratio_vs_resident']:.3f}x resident (goal <= 1.02 "
@@ -143,11 +150,24 @@ step_h2d() {
 
 step_recipe() {
   set -e
-  "$VENV/bin/horovodrun" -np 1 -H localhost:1 --gloo "$VPY" recipes/pytorch_train.py --dataset synthetic \
-    --model resnet --synthetic-shape 3,32,32 --synthetic-samples 40000 --batch-size 128 --epochs 1 \
-    --no-progress --run-dir "$WORK/run/pytorch"
+  local common=(--dataset synthetic --model resnet --synthetic-shape 3,32,32 --synthetic-samples 40000
+                --batch-size 128 --epochs 1 --no-progress)
+  "$VENV/bin/horovodrun" -np 1 -H localhost:1 --gloo "$VPY" recipes/pytorch_train.py "${common[@]}" \
+    --run-dir "$WORK/run/pytorch"
   cp "$WORK/run/pytorch/summary.json" "$OUT_DIR/recipe_summary.json"
-  note "PyTorch recipe, ResNet on CUDA, one epoch of batches of 128: $(numbers recipe "$OUT_DIR/recipe_summary.json")"
+  "$VENV/bin/horovodrun" -np 1 -H localhost:1 --gloo "$VPY" recipes/pytorch_train.py "${common[@]}" \
+    --precision bf16 --channels-last --run-dir "$WORK/run/pytorch-bf16"
+  # kept in WORK (gpu_check.json embeds it): the device tool brings back at most 8 files from OUT
+  cp "$WORK/run/pytorch-bf16/summary.json" "$WORK/recipe_bf16_summary.json"
+  note "PyTorch recipe, ResNet on CUDA, one epoch of batches of 128: fp32 $(numbers recipe \
+"$OUT_DIR/recipe_summary.json"); bf16 + channels-last $(numbers recipe "$WORK/recipe_bf16_summary.json")"
+}
+
+step_feed() {
+  "$VENV/bin/horovodrun" -np 1 -H localhost:1 --gloo "$VPY" bench/gpu_feed.py --json "$OUT_DIR/gpu_feed.json"
+  local rc=$?
+  note "B8 bench/gpu_feed.py exit $rc: $(numbers feed "$OUT_DIR/gpu_feed.json") (gpu_feed.json)"
+  return $rc
 }
 
 step_keras() {

@@ -81,7 +81,7 @@ def test_dry_run_prints_the_nccl_build_flags(vendor: Path) -> None:
                  "CMAKE_POLICY_VERSION_MINIMUM=3.5"):
         assert flag in build, (flag, build)
     steps = next(line for line in r.stdout.splitlines() if line.startswith("steps:")).split()[1:]
-    assert steps == ["env", "venv", "build", "collectives", "recipe", "prefetch", "h2d"]
+    assert steps == ["env", "venv", "build", "collectives", "recipe", "feed", "prefetch", "h2d"]
 
 
 def test_a_tampered_vendor_folder_is_refused_naming_the_file(vendor: Path, tmp_path: Path) -> None:
@@ -118,7 +118,7 @@ def test_without_a_gpu_nothing_is_built_and_the_exit_code_says_so(vendor: Path, 
 def test_help_lists_every_step() -> None:
     r = sh(CHECK, "--help")
     assert r.returncode == 0
-    for step in ("env", "venv", "build", "collectives", "recipe", "prefetch", "h2d", "racecheck", "keras"):
+    for step in ("env", "venv", "build", "collectives", "recipe", "feed", "prefetch", "h2d", "racecheck", "keras"):
         assert f"\n  {step} " in r.stdout, step
 
 

@@ -47,7 +47,7 @@ def torch_cases() -> set[str]:
     cases |= {f"broadcast_optimizer_state_{name}" for name in optimizers}
     return cases | {"allreduce_bfloat16_is_refused", "allreduce_min_max_product_and_scaling",
                     "inplace_async_and_grouped", "alltoall_uneven_splits", "objects_join_barrier", "process_sets",
-                    "compression_fp16", "sync_batch_norm", "adasum"}
+                    "compression_fp16", "sync_batch_norm", "adasum", "channels_last"}
 
 
 def tf_cases() -> set[str]:

@@ -268,14 +268,16 @@ def test_tensors_freed_while_compute_still_reads_them_are_not_overwritten(stream
 # ---- a real ShmLoader ------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("stream", ["default", "side"])
-def test_a_shm_loader_with_two_workers_feeds_the_right_samples(stream: str) -> None:
+@pytest.mark.parametrize("register_slots", [True, False])
+def test_a_shm_loader_with_two_workers_feeds_the_right_samples(stream: str, register_slots: bool) -> None:
     """IndexDataset sample i is (float32[3] = i, int64 i): every batch names its indices; they must be the sampler's,
-    in its order, over two shuffled epochs (50 samples in batches of 4: the last is partial, the ring reallocates)."""
+    in its order, over two shuffled epochs (50 samples in batches of 4: the last is partial, the ring reallocates).
+    register_slots: copied straight out of the page-locked slots (NOTE [registered slots]), or through the ring."""
     n, bs = 50, 4
     sampler = ShardSampler(n, 0, 1, seed=3, batch_size=bs)
     with ShmLoader(fx.IndexDataset(n), rank=0, size=1, batch_size=bs, num_workers=2, seed=3, epochs=2) as ld, \
             stream_ctx(stream):
-        pf = DevicePrefetcher(ld, "cuda")
+        pf = DevicePrefetcher(ld, "cuda", register_slots=register_slots)
         device = this_device()
         for epoch in range(2):
             pf.set_epoch(epoch)
@@ -293,6 +295,30 @@ def test_a_shm_loader_with_two_workers_feeds_the_right_samples(stream: str) -> N
             assert seen == len(expected)
             assert torch.stack(bad).cpu().tolist() == [0] * seen
             assert torch.stack(sums).cpu().tolist() == [0.0] * seen
+            assert ld._lender.held_slots() == []  # the epoch's last slots went back after their copies
+        assert pf.slots_registered is register_slots, pf.slots_failed
+        assert bool(pf._slots and pf._slots.regions) is register_slots
+    assert pf._slots is None or pf._slots.regions == {}  # close() unregistered every slot
+
+
+def test_registered_slots_survive_growth_and_slow_consumers() -> None:
+    """Batches that outgrow their slot (a new segment: the old one is unregistered first, NOTE [registered slots]
+    (a)) and a compute stream that lags behind (a slot must not go back while its copy may be in flight, (b)):
+    every value right, checked on the device."""
+    with ShmLoader(generator=fx.growing_batches, rank=0, size=1, num_workers=2, prefetch=1, epochs=2) as ld:
+        pf = DevicePrefetcher(ld, "cuda")
+        sizes = (0, 10, 1000, 300_000, 50, 600_000, 3)
+        for epoch in range(2):
+            pf.set_epoch(epoch)
+            bad = []
+            for k, x in enumerate(pf):
+                n, w = sizes[k // 2], k % 2
+                torch.cuda._sleep(2_000_000)  # the compute stream lags: copies queue up behind nothing
+                want = torch.arange(n, dtype=torch.float64, device=x.device) + w
+                bad.append((x != want).sum())
+            assert torch.stack(bad).cpu().tolist() == [0] * 14
+        assert pf.slots_registered is True
+    assert pf._slots.regions == {}
 
 
 @pytest.mark.parametrize("stream", ["default", "side"])
@@ -394,3 +420,30 @@ def test_prefetch_to_another_device_than_the_current_one() -> None:
         assert all(t.is_pinned() for slot in pf._pinned for t in slot)
     with torch.cuda.device(1):
         assert DevicePrefetcher([], "cuda").device == target  # "cuda" is the device current at construction
+
+
+def test_gpu_idle_meter_sees_a_starved_stream_and_a_fed_one() -> None:
+    """GpuIdleMeter on real CUDA events (hvdtrain/data/idle.py): a host that sleeps 5 ms per batch while the GPU
+    has ~nothing queued leaves ~5 ms gaps; a host that queues a long kernel per step keeps the stream busy (~0)."""
+    from hvdtrain.data.idle import GpuIdleMeter
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    a = torch.randn(2048, 2048, device=dev)
+
+    def starved() -> Iterator[int]:
+        for i in range(12):
+            time.sleep(0.005)
+            yield i
+
+    meter = GpuIdleMeter(dev, warmup_steps=1)
+    for _ in meter.wrap(starved()):
+        a.add_(1.0)  # a few microseconds of work
+    s = meter.summary()
+    assert s["measured"] and s["steps"] == 11 and s["mean_idle_s"] > 0.004 and s["idle_share"] > 0.8, s
+
+    fed = GpuIdleMeter(dev, warmup_steps=1)
+    for _ in fed.wrap(range(12)):
+        for _ in range(8):
+            a = (a @ a).clamp_(-1, 1)  # milliseconds of queued work per step: the host stays ahead
+    s = fed.summary()
+    assert s["mean_idle_s"] < 1e-4 and s["idle_share"] < 0.02, s

@@ -12,6 +12,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from hvdtrain.data.idle import GpuIdleMeter
     from hvdtrain.data.loader import LoaderError, LoaderTimeoutError, ShmLoader, WorkerDiedError, WorkerError
     from hvdtrain.data.prefetch import DevicePrefetcher
     from hvdtrain.data.sharding import ShardSampler, expected_batches
@@ -28,6 +29,7 @@ _LAZY = {
     "expected_batches": "hvdtrain.data.sharding",
     "sweep_stale_segments": "hvdtrain.data.shm",
     "StallMeter": "hvdtrain.data.stall",
+    "GpuIdleMeter": "hvdtrain.data.idle",
     **dict.fromkeys(("WorkerInfo", "default_collate", "derive_seed", "worker_info"), "hvdtrain.data.workers"),
     "TorchLoader": "hvdtrain.data.torch_adapter",
     "to_torch": "hvdtrain.data.torch_adapter",
@@ -37,6 +39,7 @@ _LAZY = {
 
 __all__ = [
     "DevicePrefetcher",
+    "GpuIdleMeter",
     "LoaderError",
     "LoaderTimeoutError",
     "ShardSampler",

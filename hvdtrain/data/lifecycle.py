@@ -43,7 +43,7 @@ import signal
 import sys
 import time
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from hvdtrain.data import shm
@@ -83,14 +83,23 @@ class Resources:
         self.conns: list[Channel] = []
         self.segments: dict[int, shm.Segment] = {}
         self.rings: list[Ring] = []  # one per worker when the ring is used (NOTE [ring] in ring.py)
+        # run with a slot mapping's address before it is dropped (NOTE [registered slots] in pinning.py)
+        self.release_hooks: list[Callable[[int], None]] = []
+
+    def drop_segment(self, seg: shm.Segment) -> None:
+        """Unlink and unmap a slot segment, after the release hooks saw its address."""
+        for hook in self.release_hooks:
+            hook(seg.address)
+        shm.release_segment(seg, unlink=True)
 
     def shutdown(self, grace_s: float = 2.0) -> None:
         for conn in self.conns:
             with contextlib.suppress(OSError):
                 conn.send(Stop())
         for seg in self.segments.values():
-            shm.release_segment(seg, unlink=True)
+            self.drop_segment(seg)
         self.segments.clear()
+        self.release_hooks.clear()
         for ring in self.rings:
             ring.close()
             shm.release_segment(ring.seg, unlink=True)

@@ -320,6 +320,18 @@ class ShmLoader:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def slot_region(self, address: int) -> tuple[int, int] | None:
+        """(start, size) of this process's mapping of the slot that holds `address` (a lent batch's data), or None;
+        with `on_slot_release`, what DevicePrefetcher page-locks (NOTE [registered slots] in pinning.py)."""
+        for seg in self._res.segments.values():
+            if seg.address <= address < seg.address + seg.size:
+                return seg.address, seg.size
+        return None
+
+    def on_slot_release(self, hook: Callable[[int], None]) -> None:
+        """Call `hook(start)` before a slot's mapping is dropped here (a slot grown for a bigger batch, close())."""
+        self._res.release_hooks.append(hook)
+
     @property
     def worker_pids(self) -> list[int]:
         return [p.pid for p in self._res.procs]
@@ -350,7 +362,7 @@ class ShmLoader:
     def _grow(self, slot: int, nbytes: int) -> None:
         old = self._res.segments.pop(slot, None)
         if old is not None:
-            shm.release_segment(old, unlink=True)
+            self._res.drop_segment(old)
         self._res.segments[slot] = shm.create_segment(max(nbytes, 1))
         self._give_back(slot)
 

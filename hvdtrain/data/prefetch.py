@@ -13,11 +13,12 @@ Three hazards, one guard each (letters are referred to from the code):
     "other direction" of ordering: because no device buffer is ever reused by us (fresh allocations only), the
     side stream never has to `wait_stream(compute)`; with a device-side ring it would have to.
 (c) pinned source overwritten during its copy: `non_blocking=True` is asynchronous only from pinned memory, and
-    the pinned buffer must stay alive and unchanged until the DMA is done. Host batches are memcpy'd into a ring
-    of two pinned buffers that live as long as the prefetcher; before the CPU writes into ring slot i again, the
-    host waits on the event of the last copy out of slot i (`copied[i].synchronize()`, normally long complete).
-    The shared-memory slot itself is only read by that synchronous CPU memcpy; it goes back to its worker when
-    the host views are dropped (NOTE [batch lifetime] in lending.py).
+    the pinned buffer must stay alive and unchanged until the DMA is done. A ShmLoader's batch is copied straight
+    out of its shared-memory slot, page-locked once (NOTE [registered slots] in pinning.py): its host views, and
+    so the slot, are kept in `held` until the copy's event completed, and only then can the slot go back to its
+    worker (NOTE [batch lifetime] in lending.py). Any other batch (or where registration fails) is memcpy'd into a
+    ring of two pinned buffers that live as long as the prefetcher; before the CPU writes into ring slot i again,
+    the host waits on the event of the last copy out of slot i (`copied[i].synchronize()`, normally long done).
 There is no helper thread: the host-side work (fetching from the loader, the memcpy, enqueueing the copy) runs in
 `__next__`, while the GPU still executes the previous step's queued kernels. So no thread has to
 `torch.cuda.set_device` (it would default to GPU 0), and nothing can leak across epochs or hang in `close()`.
@@ -35,6 +36,7 @@ from typing import Any
 
 import torch
 
+from hvdtrain.data.pinning import SlotRegistry
 from hvdtrain.data.torch_adapter import map_leaves, to_torch
 
 _END = object()
@@ -59,8 +61,9 @@ class DevicePrefetcher:
     loader, `batches_consumed` in its state is lowered by `k`).
     """
 
-    def __init__(self, loader: Any, device: torch.device | str) -> None:
+    def __init__(self, loader: Any, device: torch.device | str, *, register_slots: bool = True) -> None:
         self.loader = loader
+        self.register_slots = register_slots  # NOTE [registered slots] in pinning.py; False: always the pinned ring
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -68,6 +71,9 @@ class DevicePrefetcher:
         self._stream: Any = None
         self._pinned: list[Any] = [None, None]
         self._copied: list[Any] = [None, None]
+        self._held: list[tuple[Any, Any]] = []  # (copy event, host batch) of copies straight out of a slot: (c)
+        self._slots: SlotRegistry | None = None
+        self._slots_looked_up = False
 
     def __iter__(self) -> Iterator[Any]:
         self._ahead = 0
@@ -83,11 +89,13 @@ class DevicePrefetcher:
         it = iter(self.loader)
         pending = None
         for k in itertools.count():
+            self._drain_held(wait=False)  # slots whose copy is done go back before the next batch is asked for
             host = next(it, _END)
             if host is _END:
                 break
-            # The host views are dropped right after the pinned memcpy, so the loader's slot goes back to its
-            # worker before the next batch is asked for (NOTE [batch lifetime] in lending.py).
+            # The host views are dropped here (copied into the pinned ring: the slot goes back to its worker before
+            # the next batch is asked for), or, copied straight out of the slot, once that copy is done (`_held`,
+            # NOTE [stream sync] (c); NOTE [batch lifetime] in lending.py).
             following = self._issue(host, k % 2)
             del host
             self._ahead += 1
@@ -100,22 +108,64 @@ class DevicePrefetcher:
             batch = self._hand_off(*pending)
             self._ahead = 0
             yield batch
+        self._drain_held(wait=True)  # the epoch's last slots go back to their workers
 
     def _issue(self, host: Any, slot: int) -> tuple[Any, Any]:
         """Start copying one host batch to the device on the side stream; returns (device batch, ready event)."""
         with torch.cuda.device(self.device):
             if self._stream is None:
                 self._stream = torch.cuda.Stream(self.device)
-            if self._copied[slot] is not None:
-                self._copied[slot].synchronize()  # NOTE [stream sync] (c)
-            pinned = self._pin(slot, to_torch(host))
+            tensors = to_torch(host)
+            registry = self._registry()
+            direct = registry is not None and registry.covers(_leaves(tensors))
+            if not direct:
+                if self._copied[slot] is not None:
+                    self._copied[slot].synchronize()  # NOTE [stream sync] (c)
+                tensors = self._pin(slot, tensors)
             with torch.cuda.stream(self._stream):
                 dev = map_leaves(lambda t: t.to(self.device, non_blocking=True)
-                                 if isinstance(t, torch.Tensor) else t, pinned)
+                                 if isinstance(t, torch.Tensor) else t, tensors)
                 ready = torch.cuda.Event()
                 ready.record(self._stream)
-            self._copied[slot] = ready
+            if direct:
+                self._held.append((ready, host))  # the slot stays ours until the copy is done: (c)
+            else:
+                self._copied[slot] = ready
         return dev, ready
+
+    def _drain_held(self, wait: bool) -> None:
+        """Let go of the host batches whose copy out of their slot has completed (all of them, waiting, if `wait`)."""
+        while self._held and (wait or self._held[0][0].query()):
+            self._held.pop(0)[0].synchronize()
+
+    def _registry(self) -> SlotRegistry | None:
+        """The page-locked slots of the ShmLoader under `loader` (itself, or the loader a wrapper such as
+        TorchLoader holds), found on first use; None for other loaders or with register_slots=False."""
+        if not self._slots_looked_up:
+            self._slots_looked_up = True
+            source, depth = self.loader, 0
+            while not hasattr(source, "slot_region") and hasattr(source, "loader") and depth < 8:
+                source, depth = source.loader, depth + 1
+            if self.register_slots and hasattr(source, "slot_region"):
+                self._slots = SlotRegistry(source.slot_region, self._wait_held)
+                source.on_slot_release(self._slots.release)
+        return self._slots
+
+    def _wait_held(self) -> None:
+        """Wait for every copy straight out of a slot (before a slot is unregistered: NOTE [registered slots] (b))."""
+        self._drain_held(wait=True)
+
+    @property
+    def slots_registered(self) -> bool | None:
+        """Whether batches are copied straight out of page-locked slots: None before the first batch or for a loader
+        without slots, False where registration failed (`slots_failed` says why) or was turned off."""
+        if self._slots is None:
+            return None if not self._slots_looked_up or self.register_slots else False
+        return self._slots.failed is None
+
+    @property
+    def slots_failed(self) -> str | None:
+        return None if self._slots is None else self._slots.failed
 
     def _pin(self, slot: int, host: Any) -> Any:
         """memcpy the host batch into pinned ring slot `slot` (reallocated only when shapes/dtypes change)."""
@@ -160,6 +210,9 @@ class DevicePrefetcher:
         self.loader.load_state_dict(state)
 
     def close(self) -> None:
+        if self._slots is not None:
+            with torch.cuda.device(self.device):
+                self._slots.close()  # waits for the copies in flight, then unregisters: NOTE [registered slots]
         self.loader.close()
 
     def __enter__(self) -> DevicePrefetcher:

@@ -31,6 +31,17 @@ class Segment(shared_memory.SharedMemory):
     """SharedMemory whose `close()` never unmaps memory that a lent batch still views (NOTE [batch lifetime] in
     lending.py): with a live export it drops its own reference and the last view unmaps."""
 
+    _address: int | None = None
+
+    @property
+    def address(self) -> int:
+        """Where this process maps the segment (read once, from a view dropped at once)."""
+        if self._address is None:
+            view = np.frombuffer(self.buf, np.uint8)
+            self._address = int(view.ctypes.data)
+            del view
+        return self._address
+
     def close(self) -> None:
         if self._buf is not None:
             self._buf.release()

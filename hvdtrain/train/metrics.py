@@ -25,22 +25,31 @@ SUMMARY_NAME = "summary.json"
 
 @dataclass
 class MetricSums:
-    """Local running sums for loss and accuracy over a pass; `reduce` averages them over all ranks."""
+    """Local running sums for loss and accuracy over a pass; `reduce` averages them over all ranks.
 
-    loss_sum: float = 0.0
-    correct: int = 0
+    `add` takes plain numbers or 0-d tensors; tensors are summed where they are (on the GPU: no wait for the GPU
+    per batch) and read once, by `values`/`reduce`."""
+
+    loss_sum: Any = 0.0
+    correct: Any = 0
     count: int = 0
 
-    def add(self, mean_loss: float, correct: int, count: int) -> None:
+    def add(self, mean_loss: Any, correct: Any, count: int) -> None:
         """Record one batch: its mean loss, how many predictions were right, and its size."""
-        self.loss_sum += float(mean_loss) * count
-        self.correct += int(correct)
+        if hasattr(mean_loss, "detach"):  # a tensor: stay on its device
+            self.loss_sum = self.loss_sum + mean_loss.detach().double() * count
+        else:
+            self.loss_sum += float(mean_loss) * count
+        self.correct = self.correct + (correct if hasattr(correct, "detach") else int(correct))
         self.count += int(count)
+
+    def values(self) -> np.ndarray:
+        """[loss sum, correct, count] as float64 (reads tensors back from their device)."""
+        return np.array([float(self.loss_sum), float(self.correct), float(self.count)], dtype=np.float64)
 
     def reduce(self, sum_across_ranks: SumFn) -> dict[str, float]:
         """{'loss', 'accuracy', 'samples'} over all ranks (one collective: every rank must call it)."""
-        local = np.array([self.loss_sum, self.correct, self.count], dtype=np.float64)
-        total = np.asarray(sum_across_ranks(local), dtype=np.float64)
+        total = np.asarray(sum_across_ranks(self.values()), dtype=np.float64)
         if total.shape != (3,):
             raise ValueError(f"sum_across_ranks returned shape {total.shape}, expected (3,)")
         loss_sum, correct, count = (float(v) for v in total)
@@ -85,6 +94,7 @@ def build_summary(
         "mean_data_wait_s": stall.get("mean_wait_s"),
         "mean_step_s": stall.get("mean_step_s"),
         "data_wait_share": stall.get("wait_share"),
+        "gpu_idle_share": stall.get("gpu_idle_share"),
         "stall": dict(stall),
         "history": history.epochs,
         **(extra or {}),
@@ -92,11 +102,13 @@ def build_summary(
 
 
 def combine_stall(per_rank: list[Mapping[str, Any]]) -> dict[str, Any]:
-    """Mean over ranks of StallMeter summaries (mean_wait_s, mean_step_s, wait_share), plus each rank's."""
+    """Mean over ranks of StallMeter summaries (mean_wait_s, mean_step_s, wait_share), plus each rank's; and of
+    the GPU's idle share where the summaries carry a measured one (GpuIdleMeter's, under "gpu_idle"), else None."""
     usable = [s for s in per_rank if s.get("mean_wait_s") is not None]
     mean = {k: float(np.mean([s[k] for s in usable])) if usable else None
             for k in ("mean_wait_s", "mean_step_s", "wait_share")}
-    return {**mean, "by_rank": list(per_rank)}
+    idle = [s["gpu_idle"]["idle_share"] for s in per_rank if (s.get("gpu_idle") or {}).get("measured")]
+    return {**mean, "gpu_idle_share": float(np.mean(idle)) if idle else None, "by_rank": list(per_rank)}
 
 
 def write_summary(run_dir: Path | str, summary: Mapping[str, Any]) -> Path:

@@ -8,7 +8,6 @@ step themselves, in order, and pass in what these helpers need (rank, size, a re
 from __future__ import annotations
 
 import hashlib
-import math
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -20,12 +19,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hvdtrain.data.idle import GpuIdleMeter
+from hvdtrain.data.stall import StallMeter
 from hvdtrain.train import checkpoint, datasets
 from hvdtrain.train.config import RecipeConfig
 from hvdtrain.train.lr import LRSchedule
 from hvdtrain.train.metrics import History, MetricSums, write_summary
+from hvdtrain.train.precision import PRECISIONS, Precision, as_input
 
 MODEL_CHOICES = ("auto", "cnn", "mlp", "resnet")  # auto, and recipes/pytorch_models.py's MODELS (a test checks)
+CPU_CHANNELS_LAST = (
+    "--channels-last needs a CUDA GPU, and none is visible: on CPU, torch's oneDNN backward of a 1x1 stride-2 "
+    "convolution (the ResNet's shortcut) in channels-last corrupts memory and aborts the process when the batch "
+    "size changes, e.g. at an epoch's smaller last batch (torch 2.13); leave --channels-last out on CPU")
 
 
 @dataclass(frozen=True)
@@ -46,6 +52,13 @@ class TorchConfig(RecipeConfig):
     progress: bool = field(default=True, metadata={"help": "tqdm progress bar on rank 0"})
     stall_plot: bool = field(default=False, metadata={
         "help": "rank 0 plots its wait-for-data and step time per step to <run-dir>/stall.png"})
+    precision: str = field(default="fp32", metadata={
+        "choices": PRECISIONS, "help": "forward pass and loss under autocast in bf16 or fp16 (fp16: with a "
+                                       "GradScaler, checkpointed); weights and gradients stay fp32"})
+    channels_last: bool = field(default=False, metadata={
+        "help": "channels-last (NHWC) weights and images: faster convolutions on tensor cores"})
+    compile: bool = field(default=False, metadata={
+        "help": "train through torch.compile(model) (the first steps compile; needs a C++ compiler on CPU)"})
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -56,11 +69,44 @@ class TorchConfig(RecipeConfig):
             raise ValueError(f"--model-width must be >= 1 (or none), got {self.model_width}")
         if not self.weight_decay >= 0:
             raise ValueError(f"--weight-decay must be >= 0, got {self.weight_decay}")
+        if self.channels_last and not torch.cuda.is_available():
+            raise ValueError(CPU_CHANNELS_LAST)
         try:  # the schedule checks its own values; say which flags they came from
             LRSchedule(base_lr=self.base_lr, warmup_epochs=self.warmup_epochs, milestones=self.lr_milestones,
                        gamma=self.lr_gamma)
         except ValueError as e:
             raise ValueError(f"LR flags (--base-lr, --warmup-epochs, --lr-milestones, --lr-gamma): {e}") from None
+
+
+@dataclass
+class Meters:
+    """Per step: the host's wait for its batch (StallMeter) and the GPU's idle gap before it (GpuIdleMeter)."""
+
+    stall: StallMeter
+    idle: GpuIdleMeter
+
+    @classmethod
+    def on(cls, device: torch.device) -> Meters:
+        return cls(StallMeter(), GpuIdleMeter(device))
+
+    def wrap(self, loader: Any) -> Iterator[Any]:
+        """One epoch of `loader`'s batches, both meters timing each step (the idle meter innermost)."""
+        return self.idle.wrap(self.stall.wrap(loader))
+
+    def mark(self) -> tuple[int, int]:
+        """Where the next epoch's steps start (for `epoch_shares`)."""
+        return len(self.stall.steps), len(self.idle.idle_ms)
+
+    def epoch_shares(self, mark: tuple[int, int]) -> dict[str, float]:
+        """The epoch's data-wait share, and its GPU-idle share where a GPU is measured."""
+        wait, steps = self.stall.waits[mark[0]:], self.stall.steps[mark[0]:]
+        row = {"data_wait_share": sum(wait) / max(sum(steps), 1e-12)}
+        if self.idle.measured:
+            row["gpu_idle_share"] = self.idle.share_since(mark[1])
+        return row
+
+    def summary(self) -> dict[str, Any]:
+        return {**self.stall.summary(), "gpu_idle": self.idle.summary()}
 
 
 def cpu_threads(local_size: int, threads: int | None) -> int:
@@ -97,24 +143,22 @@ def model_name(cfg: TorchConfig, splits: datasets.Splits) -> str:
     return {"digits": "cnn", "synthetic": "resnet"}.get(splits.name, fallback)
 
 
-def forward_backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor, chunks: int,
-                     sums: MetricSums) -> list[float]:
+def forward_backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor, chunks: int, sums: MetricSums,
+                     precision: Precision | None = None, channels_last: bool = False) -> list[torch.Tensor]:
     """Forward and backward passes over the batch in `chunks` pieces (DistributedOptimizer's
     backward_passes_per_step: it accumulates them locally before one allreduce); each piece's loss is scaled so
-    the gradients add up to the batch mean. Returns each piece's loss."""
+    the gradients add up to the batch mean. Forward and loss run under `precision`'s autocast, backward through
+    its scaler. Returns each piece's loss as a 0-d tensor: nothing here waits for the GPU (`sums` keeps tensors)."""
+    precision = precision or Precision("fp32", x.device)
     pieces, losses = list(zip(x.chunk(chunks), y.chunk(chunks), strict=True)), []
     for xc, yc in pieces:
-        out = model(xc)
-        loss = F.cross_entropy(out, yc)
-        (loss / len(pieces)).backward()
-        losses.append(loss.item())
-        sums.add(losses[-1], int((out.argmax(1) == yc).sum()), len(yc))
+        with precision.autocast():
+            out = model(as_input(xc, channels_last))
+            loss = F.cross_entropy(out, yc)
+        precision.backward(loss / len(pieces))
+        losses.append(loss.detach())
+        sums.add(losses[-1], (out.argmax(1) == yc).sum(), len(yc))
     return losses
-
-
-def gradients_finite(model: nn.Module) -> bool:
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    return not grads or bool(torch.isfinite(torch.nn.utils.get_total_norm(grads, norm_type=math.inf)))
 
 
 def val_batches(ds: datasets.ArrayDataset, rank: int, size: int, batch_size: int,
@@ -146,14 +190,17 @@ def average_buffers(model: nn.Module, average: Callable[[torch.Tensor, str], tor
 
 
 @torch.no_grad()
-def validation_sums(model: nn.Module, ds: datasets.ArrayDataset, rank: int, size: int,
-                    device: torch.device) -> MetricSums:
-    """Loss and accuracy sums over this rank's share of the validation set (the caller reduces them)."""
+def validation_sums(model: nn.Module, ds: datasets.ArrayDataset, rank: int, size: int, device: torch.device,
+                    precision: Precision | None = None, channels_last: bool = False) -> MetricSums:
+    """Loss and accuracy sums over this rank's share of the validation set (the caller reduces them), in the
+    training's precision and layout."""
     model.eval()
-    sums = MetricSums()
+    sums, precision = MetricSums(), precision or Precision("fp32", device)
     for x, y in val_batches(ds, rank, size, 256, device):
-        out = model(x)
-        sums.add(F.cross_entropy(out, y).item(), int((out.argmax(1) == y).sum()), len(y))
+        with precision.autocast():
+            out = model(as_input(x, channels_last))
+            loss = F.cross_entropy(out, y)
+        sums.add(loss, (out.argmax(1) == y).sum(), len(y))
     return sums
 
 
@@ -166,21 +213,26 @@ def torch_read(f: Any) -> Any:
     return torch.load(f, map_location="cpu", weights_only=True)
 
 
-def load_latest(ckpt_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[int, list[dict]]:
-    """Load the newest intact checkpoint into model and optimizer; (epochs it completed, history), (0, []) if none."""
+def load_latest(ckpt_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+                precision: Precision | None = None) -> tuple[int, list[dict]]:
+    """Load the newest intact checkpoint into model, optimizer (and the fp16 scaler, if both have one); (epochs
+    it completed, history), (0, []) if none."""
     found = checkpoint.find_latest(ckpt_dir, torch_read, required_keys=("model", "optimizer", "history"),
                                    warn=lambda msg: print(f"WARNING: {msg}", flush=True))
     if found is None:
         return 0, []
     model.load_state_dict(found.state["model"])
     optimizer.load_state_dict(found.state["optimizer"])
+    if precision is not None:
+        precision.load_state_dict(found.state.get("precision", {}))
     print(f"resuming from {found.path} (epoch {found.epoch} done)", flush=True)
     return found.epoch, list(found.state["history"])
 
 
 def save_checkpoint(cfg: TorchConfig, ckpt_dir: Path, epochs_done: int, model: nn.Module,
-                    optimizer: torch.optim.Optimizer, history: History) -> Path:
+                    optimizer: torch.optim.Optimizer, history: History, precision: Precision | None = None) -> Path:
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "history": history.epochs,
+             "precision": precision.state_dict() if precision is not None else {},
              "config": {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(cfg).items()}}
     return checkpoint.save(ckpt_dir, epochs_done, state, torch.save, keep=cfg.keep_checkpoints)
 
@@ -213,7 +265,8 @@ def report_epoch(row: dict[str, float], epochs: int, writer: Any = None) -> None
     print(f"epoch {int(row['epoch'])}/{epochs}  train loss {row['train_loss']:.4f} "
           f"acc {row['train_accuracy']:.2%}  val loss {row['val_loss']:.4f} acc {row['val_accuracy']:.2%}  "
           f"lr {row['lr']:.4g}  {row['samples_per_sec']:.0f} samples/s  "
-          f"data wait {row['data_wait_share']:.1%} of step time", flush=True)
+          f"data wait {row['data_wait_share']:.1%} of step time"
+          + (f"  GPU idle {row['gpu_idle_share']:.1%}" if "gpu_idle_share" in row else ""), flush=True)
 
 
 def write_run_summary(run_dir: Path, summary: dict[str, Any], meter: Any, plot: bool, size: int) -> Path:

@@ -154,6 +154,32 @@ def _():
     same(got, torch.full((4,), sum(r + 0.5 for r in range(size)) / size), "fp16-compressed mean")
 
 
+@case("channels_last")
+def _():
+    # hvdtrain's patch: allreduce and broadcast take channels-last tensors (a model in torch.channels_last: its
+    # weights, gradients, momentum), the output in the same layout and every element in its logical place.
+    base = torch.arange(2 * 3 * 4 * 5, dtype=torch.float32).reshape(2, 3, 4, 5)
+    x = (base * (rank + 1)).to(memory_format=torch.channels_last)
+    got = hvd.allreduce(x, op=hvd.Sum)
+    if not got.is_contiguous(memory_format=torch.channels_last):
+        raise AssertionError(f"allreduce output strides {got.stride()}, want channels-last")
+    same(got.contiguous(), base * TRIANGLE, "channels-last allreduce")
+    same(hvd.allreduce(x, op=hvd.Average).contiguous(), base * TRIANGLE / size, "channels-last average")
+    same(hvd.grouped_allreduce([x, x[:1]], op=hvd.Sum)[1].contiguous(), base[:1] * TRIANGLE, "grouped")
+    y = (base * (rank + 1)).to(memory_format=torch.channels_last)
+    hvd.broadcast_(y, root_rank=size - 1)
+    same(y.contiguous(), base * size, "channels-last in-place broadcast")
+    v = torch.zeros(2, 3, 4, 5, 6).to(memory_format=torch.channels_last_3d) + rank + 1
+    same(hvd.allreduce(v, op=hvd.Sum).contiguous(), torch.full((2, 3, 4, 5, 6), float(TRIANGLE)), "3-d")
+    try:
+        hvd.allreduce(base.transpose(0, 3), op=hvd.Sum)  # neither layout: still refused
+    except ValueError as e:
+        if "contiguous" not in str(e):
+            raise
+    else:
+        raise AssertionError("a transposed (non-dense) tensor was accepted")
+
+
 @case("sync_batch_norm")
 def _():
     torch.manual_seed(0)

@@ -35,6 +35,11 @@ def checks(device: torch.device) -> dict[str, bool]:
     grouped = hvd.grouped_allreduce([x[:10], x[10:20]], op=hvd.Sum, name="grouped")
     got["grouped_allreduce"] = all(bool(torch.all(t == total)) for t in grouped)
     got["results_on_device"] = all(t.device == device for t in (half, gathered, grouped[0]))
+    # hvdtrain's patch: channels-last tensors (a model in torch.channels_last) through NCCL, layout kept.
+    base = torch.arange(8 * 16 * 7 * 7, dtype=torch.float32, device=device).reshape(8, 16, 7, 7)
+    cl = hvd.allreduce((base * (rank + 1)).to(memory_format=torch.channels_last), op=hvd.Sum, name="cl")
+    got["allreduce_channels_last"] = (cl.is_contiguous(memory_format=torch.channels_last)
+                                      and bool(torch.all(cl == base * total)))
     return got
 
 
