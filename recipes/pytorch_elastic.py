@@ -165,7 +165,7 @@ def on_reset(j: Job, state: hvd.elastic.TorchState) -> None:
 # ---- train with commits ------------------------------------------------------------------------------------
 
 def train_step(j: Job, state: hvd.elastic.TorchState, x: torch.Tensor, y: torch.Tensor, lr: float,
-               sums: MetricSums) -> float:
+               sums: MetricSums) -> None:
     for group in j.optimizer.param_groups:
         group["lr"] = lr
     j.optimizer.zero_grad()
@@ -181,7 +181,6 @@ def train_step(j: Job, state: hvd.elastic.TorchState, x: torch.Tensor, y: torch.
                                  divergence.worst([float(v) for v in losses]))
     with j.optimizer.skip_synchronize():
         j.precision.step(j.optimizer)
-    return float(losses[-1])
 
 
 def commit(j: Job, state: hvd.elastic.TorchState, sums: MetricSums) -> None:

@@ -26,6 +26,7 @@ from hvdtrain.train.config import RecipeConfig
 from hvdtrain.train.lr import LRSchedule
 from hvdtrain.train.metrics import History, MetricSums, write_summary
 from hvdtrain.train.precision import PRECISIONS, Precision, as_input
+from hvdtrain.train.report import wait_share
 
 MODEL_CHOICES = ("auto", "cnn", "mlp", "resnet")  # auto, and recipes/pytorch_models.py's MODELS (a test checks)
 CPU_CHANNELS_LAST = (
@@ -99,8 +100,7 @@ class Meters:
 
     def epoch_shares(self, mark: tuple[int, int]) -> dict[str, float]:
         """The epoch's data-wait share, and its GPU-idle share where a GPU is measured."""
-        wait, steps = self.stall.waits[mark[0]:], self.stall.steps[mark[0]:]
-        row = {"data_wait_share": sum(wait) / max(sum(steps), 1e-12)}
+        row = {"data_wait_share": wait_share(self.stall.waits[mark[0]:], self.stall.steps[mark[0]:])}
         if self.idle.measured:
             row["gpu_idle_share"] = self.idle.share_since(mark[1])
         return row
