@@ -130,7 +130,8 @@ def _cmd_data_convert(args: argparse.Namespace) -> int:
 
     try:
         summary = convert(args.src, args.dst, shard_bytes=args.shard_size, compression=args.compression,
-                          image_size=args.image_size, val_fraction=args.val_fraction, progress=args.progress)
+                          image_size=args.image_size, val_fraction=args.val_fraction, progress=args.progress,
+                          shuffle=args.shuffle, seed=args.seed)
     except StreamError as exc:
         print(f"hvdtrain data convert: error: {exc}", file=sys.stderr)
         return exitcodes.INVALID_INPUT
@@ -193,6 +194,11 @@ def _add_data_parser(sub: argparse._SubParsersAction) -> None:
                    help="resize every image to this (default: all images must have one size)")
     p.add_argument("--val-fraction", type=_fraction, default=0.0, metavar="F",
                    help="for a SRC without train/ and val/: hold out this fraction, evenly spaced, as val/")
+    p.add_argument("--seed", type=int, default=0, metavar="N",
+                   help="seed of the shuffle each split is written in (default 0: the same input gives the same bytes)")
+    p.add_argument("--keep-order", dest="shuffle", action="store_false",
+                   help="write samples in the source's order instead of shuffled (a class-sorted source then needs "
+                        "a shuffle block spanning every class to train)")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     p.set_defaults(func=_cmd_data_convert)
 
@@ -254,14 +260,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM while a `data` command writes: unwinds like Ctrl-C, so what it wrote is removed."""
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise _Terminated
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    command = argv[0] if argv else (sys.argv[1] if len(sys.argv) > 1 else "")
+    if command == "data":  # `run` handles SIGTERM itself once a job starts (NOTE [shutdown])
+        signal.signal(signal.SIGTERM, _terminate)
     try:
         return _main(argv)
-    except KeyboardInterrupt:  # Ctrl-C before a job started (from then on run_plan handles it: NOTE [shutdown])
-        command = argv[0] if argv else (sys.argv[1] if len(sys.argv) > 1 else "")
+    except KeyboardInterrupt as e:  # Ctrl-C before a job started (from then on run_plan handles it: NOTE [shutdown])
+        signum = signal.SIGTERM if isinstance(e, _Terminated) else signal.SIGINT
         what = "nothing was written that looks complete" if command == "data" else "no job was started"
-        print(f"hvdtrain: interrupted (SIGINT); {what}", file=sys.stderr)
-        return exitcodes.SIGNALLED + signal.SIGINT
+        print(f"hvdtrain: interrupted ({signum.name}); {what}", file=sys.stderr)
+        return exitcodes.SIGNALLED + signum
+    except BrokenPipeError:  # `hvdtrain ... | head`: the reader left; say nothing more, as other tools do
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the interpreter's final flush fails quietly
+        return exitcodes.SIGNALLED + signal.SIGPIPE
 
 
 def _main(argv: Sequence[str] | None) -> int:

@@ -27,8 +27,8 @@ What each rank does, in order (Horovod's six Keras steps, plus resume):
     rank's share of the validation set read in the trainer, batch by batch.
  3. LR = base LR × world size; wrap the optimizer in hvd.DistributedOptimizer.
  4. Callbacks in Horovod's order: BroadcastGlobalVariablesCallback(0), MetricAverageCallback(),
-    LearningRateWarmupCallback, LR schedules; a NaN/Inf check of the weights after each step (every rank stops
-    at the same step, exit 3); then, on rank 0 only, checkpoints and TensorBoard.
+    LearningRateScheduleCallback (the PyTorch recipe's warmup and milestones); a NaN/Inf check of the weights
+    after each step (every rank stops at the same step, exit 3); then, on rank 0 only, checkpoints and TensorBoard.
  5. Resume: rank 0 loads the newest checkpoint; the epoch is broadcast; the weights follow by the callback.
  6. Rank 0 writes <run-dir>/summary.json; every rank checks that the weights are identical everywhere.
 """
@@ -46,7 +46,7 @@ from hvdtrain.data import ShmLoader, expected_batches, sweep_stale_segments
 from hvdtrain.train import checkpoint, layout, rundir
 from hvdtrain.train.config import RecipeConfig, parse_config
 from hvdtrain.train.entry import exit_with
-from hvdtrain.train.lr import scaled_epochs
+from hvdtrain.train.lr import LRSchedule, scaled_epochs
 from hvdtrain.train.metrics import History, build_summary, write_summary
 from hvdtrain.train.report import log, nothing_to_train, same_weights
 
@@ -73,27 +73,28 @@ class Config(RecipeConfig):
             raise ValueError(f"--warmup-epochs must be >= 0, got {self.warmup_epochs}")
         if not (self.base_lr > 0 and math.isfinite(self.base_lr)):
             raise ValueError(f"--base-lr must be a finite number > 0, got {self.base_lr}")
-        if list(self.lr_milestones) != sorted(set(self.lr_milestones)) or any(m < 1 for m in self.lr_milestones):
-            raise ValueError(f"--lr-milestones must be increasing epochs >= 1, got {self.lr_milestones}")
+        try:  # the schedule checks its own values; say which flags they came from
+            LRSchedule(self.base_lr, warmup_epochs=self.warmup_epochs, milestones=self.lr_milestones,
+                       gamma=self.lr_gamma)
+        except ValueError as e:
+            raise ValueError(f"LR flags (--base-lr, --warmup-epochs, --lr-milestones, --lr-gamma): {e}") from None
 
 
-def lr_callbacks(hvd: Any, cfg: Config, lr: float, steps: int, rank: int) -> list[Any]:
+def lr_callbacks(hvd: Any, schedule: LRSchedule, steps: int) -> list[Any]:
+    # Horovod: the LR of every step: scaled by the world size, ramped up linearly over the warmup epochs (Goyal et
+    # al.), × gamma from each milestone on. One LearningRateScheduleCallback with the PyTorch recipe's schedule
+    # (hvdtrain/train/lr.py), evaluated at each step's end as there: Horovod's own warmup callback plus a constant
+    # multiplier per milestone would compound (it applies a constant as multiplier ** (epoch - start_epoch)).
     # momentum_correction=False: Keras 2.11+ optimizers hold momentum as a Python float, which Horovod 0.28.1's
     # correction (scale momentum by new_lr / old_lr for one step) tries to set as a variable and fails.
-    cbs: list[Any] = []
-    if cfg.warmup_epochs:
-        # Horovod: ramp the LR from lr / size to lr over the first epochs, every step (Goyal et al.).
-        cbs.append(hvd.callbacks.LearningRateWarmupCallback(
-            initial_lr=lr, warmup_epochs=cfg.warmup_epochs, steps_per_epoch=steps, momentum_correction=False,
-            verbose=int(rank == 0)))
-    # Horovod: then the schedule: lr × gamma^k from the k-th milestone on.
-    bounds = [cfg.warmup_epochs, *(m for m in cfg.lr_milestones if m > cfg.warmup_epochs)]
-    for k, start in enumerate(bounds):
-        end = bounds[k + 1] if k + 1 < len(bounds) else None
-        cbs.append(hvd.callbacks.LearningRateScheduleCallback(
-            initial_lr=lr, multiplier=cfg.lr_gamma ** sum(m <= start for m in cfg.lr_milestones),
-            start_epoch=start, end_epoch=end, steps_per_epoch=steps, momentum_correction=False))
-    return cbs
+    peak = schedule.peak_lr
+
+    def multiplier(at: float) -> float:  # Horovod calls it with epoch + batch / steps before each batch
+        epoch = int(at)
+        return schedule.lr_for_step(epoch, min(round((at - epoch) * steps), steps - 1), steps) / peak
+
+    return [hvd.callbacks.LearningRateScheduleCallback(
+        initial_lr=peak, multiplier=multiplier, staircase=False, steps_per_epoch=steps, momentum_correction=False)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,7 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     tf.keras.utils.set_random_seed(cfg.seed)
     model = keraskit.build_model(sample_shape, splits.num_classes, cfg.width)
     # Horovod: scale the LR by the number of workers (the effective batch is size × larger; Goyal et al.).
-    lr = cfg.base_lr * size
+    schedule = LRSchedule(cfg.base_lr, size, warmup_epochs=cfg.warmup_epochs, milestones=cfg.lr_milestones,
+                          gamma=cfg.lr_gamma)
+    lr = schedule.lr_at(0)
     # Horovod: wrap the optimizer: gradients are averaged over all ranks by allreduce before they are applied.
     opt = hvd.DistributedOptimizer(tf.keras.optimizers.SGD(learning_rate=lr, momentum=cfg.momentum),
                                    compression=hvd.Compression.fp16 if cfg.fp16_allreduce else hvd.Compression.none)
@@ -165,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         hvd_tf.broadcast_variables(model.variables + list(model.optimizer.variables), root_rank=0)
     log(rank, f"{size} ranks on {device}  dataset {splits.name}: {len(splits.train)} train / {len(splits.val)} "
               f"val  {tfkeras.keras_info(tf).describe()}  epochs {first + 1}..{epochs}  batch {cfg.batch_size}×{size} "
-              f"ranks  {steps} steps/epoch  peak lr {lr:g}")
+              f"ranks  {steps} steps/epoch  peak lr {schedule.peak_lr:g}")
 
     # ---- 5. callbacks in Horovod's order, then fit
     samples = math.ceil(len(splits.train) / size) * size  # per epoch, over all ranks
@@ -176,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         hvd.callbacks.BroadcastGlobalVariablesCallback(0),
         # Horovod: average the epoch's metrics (loss, accuracy, val_*) over all ranks before anything logs them.
         hvd.callbacks.MetricAverageCallback(),
-        *lr_callbacks(hvd, cfg, lr, steps, rank),
+        *lr_callbacks(hvd, schedule, steps),
         # NaN/Inf in the weights after a step or in an epoch's averaged loss: every rank stops at the same step,
         # before the epoch is recorded or checkpointed (NOTE [divergence checks] in hvdtrain/train/divergence.py).
         *([keraskit.StopOnNonFinite(steps)] if cfg.check_finite else []),

@@ -5,6 +5,9 @@ behind."""
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import time
 from pathlib import Path
 
 import numpy as np
@@ -62,13 +65,13 @@ def test_flat_shard_dir_round_trips_every_sample_in_file_order(tmp_path: Path) -
     np.savez(src / "b.npz", x=xb, y=yb)  # sorted by name: a_x.npy before b.npz
     np.save(src / "a_x.npy", xa)
     np.save(src / "a_y.npy", ya)
-    summary = convert(src, tmp_path / "out", progress=False)
+    summary = convert(src, tmp_path / "out", shuffle=False, progress=False)
     _assert_same(tmp_path / "out" / "train", np.concatenate([xa, xb]), np.concatenate([ya, yb]))
     assert not (tmp_path / "out" / "val").exists()
     assert [s.name for s in summary.splits] == ["train"] and "no val/ split" in summary.render()
     meta = _meta(tmp_path / "out" / "train")
     assert meta == {"num_classes": int(max(ya.max(), yb.max())) + 1, "x_shape": [3, 4, 4],
-                    "source": str(src.resolve())}
+                    "source": str(src.resolve()), "order": "source order"}
 
 
 def test_train_val_dirs_become_splits_and_num_classes_counts_both(tmp_path: Path) -> None:
@@ -80,7 +83,7 @@ def test_train_val_dirs_become_splits_and_num_classes_counts_both(tmp_path: Path
     yv[2] = 11  # only val holds the largest label
     np.savez(src / "train" / "t.npz", x=xt, y=yt.astype(np.int32))
     np.savez_compressed(src / "val" / "v.npz", x=xv, y=yv)
-    summary = convert(src, tmp_path / "out", progress=False)
+    summary = convert(src, tmp_path / "out", shuffle=False, progress=False)
     _assert_same(tmp_path / "out" / "train", xt, yt)
     _assert_same(tmp_path / "out" / "val", xv, yv)
     assert [(s.name, s.samples) for s in summary.splits] == [("train", 9), ("val", 4)]
@@ -108,7 +111,7 @@ def test_shard_size_makes_several_shards_and_compressed_ones_read_back(tmp_path:
     np.savez(src / "a.npz", x=x[:25], y=y[:25])
     np.savez(src / "b.npz", x=x[25:], y=y[25:])
     summary = convert(src, tmp_path / "out", shard_bytes=parse_size("1KiB"), compression=compression,
-                      progress=False)
+                      shuffle=False, progress=False)
     out = tmp_path / "out" / "train"
     assert summary.splits[0].shards == StreamingDataset(out).num_shards > 3
     suffix = ".mds.zstd" if compression else ".mds"
@@ -121,7 +124,7 @@ def test_val_fraction_holds_out_evenly_spaced_samples(tmp_path: Path) -> None:
     src.mkdir()
     x, y = _arrays(5, 20, shape=(2,), dtype=np.int16)
     np.savez(src / "a.npz", x=x, y=y)
-    summary = convert(src, tmp_path / "out", val_fraction=0.25, progress=False)
+    summary = convert(src, tmp_path / "out", val_fraction=0.25, shuffle=False, progress=False)
     held = np.array([i % 4 == 3 for i in range(20)])  # floor((i+1)/4) > floor(i/4)
     _assert_same(tmp_path / "out" / "train", x[~held], y[~held])
     _assert_same(tmp_path / "out" / "val", x[held], y[held])
@@ -153,6 +156,48 @@ def test_converting_twice_gives_identical_bytes(tmp_path: Path) -> None:
         assert (tmp_path / "one" / rel).read_bytes() == (tmp_path / "two" / rel).read_bytes(), rel
 
 
+@pytest.mark.parametrize("bucket_bytes", [None, 300])  # None: one bucket; 300 bytes: ~20 buckets per split
+def test_each_split_is_written_in_a_seeded_shuffle(tmp_path: Path, bucket_bytes, monkeypatch) -> None:
+    """A class-sorted source comes out as a uniform shuffle of each split: every (x, y) pair once, val held out in
+    the source's order (the same samples as --keep-order), the same bytes for the same seed, another order for
+    another seed, and no temporary buckets left."""
+    from hvdtrain.stream import convert as convert_module
+
+    if bucket_bytes:
+        monkeypatch.setattr(convert_module, "SHUFFLE_BUCKET_BYTES", bucket_bytes)
+    src = tmp_path / "src"
+    x, _ = _arrays(8, 120, shape=(4,), dtype=np.float32)
+    y = np.repeat(np.arange(4), 30)  # sorted by class, as image folders and per-class files arrive
+    _npz(src / "a.npz", x=x[:70], y=y[:70])
+    _npz(src / "b.npz", x=x[70:], y=y[70:])
+    for out, seed in (("one", 0), ("two", 0), ("three", 1)):
+        convert(src, tmp_path / out, val_fraction=0.25, seed=seed, shard_bytes=200, progress=False)
+    convert(src, tmp_path / "kept", val_fraction=0.25, shuffle=False, progress=False)
+    for split in ("train", "val"):
+        got_x, got_y = _read(tmp_path / "one" / split)
+        kept_x, kept_y = _read(tmp_path / "kept" / split)
+        order = np.argsort(got_x[:, 0])
+        want = np.argsort(kept_x[:, 0])
+        assert np.array_equal(got_x[order], kept_x[want]) and np.array_equal(got_y[order], kept_y[want])
+        assert not np.array_equal(got_y, kept_y)  # shuffled
+        assert np.array_equal(_read(tmp_path / "two" / split)[0], got_x)  # the same seed: the same order
+        assert not np.array_equal(_read(tmp_path / "three" / split)[0], got_x)
+    first = StreamingDataset(tmp_path / "one" / "train")
+    assert first.num_shards > 3 and len(np.unique(first.take(np.arange(20))["y"])) == 4  # every class early on
+    assert _meta(tmp_path / "one" / "train")["order"] == "shuffled (seed 0)"
+    assert not (tmp_path / "one" / convert_module.SHUFFLE_DIR).exists()
+
+
+def test_a_class_sorted_image_folder_is_shuffled(tmp_path: Path) -> None:
+    src = tmp_path / "img"
+    for label, name in enumerate(("a", "b", "c")):
+        for i in range(8):
+            _image(src / name / f"{i}.png", 10 * label + i, (4, 4))
+    convert(src, tmp_path / "out", progress=False)
+    _, y = _read(tmp_path / "out" / "train")
+    assert sorted(y.tolist()) == [0] * 8 + [1] * 8 + [2] * 8 and y.tolist() != sorted(y.tolist())
+
+
 # ---- image folders ----------------------------------------------------------------------------------------
 
 def _image(path: Path, seed: int, size: tuple[int, int], mode: str = "RGB") -> None:
@@ -175,7 +220,7 @@ def test_image_folder_classes_numbered_by_name_and_stored_channels_first(tmp_pat
     for i, path in enumerate(files):
         _image(path, i, (5, 7), mode="L" if i == 3 else "RGB")  # a grayscale one becomes RGB
     (src / "cat" / "notes.txt").write_text("not an image")
-    summary = convert(src, tmp_path / "out", val_fraction=0.5, progress=False)
+    summary = convert(src, tmp_path / "out", val_fraction=0.5, shuffle=False, progress=False)
     ordered = [src / "ant" / "a.png", src / "ant" / "b.jpg", src / "cat" / "x.JPEG", src / "zebra" / "1.png"]
     x = np.stack([_decoded(p) for p in ordered])
     y = np.array([0, 0, 1, 2])
@@ -186,12 +231,25 @@ def test_image_folder_classes_numbered_by_name_and_stored_channels_first(tmp_pat
     assert meta["classes"] == ["ant", "cat", "zebra"] and meta["num_classes"] == 3 and meta["x_shape"] == [3, 5, 7]
 
 
+def test_webp_gif_bmp_tiff_are_images_and_other_files_are_counted(tmp_path: Path) -> None:
+    src = tmp_path / "img"
+    names = ["a/0.webp", "a/1.gif", "b/2.bmp", "b/3.tiff", "b/4.png"]
+    for i, name in enumerate(names):
+        _image(src / name, i, (4, 4))
+    (src / "a" / "readme.txt").write_text("notes")
+    (src / "b" / "5.heic").write_bytes(b"not decoded here")
+    summary = convert(src, tmp_path / "out", shuffle=False, progress=False)
+    got, y = _read(tmp_path / "out" / "train")
+    assert y.tolist() == [0, 0, 1, 1, 1] and np.array_equal(got, np.stack([_decoded(src / n) for n in names]))
+    assert "skipped 2 files of the class directories that are not images (.heic: 1, .txt: 1)" in summary.render()
+
+
 def test_image_size_resizes_every_image_of_each_split(tmp_path: Path) -> None:
     src = tmp_path / "img"
     _image(src / "train" / "a" / "0.png", 0, (9, 12))
     _image(src / "train" / "b" / "0.jpg", 1, (4, 4))
     _image(src / "val" / "b" / "0.png", 2, (6, 8))
-    convert(src, tmp_path / "out", image_size=parse_image_size("6x8"), progress=False)
+    convert(src, tmp_path / "out", image_size=parse_image_size("6x8"), shuffle=False, progress=False)
     train = [src / "train" / "a" / "0.png", src / "train" / "b" / "0.jpg"]
     _assert_same(tmp_path / "out" / "train", np.stack([_decoded(p, (6, 8)) for p in train]), np.array([0, 1]))
     _assert_same(tmp_path / "out" / "val", _decoded(src / "val" / "b" / "0.png")[None], np.array([1]))
@@ -324,7 +382,7 @@ def test_cli_convert_then_inspect_text_and_json(tmp_path: Path) -> None:
     _npz(src / "val" / "a.npz", x=x[:3], y=y[:3])
     out = tmp_path / "out"
     res = _cli("data", "convert", str(src), str(out), "--shard-size", "100B", "--compression", "zstd:1",
-               "--no-progress")
+               "--no-progress", "--keep-order")
     assert res.returncode == 0, res.describe()
     assert f"wrote {out}: arrays" in res.output and "train: 12 samples in" in res.output, res.describe()
     _assert_same(out / "train", x, y)
@@ -333,6 +391,40 @@ def test_cli_convert_then_inspect_text_and_json(tmp_path: Path) -> None:
     res = _cli("data", "inspect", str(out), "--json")
     assert res.returncode == 0, res.describe()
     assert json.loads(res.output) == describe(out)
+
+
+def test_sigterm_during_convert_removes_what_it_wrote(tmp_path: Path) -> None:
+    """As SIGINT does: a conversion stopped by SIGTERM (a scheduler's kill) leaves no index-less shards, and the
+    same command then runs on the directory."""
+    src, out = tmp_path / "src", tmp_path / "out"
+    _npz(src / "a.npz", x=np.zeros((200_000, 2), np.uint8), y=np.zeros(200_000, np.int64))
+    argv = [HVDTRAIN, "data", "convert", str(src), str(out), "--shard-size", "2KB", "--keep-order", "--no-progress"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (out / "train" / "shard.00003.mds").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "no shard written in time"
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, output
+    assert "interrupted (SIGTERM); nothing was written that looks complete" in output
+    assert not out.exists() or not any(out.iterdir()), sorted(out.rglob("*"))[:5]
+
+
+@pytest.mark.parametrize("args", [["schema"], ["data", "inspect", "{out}", "--json"]])
+def test_output_into_a_closed_pipe_ends_quietly(args: list[str], tmp_path: Path) -> None:
+    """`hvdtrain schema | head -1`: the reader is gone; exit 141 (as a tool killed by SIGPIPE), no traceback."""
+    src, out = tmp_path / "src", tmp_path / "out"
+    _npz(src / "a.npz", x=np.zeros((3000, 2), np.uint8), y=np.zeros(3000, np.int64))
+    convert(src, out, shard_bytes=600, progress=False)  # ~100 shards: --json is longer than a pipe's buffer
+    proc = subprocess.Popen([HVDTRAIN, *(a.format(out=out) for a in args)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    proc.stdout.close()  # before anything is written: every write meets a closed pipe
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 141 and b"Traceback" not in err and b"BrokenPipe" not in err, err.decode()
 
 
 @pytest.mark.parametrize(("args", "words"), [

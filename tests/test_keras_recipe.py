@@ -32,7 +32,7 @@ pytestmark = [pytest.mark.slow,
 
 RECIPE = REPO / "recipes" / "keras_train.py"
 TIMEOUT = 300  # generous: other engineers run tests on the same 2 cores
-ARGS = ("--epochs", "2", "--warmup-epochs", "1", "--keep-checkpoints", "2", "--verbose", "0")
+ARGS = ("--epochs", "2", "--warmup-epochs", "1", "--keep-checkpoints", "2", "--verbose", "0", "--lr-milestones", "2")
 ENV = {"TF_CPP_MIN_LOG_LEVEL": "2"}
 
 WRAPPER = r'''
@@ -180,6 +180,18 @@ def test_a_resumed_run_trains_on_the_samples_of_an_uninterrupted_one(resumed, st
     keys = ("epoch", "train_loss", "train_accuracy", "val_loss", "val_accuracy", "lr")
     assert [{k: row[k] for k in keys} for row in resumed.summary()["history"]] == \
         [{k: row[k] for k in keys} for row in straight.summary()["history"]]
+
+
+def test_the_lr_schedule_is_the_pytorch_recipes_epoch_by_epoch(straight):
+    """Warmup over epoch 1, milestone 2: LR × 0.1 for every step of epoch 3 (0-based 2), as the PyTorch recipe
+    (tests/test_pytorch_recipe.py checks the same flags there); Horovod's callbacks used to compound a constant
+    multiplier and start it an epoch late. Each epoch's LR is its last step's, 0.05 × 2 ranks at the peak."""
+    from hvdtrain.train.lr import LRSchedule
+
+    schedule = LRSchedule(0.05, 2, warmup_epochs=1, milestones=(2,))
+    history = straight.summary()["history"]
+    assert [row["lr"] for row in history] == pytest.approx([schedule.lr_for_step(e, 0, 1) for e in range(3)])
+    assert [row["lr"] for row in history] == pytest.approx([0.1, 0.1, 0.01])
 
 
 def test_recipe_stops_with_the_fix_on_keras_3_and_trains_nothing(tmp_path):

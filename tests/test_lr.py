@@ -58,6 +58,15 @@ def test_step_schedule_multiplies_by_gamma_at_each_milestone():
     assert s.lr_at(100.0) == pytest.approx(0.05)
 
 
+def test_a_milestone_applies_from_the_first_step_of_its_epoch_to_the_last():
+    """Milestone 3 (0-based epoch 3, the 4th): epoch 2's last step still trains at the peak LR, every step of
+    epoch 3 at the decayed one (the per-step LR is what both recipes use, Keras through Horovod's callback)."""
+    s = LRSchedule(base_lr=0.1, size=2, warmup_epochs=1, milestones=(3,), gamma=0.1)
+    assert [s.lr_for_step(2, k, 10) for k in (0, 9)] == pytest.approx([0.2, 0.2])
+    assert [s.lr_for_step(3, k, 10) for k in (0, 9)] == pytest.approx([0.02, 0.02])
+    assert s.lr_for_step(0, 9, 10) == pytest.approx(0.2)  # the warmup's last step reaches the peak
+
+
 def test_epochs_scaled_by_world_size_like_horovods_keras_example():
     assert scaled_epochs(10, 4, True) == 3
     assert scaled_epochs(12, 4, True) == 3

@@ -103,12 +103,22 @@ def test_zstd_round_trip_and_one_decompression(tmp_path: Path, _cache_dir: Path)
     assert not list((tmp_path / "d").glob("*.mds"))
 
 
+def _without_hashes(root: Path) -> Path:
+    """The index without checksums (as Mosaic's MDSWriter writes by default), so that the structural checks of a
+    damaged shard are what meets it, not the checksum verified before first use (tests/test_verify.py)."""
+    index = json.loads((root / "index.json").read_text())
+    for shard in index["shards"]:
+        shard["raw_data"]["hashes"] = {}
+    (root / "index.json").write_text(json.dumps(index))
+    return root
+
+
 @pytest.mark.parametrize("damage, message", [
     (lambda p: p.write_bytes(p.read_bytes()[:-5]), "truncated or replaced"),
     (lambda p: p.write_bytes(p.read_bytes()[:4] + b"\xff\xff\xff\x7f" + p.read_bytes()[8:]), "offsets"),
 ])
 def test_damaged_raw_shard_is_named(tmp_path: Path, damage, message: str) -> None:
-    shutil.copytree(MOSAIC / "raw", tmp_path / "d")
+    _without_hashes(shutil.copytree(MOSAIC / "raw", tmp_path / "d"))
     damage(tmp_path / "d" / "shard.00001.mds")
     ds = StreamingDataset(tmp_path / "d", fields=("x", "y"))
     ds.take(np.array([0]))  # shard 0 is fine
@@ -262,7 +272,7 @@ def _rewrite_sample(path: Path, edit) -> None:
      "do not add up"),
 ])
 def test_a_damaged_sample_size_table_is_named_not_misread(tmp_path: Path, edit, message: str) -> None:
-    shutil.copytree(MOSAIC / "raw", tmp_path / "d")
+    _without_hashes(shutil.copytree(MOSAIC / "raw", tmp_path / "d"))
     _rewrite_sample(tmp_path / "d" / "shard.00000.mds", edit)
     ds = StreamingDataset(tmp_path / "d", fields=("x", "y"))
     with pytest.raises(StreamError, match=rf"shard\.00000\.mds: sample 0's column sizes .* {message}"):
@@ -270,7 +280,7 @@ def test_a_damaged_sample_size_table_is_named_not_misread(tmp_path: Path, edit, 
 
 
 def test_fixed_size_shard_with_wrong_offsets_is_refused(tmp_path: Path) -> None:
-    with MDSWriter(tmp_path / "d", {"x": "ndarray:float32:2", "y": "int64"}) as w:
+    with MDSWriter(tmp_path / "d", {"x": "ndarray:float32:2", "y": "int64"}, hashes=()) as w:
         for i in range(4):
             w.write({"x": np.full(2, i, np.float32), "y": i})
     shard = tmp_path / "d" / "shard.00000.mds"

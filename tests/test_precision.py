@@ -4,6 +4,7 @@ and resumed with its loss scale)."""
 
 from __future__ import annotations
 
+import math
 import sys
 
 import pytest
@@ -148,7 +149,8 @@ def test_fp16_resumes_with_rank_0s_loss_scale_on_every_rank(tmp_path):
     run_dir = tmp_path / "run"
     first = run_recipe(tmp_path, run_dir, *DIGITS, "--precision", "fp16", "--stop-after-epoch", "1")
     state = checkpoint_state(first, 1)
-    assert state["precision"]["scale"] == 2.0 ** 16  # digits never overflows: the initial scale
+    scale = state["precision"]["scale"]  # 2^16 at first, halved at each overflow (BatchNorm's first steps)
+    assert 2.0 ** 10 <= scale <= 2.0 ** 16 and math.log2(scale).is_integer(), scale
     state["precision"]["scale"] = 2.0 ** 9  # a scale only the checkpoint knows
     path = run_dir / "checkpoints" / "ckpt-epoch0001.pt"
     path.unlink()

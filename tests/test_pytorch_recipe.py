@@ -31,7 +31,7 @@ RECIPE = REPO / "recipes" / "pytorch_train.py"
 TIMEOUT = 300  # generous: other engineers run tests on the same 2 cores
 # Small and fast, with weight decay so that a wrong broadcast order on resume would show (see broadcast_state).
 DIGITS_ARGS = ("--epochs", "3", "--warmup-epochs", "1", "--weight-decay", "1e-3", "--keep-checkpoints", "2",
-               "--no-tensorboard")
+               "--no-tensorboard", "--lr-milestones", "2")
 
 WRAPPER = r'''
 import json, os, runpy, sys
@@ -139,6 +139,8 @@ def test_training_learns_and_ranks_end_with_identical_weights(uninterrupted):
     assert summary["val_accuracy"] > 0.85, summary
     assert summary["final_train_loss"] < 1.0 and summary["samples_per_sec"] > 0
     assert summary["resumed_from_epoch"] == 0
+    # warmup over epoch 1, then 0.05 × 2 ranks, × 0.1 from milestone 2 (0-based epoch 2) on: as the Keras recipe
+    assert [row["lr"] for row in summary["history"]] == pytest.approx([0.1, 0.1, 0.01])
     assert epoch_lines(uninterrupted.output) == [1, 2, 3]
     assert f"summary:    {uninterrupted.run_dir / 'summary.json'}" in uninterrupted.output
 

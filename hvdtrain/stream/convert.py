@@ -12,7 +12,15 @@ DST gets `train/` and `val/` (Mosaic's layout; `val/` only if SRC has one or `va
 evenly spaced samples of an unsplit SRC: sample i is val when floor((i+1)·f) > floor(i·f)). Columns: `x`
 (`ndarray:DTYPE:SHAPE`) and `y` (`int64`); hvdtrain's metadata (num_classes, x_shape, source, classes) goes in each
 index's "hvdtrain" key. The whole source is checked before anything is written; the output is deterministic (same
-input, same bytes; nothing is shuffled), and a failed conversion removes what it wrote.
+input and seed, same bytes), and a failed conversion removes what it wrote.
+
+Order: each split's samples are written in a seeded uniform shuffle (`shuffle`, `seed`), because sources usually
+arrive sorted by class (image folders, per-class files) and a reader mixes samples only within its shuffle window
+(hvdtrain/stream/order.py): a class-sorted dataset trains at chance. Which samples are held out for val/ is decided
+in the source's order first (evenly spaced: every class is represented). Images are shuffled as a list of files;
+array samples, which may not fit in memory, go through temporary buckets in DST (each sample to a random bucket of
+at most `SHUFFLE_BUCKET_BYTES`, then each bucket permuted in memory: a uniform permutation, one bucket in memory at
+a time). `shuffle=False` (`--keep-order`) writes the source's order.
 """
 
 from __future__ import annotations
@@ -21,20 +29,21 @@ import re
 import shutil
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from hvdtrain.stream import encodings
+from hvdtrain.stream import sources
 from hvdtrain.stream.errors import StreamError
 from hvdtrain.stream.mds import INDEX, MDSWriter
 
 DEFAULT_SHARD_BYTES = 64 << 20
 MAX_SHARD_BYTES = (1 << 32) - 1  # MDS's offsets are 32-bit
 SPLITS = ("train", "val")
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
+SHUFFLE_BUCKET_BYTES = 256 << 20  # array samples held in memory at once while shuffling
+SHUFFLE_DIR = ".convert-shuffle"  # the buckets' directory inside DST, removed when the conversion ends
 UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 1 << 10, "mib": 1 << 20,
          "gib": 1 << 30, "tib": 1 << 40}
 
@@ -67,19 +76,6 @@ class Summary:
         lines += [f"  {s.name}: {s.samples} samples in {s.shards} shard{'s' * (s.shards != 1)}, "
                   f"{human_bytes(s.stored_bytes)}" for s in self.splits]
         return "\n".join(lines + [f"note: {n}" for n in self.notes])
-
-
-@dataclass
-class Source:
-    """A checked source: per split its items in order (array shard files, or (image, label)) and sample count."""
-
-    kind: str
-    items: dict[str, list[Any]]
-    counts: dict[str, int]
-    x_encoding: str
-    meta: dict[str, Any] = field(default_factory=dict)
-    image_size: tuple[int, int] | None = None  # images: resize to (H, W)
-    notes: list[str] = field(default_factory=list)
 
 
 # ---- option parsing (shared with the CLI) -------------------------------------------------------------------
@@ -121,9 +117,11 @@ def parse_compression(text: str) -> str:
 # ---- conversion -------------------------------------------------------------------------------------------
 
 def convert(src: Path, dst: Path, *, shard_bytes: int = DEFAULT_SHARD_BYTES, compression: str | None = None,
-            image_size: tuple[int, int] | None = None, val_fraction: float = 0.0, progress: bool = True) -> Summary:
-    """Write `src` (see the module docstring) as an MDS dataset root in `dst`, which must not exist or be empty.
-    StreamError naming the file and what is wrong for bad input, raised before anything is written where possible."""
+            image_size: tuple[int, int] | None = None, val_fraction: float = 0.0, progress: bool = True,
+            shuffle: bool = True, seed: int = 0) -> Summary:
+    """Write `src` (see the module docstring) as an MDS dataset root in `dst`, which must not exist or be empty;
+    each split in a uniform shuffle drawn from `seed` unless `shuffle` is False. StreamError naming the file and what
+    is wrong for bad input, raised before anything is written where possible."""
     src, dst = Path(src), Path(dst)
     try:
         if compression is not None:
@@ -137,8 +135,9 @@ def convert(src: Path, dst: Path, *, shard_bytes: int = DEFAULT_SHARD_BYTES, com
     if val_fraction and len(dirs) > 1:
         raise StreamError(f"{src} has train/ and val/ splits: --val-fraction applies only to a source without them")
     _check_dst(src, dst)
-    source = _scan(dirs, image_size)
+    source = sources.scan(dirs, image_size)
     source.meta["source"] = str(src.resolve())
+    source.meta["order"] = f"shuffled (seed {seed})" if shuffle else "source order"
     outputs = ["train", "val"] if val_fraction else list(dirs)
     if val_fraction:
         n = source.counts["train"]
@@ -147,9 +146,9 @@ def convert(src: Path, dst: Path, *, shard_bytes: int = DEFAULT_SHARD_BYTES, com
     created = not dst.exists()
     try:
         splits = _write(source, dst, outputs, val_fraction, progress,
-                        dict(compression=compression, size_limit=shard_bytes))
+                        dict(compression=compression, size_limit=shard_bytes), seed if shuffle else None)
     except BaseException:
-        _remove_output(dst, outputs, created)
+        _remove_output(dst, [*outputs, SHUFFLE_DIR], created)
         raise
     if "val" not in outputs:
         source.notes.append(f"{src} has no val/ split, so {dst} has none: training needs one; convert again with "
@@ -187,22 +186,27 @@ def _remove_output(dst: Path, outputs: list[str], created: bool) -> None:
         shutil.rmtree(dst, ignore_errors=True)
 
 
-def _write(source: Source, dst: Path, outputs: list[str], val_fraction: float, progress: bool,
-           options: dict[str, Any]) -> tuple[SplitSummary, ...]:
-    """Every sample into its split's writer (held-out ones into val), then each index.json last."""
+def _write(source: sources.Source, dst: Path, outputs: list[str], val_fraction: float, progress: bool,
+           options: dict[str, Any], seed: int | None) -> tuple[SplitSummary, ...]:
+    """Every sample into its split's writer (held-out ones into val), in a shuffle drawn from `seed` (None: the
+    source's order), then each index.json last."""
     from tqdm import tqdm
 
     columns = {"x": source.x_encoding, "y": "int64"}
     writers = {name: MDSWriter(dst / name, columns, meta=source.meta, **options) for name in outputs}
     counts = dict.fromkeys(outputs, 0)
-    with tqdm(total=sum(source.counts.values()), desc=f"writing {dst}", unit="sample", file=sys.stderr,
+    passes = 2 if seed is not None and source.kind == "arrays" else 1  # arrays are read once into the buckets
+    with tqdm(total=passes * sum(source.counts.values()), desc=f"writing {dst}", unit="sample", file=sys.stderr,
               disable=None if progress else True) as bar:  # None: only on a terminal
-        for split, items in source.items.items():
-            for i, (x, y) in enumerate(_samples(source, items, bar)):
-                held = bool(val_fraction) and int((i + 1) * val_fraction) > int(i * val_fraction)
-                name = "val" if held else split
-                writers[name].write({"x": x, "y": y})
-                counts[name] += 1
+        if seed is None:
+            samples = _in_order(source, val_fraction, bar)
+        elif source.kind == "images":
+            samples = _shuffled_images(source, outputs, val_fraction, seed, bar)
+        else:
+            samples = _shuffled_arrays(source, outputs, val_fraction, seed, dst / SHUFFLE_DIR, bar)
+        for name, x, y in samples:
+            writers[name].write({"x": x, "y": y})
+            counts[name] += 1
     for writer in writers.values():
         writer.finish()
     return tuple(SplitSummary(name, counts[name], len(w.shards),
@@ -210,199 +214,90 @@ def _write(source: Source, dst: Path, outputs: list[str], val_fraction: float, p
                  for name, w in writers.items())
 
 
-def _samples(source: Source, items: list[Any], bar: Any) -> Iterator[tuple[np.ndarray, int]]:
-    """(x, label) of each sample of one split's items, in order."""
-    if source.kind == "images":
-        for path, label in items:
-            yield _decode_image(path, source.image_size), label
-            bar.update(1)
-        return
-    for src in items:
-        x, y = _load_array(src, "x"), _load_array(src, "y")
-        x = x if x.dtype.isnative else x.astype(x.dtype.newbyteorder("="))  # the encoder wants native byte order
-        for i in range(len(y)):
-            yield x[i], int(y[i])
-        bar.update(len(y))
+def _output(split: str, i: int, val_fraction: float) -> str:
+    """The split sample `i` of source split `split` goes to: val when held out (evenly spaced), else `split`."""
+    held = bool(val_fraction) and int((i + 1) * val_fraction) > int(i * val_fraction)
+    return "val" if held else split
 
 
-# ---- array shard directories ------------------------------------------------------------------------------
-
-ShardSrc = Path | tuple[Path, Path]  # a .npz file or (NAME_x.npy, NAME_y.npy), from npyfiles.shard_files
-
-
-def _scan(dirs: dict[str, Path], image_size: tuple[int, int] | None) -> Source:
-    if any(next(d.glob("*.np[yz]"), None) for d in dirs.values()):
-        if image_size is not None:
-            raise StreamError(f"{next(iter(dirs.values()))} holds array shards: --image-size applies to image "
-                              "folders only")
-        return _scan_arrays(dirs)
-    return _scan_images(dirs, image_size)
+def _rng(seed: int, output: str) -> np.random.Generator:
+    return np.random.default_rng([seed, 0xC0417, SPLITS.index(output)])
 
 
-def _scan_arrays(dirs: dict[str, Path]) -> Source:
-    """Every shard's x header and labels checked (x's data is not read); one x dtype and sample shape in all."""
-    from hvdtrain.train.npyfiles import shard_files
-
-    items: dict[str, list[Any]] = {}
-    counts: dict[str, int] = {}
-    first: tuple[str, tuple[int, ...], np.dtype] | None = None
-    top, distinct = -1, set[int]()
-    for split, directory in dirs.items():
-        items[split], counts[split] = [src for _, src in shard_files(directory)], 0
-        for src in items[split]:
-            shape, dtype = _x_header(src)
-            y = _load_array(src, "y")
-            _check_labels(src, shape[0], y)
-            first = first or (_where(src, "x")[1], shape[1:], dtype)
-            if (shape[1:], dtype) != first[1:]:
-                raise StreamError(f"{_where(src, 'x')[1]}: samples are {dtype} of shape {shape[1:]}, but {first[0]} "
-                                  f"holds {first[2]} of shape {first[1]}; every shard must hold one dtype and shape")
-            counts[split] += len(y)
-            if len(y):
-                top, distinct = max(top, int(y.max())), distinct | set(np.unique(y).tolist())
-        if not counts[split]:
-            raise StreamError(f"{directory}: its shards hold no samples")
-    if first is None:  # unreachable: every split holds samples (checked above), so some shard set `first`
-        raise StreamError(f"{', '.join(map(str, dirs.values()))}: no shard holds samples")
-    x_encoding = encodings.ndarray_encoding(np.empty(first[1], first[2]))
-    source = Source("arrays", items, counts, x_encoding, {"num_classes": top + 1, "x_shape": list(first[1])})
-    if top + 1 > 2 * len(distinct):
-        source.notes.append(f"num_classes is {top + 1} (the largest label + 1) but only {len(distinct)} distinct "
-                            "labels occur: check for a stray label, or train with --num-classes N")
-    return source
+def _in_order(source: sources.Source, val_fraction: float, bar: Any) -> Iterator[tuple[str, np.ndarray, int]]:
+    for split, items in source.items.items():
+        for i, (x, y) in enumerate(sources.samples(source, items, bar)):
+            yield _output(split, i, val_fraction), x, y
 
 
-def _where(src: ShardSrc, key: str) -> tuple[Path, str]:
-    """The file holding array `key` ('x' or 'y') of a shard, and its name for errors."""
-    if isinstance(src, tuple):
-        return (src[0] if key == "x" else src[1]), str(src[0] if key == "x" else src[1])
-    return src, f"{src}['{key}']"
+def _shuffled_images(source: sources.Source, outputs: list[str], val_fraction: float, seed: int,
+                     bar: Any) -> Iterator[tuple[str, np.ndarray, int]]:
+    """Each output split's images in a uniform shuffle (a list of files: nothing decoded is held)."""
+    files: dict[str, list[Any]] = {name: [] for name in outputs}
+    for split, items in source.items.items():
+        for i, item in enumerate(items):
+            files[_output(split, i, val_fraction)].append(item)
+    for name in outputs:
+        perm = _rng(seed, name).permutation(len(files[name]))
+        for x, y in sources.samples(source, [files[name][j] for j in perm], bar):
+            yield name, x, y
 
 
-def _x_header(src: ShardSrc) -> tuple[tuple[int, ...], np.dtype]:
-    """x's shape and dtype from its .npy header (its data is not read); StreamError when MDS cannot store it."""
-    from hvdtrain.train.npyfiles import UNREADABLE, unreadable
-
-    path, name = _where(src, "x")
+def _shuffled_arrays(source: sources.Source, outputs: list[str], val_fraction: float, seed: int, tmp: Path,
+                     bar: Any) -> Iterator[tuple[str, np.ndarray, int]]:
+    """Each output split's array samples in a uniform shuffle, one source file and one bucket in memory at a time:
+    every sample goes to a random bucket file in `tmp`, then each bucket is read back and permuted (the module
+    docstring). `tmp` is removed when done (and by `convert` on failure)."""
+    shape = tuple(source.meta["x_shape"])
+    totals = dict.fromkeys(outputs, 0)
+    for split in source.items:
+        for i in range(source.counts[split]):
+            totals[_output(split, i, val_fraction)] += 1
+    rngs = {name: _rng(seed, name) for name in outputs}
+    tmp.mkdir()
     try:
-        if isinstance(src, tuple):
-            with open(path, "rb") as f:
-                shape, dtype = _npy_header(f)
-        else:
-            with _npz(path, "x") as npz, npz.zip.open("x.npy") as f:
-                shape, dtype = _npy_header(f)
-    except UNREADABLE as e:
-        if isinstance(e, StreamError):
-            raise
-        raise unreadable(name, e) from None
-    if len(shape) < 2 or 0 in shape[1:]:
-        raise StreamError(f"{name}: samples must be an array of shape (N, ...) with non-empty samples, got shape "
-                          f"{shape}")
-    if dtype.name not in encodings.DTYPE_CODES:
-        raise StreamError(f"{name}: dtype {dtype} cannot be stored in MDS; allowed: "
-                          f"{', '.join(encodings.DTYPE_CODES)} (cast it, e.g. x.astype(np.float32))")
-    return shape, dtype
+        dtype = _bucket(tmp, source, outputs, totals, rngs, val_fraction, bar)
+        for name in outputs:
+            for b in range(_buckets(totals[name], shape, dtype)):
+                x = np.fromfile(tmp / f"{name}-{b}.x", dtype=dtype).reshape(-1, *shape)
+                y = np.fromfile(tmp / f"{name}-{b}.y", dtype=np.int64)
+                for j in rngs[name].permutation(len(y)):
+                    yield name, x[j], int(y[j])
+                    bar.update(1)
+                (tmp / f"{name}-{b}.x").unlink()
+                (tmp / f"{name}-{b}.y").unlink()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _npy_header(f: Any) -> tuple[tuple[int, ...], np.dtype]:
-    version = np.lib.format.read_magic(f)
-    if version not in ((1, 0), (2, 0)):
-        raise ValueError(f".npy format version {version} is not read; save with numpy's default format")
-    read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-    shape, _, dtype = read(f)
-    return tuple(shape), dtype
+def _buckets(samples: int, shape: tuple[int, ...], dtype: np.dtype) -> int:
+    return max(1, -(-samples * int(np.prod(shape)) * dtype.itemsize // SHUFFLE_BUCKET_BYTES))
 
 
-def _check_labels(src: ShardSrc, samples: int, y: np.ndarray) -> None:
-    name = _where(src, "y")[1]
-    if y.ndim != 1 or not np.issubdtype(y.dtype, np.integer):
-        raise StreamError(f"{name}: labels must be a 1-D integer array of class ids, got dtype {y.dtype} shape "
-                          f"{y.shape} (save them with y.astype(np.int64))")
-    if len(y) != samples:
-        raise StreamError(f"{_where(src, 'x')[1]} has {samples} samples but {name} has {len(y)} labels")
-    if len(y) and (int(y.min()) < 0 or y.max() > np.iinfo(np.int64).max):
-        bad = int(np.argmin(y)) if int(y.min()) < 0 else int(np.argmax(y))
-        raise StreamError(f"{name}[{bad}]: label {y[bad]} is not a class id 0..K-1 (int64)")
-
-
-def _npz(path: Path, key: str) -> Any:
-    """The open .npz archive `path`, which holds `key`; StreamError otherwise."""
-    from hvdtrain.train.npyfiles import np_load
-
-    data = np_load(path)
-    if not isinstance(data, np.lib.npyio.NpzFile):
-        raise StreamError(f"{path}: a single array, not a .npz archive holding 'x' and 'y'")
-    if key not in data.files:
-        data.close()
-        raise StreamError(f"{path}: no array {key!r} (found {sorted(data.files)}); a .npz shard must hold 'x' "
-                          "(samples) and 'y' (integer labels)")
-    return data
-
-
-def _load_array(src: ShardSrc, key: str) -> np.ndarray:
-    from hvdtrain.train.npyfiles import UNREADABLE, np_load, unreadable
-
-    path, name = _where(src, key)
-    if isinstance(src, tuple):
-        data = np_load(path)
-        if not isinstance(data, np.ndarray):
-            data.close()
-            raise StreamError(f"{path}: a .npz archive, not a .npy array")
-        return data
-    with _npz(path, key) as npz:
-        try:
-            return npz[key]
-        except UNREADABLE as e:
-            raise unreadable(name, e) from None
-
-
-# ---- image folders ----------------------------------------------------------------------------------------
-
-def _scan_images(dirs: dict[str, Path], image_size: tuple[int, int] | None) -> Source:
-    classes = sorted({d.name for root in dirs.values() for d in root.iterdir()
-                      if d.is_dir() and not d.name.startswith(".")})
-    items: dict[str, list[Any]] = {}
-    first: tuple[Path, tuple[int, int]] | None = None
-    for split, root in dirs.items():
-        items[split] = []
-        for label, name in enumerate(classes):
-            files = sorted(p for p in (root / name).glob("*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
-            for path in files:
-                size = _image_size(path)
-                first = first or (path, size)
-                if image_size is None and size != first[1]:
-                    raise StreamError(f"{path}: image is {size[0]}x{size[1]} (HxW) but {first[0]} is "
-                                      f"{first[1][0]}x{first[1][1]}; pass --image-size HxW to resize every image")
-                items[split].append((path, label))
-        if not items[split]:
-            raise StreamError(f"{root}: no .npz/.npy shards and no images found; expected array shards or "
-                              f"class directories of {'/'.join(IMAGE_SUFFIXES)} files ({root}/CLASS/*.png)")
-    height, width = image_size or first[1]  # type: ignore[index]
-    # x_scale: readers train on x * x_scale (pixels 0..255 -> 0..1); array datasets are trained on as stored.
-    meta = {"num_classes": len(classes), "x_shape": [3, height, width], "classes": classes, "x_scale": 1 / 255}
-    return Source("images", items, {k: len(v) for k, v in items.items()}, f"ndarray:uint8:3,{height},{width}", meta,
-                  image_size)
-
-
-def _image_size(path: Path) -> tuple[int, int]:
-    """(H, W) from the image's header (its pixels are decoded only when written)."""
-    from PIL import Image
-
-    try:
-        with Image.open(path) as image:
-            return image.height, image.width
-    except (OSError, ValueError, Image.DecompressionBombError) as e:
-        raise StreamError(f"{path}: cannot read as an image ({e})") from None
-
-
-def _decode_image(path: Path, size: tuple[int, int] | None) -> np.ndarray:
-    from PIL import Image
-
-    try:
-        with Image.open(path) as image:
-            rgb = image.convert("RGB")
-    except (OSError, ValueError, Image.DecompressionBombError) as e:
-        raise StreamError(f"{path}: cannot decode the image ({e})") from None
-    if size is not None and (rgb.height, rgb.width) != size:
-        rgb = rgb.resize((size[1], size[0]), Image.Resampling.BILINEAR)
-    return np.asarray(rgb).transpose(2, 0, 1)  # H×W×3 -> 3×H×W
+def _bucket(tmp: Path, source: sources.Source, outputs: list[str], totals: dict[str, int],
+            rngs: dict[str, np.random.Generator], val_fraction: float, bar: Any) -> np.dtype:
+    """Append every source sample to a random bucket of its output split; returns x's dtype."""
+    shape = tuple(source.meta["x_shape"])
+    dtype: np.dtype | None = None
+    for split, items in source.items.items():
+        first = 0
+        for src in items:
+            x, y = sources.load_array(src, "x"), sources.load_array(src, "y").astype(np.int64)
+            x = x if x.dtype.isnative else x.astype(x.dtype.newbyteorder("="))
+            dtype = x.dtype
+            i = np.arange(first, first + len(y), dtype=np.float64)
+            held = (np.floor((i + 1) * val_fraction) > np.floor(i * val_fraction)) if val_fraction else i < 0
+            where = np.where(held, "val", split)
+            first += len(y)
+            for name in outputs:
+                rows = np.flatnonzero(where == name)
+                buckets = rngs[name].integers(_buckets(totals[name], shape, x.dtype), size=len(rows))
+                for b in np.unique(buckets):
+                    pick = rows[buckets == b]
+                    with open(tmp / f"{name}-{b}.x", "ab") as fx, open(tmp / f"{name}-{b}.y", "ab") as fy:
+                        np.ascontiguousarray(x[pick]).tofile(fx)
+                        y[pick].tofile(fy)
+            bar.update(len(y))
+    if dtype is None:  # unreachable: _scan_arrays refuses a split without samples
+        raise StreamError("no array samples to convert")
+    return dtype

@@ -12,17 +12,18 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
+import warnings
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from hvdtrain.stream import cache, mds, store
+from hvdtrain.stream import cache, mds, store, verify
 from hvdtrain.stream.errors import StreamError
 from hvdtrain.stream.fetcher import Fetcher
 from hvdtrain.stream.nodecache import NodeCache
-from hvdtrain.stream.order import BlockShuffle
+from hvdtrain.stream.order import BlockShuffle, auto_block_shards
 from hvdtrain.stream.ranged import RangedReads, default_share
 
 
@@ -30,13 +31,14 @@ class StreamingDataset:
     """The MDS dataset in directory `source` (its `index.json` and shard files).
 
     `fields`: the columns `take()` returns (default: every column that decodes to an array); `block_shards`: shards
-    per shuffle block (`order`); `cache_dir`: the node's cache root (default `cache.default_root()`);
-    `max_open`: shards kept memory-mapped per process (the least recently used is unmapped beyond it: each mapping
-    holds a file descriptor); `ranged`: the share of the dataset's bytes a node may read by range for a cold
+    per shuffle block (`order`; None: `order.auto_block_shards`, NOTE [automatic blocks] in order.py); `cache_dir`:
+    the node's cache root (default `cache.default_root()`); `max_open`: shards kept memory-mapped per process (the
+    least recently used is unmapped beyond it: each mapping holds a file descriptor; default two blocks, at most
+    `mds.MAX_OPEN`); `ranged`: the share of the dataset's bytes a node may read by range for a cold
     start's first batches (NOTE [first batches by range] in ranged.py; 0: never; default
     `$HVDTRAIN_STREAM_RANGED`, else 1.5%). Safe to read from several threads (tf.data's)."""
 
-    def __init__(self, source: str | Path, *, fields: tuple[str, ...] | None = None, block_shards: int = 4,
+    def __init__(self, source: str | Path, *, fields: tuple[str, ...] | None = None, block_shards: int | None = None,
                  cache_dir: str | Path | None = None, max_open: int | None = None, cache_limit: int | None = None,
                  ahead: int | None = None, fetch_threads: int = 2, ranged: float | None = None) -> None:
         self.source = store.normalise(source)
@@ -55,6 +57,8 @@ class StreamingDataset:
         sizes = np.asarray([s.samples for s in self.index.shards], dtype=np.int64)
         self.ends = np.cumsum(sizes)
         self.starts = self.ends - sizes
+        if block_shards is None:
+            block_shards = auto_block_shards(sizes.tolist(), [s.raw.bytes for s in self.index.shards], cache_limit)
         self.order = BlockShuffle.of(sizes.tolist(), block_shards)
         self._index_digest = hashlib.sha256(text.encode()).hexdigest()
         self.node = NodeCache(
@@ -62,12 +66,15 @@ class StreamingDataset:
             [self._cache_name(s) for s in range(self.num_shards)], [s.raw.bytes for s in self.index.shards],
             self.order, limit=cache_limit, ahead=block_shards if ahead is None else ahead)
         self.cache_dir = self.node.dir
-        self.max_open = max_open or max(8, 2 * block_shards + 2)
+        self.max_open = max_open or min(max(8, 2 * block_shards + 2), mds.MAX_OPEN)
         self.fetch_threads = fetch_threads
         self._readers: OrderedDict[int, mds.ShardReader] = OrderedDict()
         self._lock = threading.Lock()
         self._fetcher = Fetcher(self)
         self._ranged = RangedReads(default_share() if ranged is None else ranged)
+        in_place = [s.raw for i, s in enumerate(self.index.shards) if self._in_place(i)]
+        if note := verify.unverifiable(in_place, str(self.source)):
+            warnings.warn(note, stacklevel=2)
         self._ranged.eligible = self._ranged.share > 0 and self.store.local_dir is None and all(
             info.zip is None and mds.stacks(info, self.fields) for info in self.index.shards)
 
@@ -177,6 +184,9 @@ class StreamingDataset:
         if reader is not None:
             self._readers.move_to_end(s)
             return reader
+        if self._in_place(s):  # NOTE [local shards verified] in verify.py
+            marker = self.node.dir.with_name(f"{self.node.dir.name}-verified") / self._cache_name(s)
+            verify.verify_once(self.local_file(s), self.index.shards[s].raw, marker, self.shard_name(s))
         for attempt in range(3):
             try:
                 reader = mds.ShardReader(self.local_file(s), self.index.shards[s])

@@ -19,6 +19,15 @@ random positions of the next epoch, and at most `f` minus the working set is ser
 the default blocks of 4 over 64 shards, nothing: the working set is the whole cache). The price: the sequence of
 shards is anti-correlated between consecutive epochs (it drifts apart slowly); which shards share a block, and the
 order of samples, change every epoch.
+
+NOTE [automatic blocks]
+A batch mixes only the samples of one block, and many datasets are sorted by class (an image folder written class
+by class, Mosaic's MDSWriter keeps the order it is given): with blocks of a few shards, a batch then holds one or
+two classes and training stays at chance. Unless told otherwise, a block therefore spans `AUTO_BLOCK_SAMPLES`
+samples (Mosaic streaming's default shuffle block, 262,144; every shard of a smaller dataset, which is then one
+uniform shuffle), and under a cache limit as many shards as keep the working set (the previous, current and next
+block, and one block fetched ahead) within half the limit, so that the other half still serves the next epoch
+(above). `hvdtrain data convert` writes shuffled datasets, whose blocks need no mixing across classes.
 """
 from __future__ import annotations
 
@@ -33,6 +42,22 @@ import numpy as np
 # (shards, block, seed) -> {epoch: shard order} for the last few epochs computed in this process
 _computed: dict[tuple[int, int, int], dict[int, np.ndarray]] = {}
 _computed_lock = threading.Lock()
+AUTO_BLOCK_SAMPLES = 1 << 18  # NOTE [automatic blocks]
+
+
+def auto_block_shards(shard_samples: Sequence[int], shard_bytes: Sequence[int], limit: int | None = None) -> int:
+    """Shards per shuffle block when none is asked for (NOTE [automatic blocks]): enough for `AUTO_BLOCK_SAMPLES`
+    samples at the dataset's mean shard size, fewer when `limit` (a node cache's bytes) needs it; at least 1."""
+    n = len(shard_samples)
+    if n == 0:
+        return 1
+    mean = max(sum(shard_samples) / n, 1.0)
+    block = min(n, max(1, int(np.ceil(AUTO_BLOCK_SAMPLES / mean))))
+    if limit is not None:
+        largest = np.cumsum(sorted(shard_bytes, reverse=True))  # the working set of k shards is at most largest[k-1]
+        fits = int(np.searchsorted(largest, limit // 2, side="right"))  # shards whose bytes fit half the limit
+        block = max(1, min(block, fits // 4))
+    return block
 
 
 @dataclass(frozen=True)

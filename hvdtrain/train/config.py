@@ -95,9 +95,10 @@ class RecipeConfig:
                 "directory or s3:// gs:// http(s):// URL"})
     x_field: str = field(default="x", metadata={"help": "MDS datasets: the input column"})
     y_field: str = field(default="y", metadata={"help": "MDS datasets: the label column"})
-    shuffle_block: int = field(default=4, metadata={
+    shuffle_block: str = field(default="auto", metadata={
         "help": "MDS datasets: shards per shuffle block (samples mix within a block; more: better mixing, more "
-                "shards read at once)"})
+                "shards read at once); auto: 262,144 samples' worth (the whole of a smaller dataset), fewer under "
+                "--cache-limit (NOTE [automatic blocks] in hvdtrain/stream/order.py)", "metavar": "N|auto"})
     cache_limit: str | None = field(default=None, metadata={
         "help": "streamed datasets: bytes of shards the node's cache keeps, e.g. 20GiB (none: no limit); the "
                 "shards needed furthest in the future are evicted first"})
@@ -122,7 +123,8 @@ class RecipeConfig:
                 "weights), the loss (each epoch)"})
 
     def __post_init__(self) -> None:
-        for name in ("synthetic_samples", "keep_checkpoints", "shuffle_block"):
+        self.shuffle_block_shards  # noqa: B018 (checked now, as cache_limit below)
+        for name in ("synthetic_samples", "keep_checkpoints"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         for name in ("threads", "stop_after_epoch"):
@@ -136,6 +138,19 @@ class RecipeConfig:
             raise ValueError(f"--momentum must be >= 0, got {self.momentum}")
         if not 0 < self.val_fraction < 1:
             raise ValueError(f"--val-fraction must be in (0, 1), got {self.val_fraction}")
+
+    @property
+    def shuffle_block_shards(self) -> int | None:
+        """--shuffle-block as shards per block; None for auto."""
+        if self.shuffle_block == "auto":
+            return None
+        try:
+            value = int(self.shuffle_block)
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise ValueError(f"--shuffle-block must be an integer >= 1 or auto, got {self.shuffle_block!r}")
+        return value
 
     @property
     def cache_limit_bytes(self) -> int | None:
@@ -158,5 +173,5 @@ class RecipeConfig:
         return datasets.load(self.dataset, val_fraction=self.val_fraction, split_seed=0,
                              synthetic_shape=self.synthetic_shape, synthetic_samples=self.synthetic_samples,
                              num_classes=self.num_classes, seed=self.seed, check_finite=self.check_finite,
-                             x_field=self.x_field, y_field=self.y_field, shuffle_block=self.shuffle_block,
+                             x_field=self.x_field, y_field=self.y_field, shuffle_block=self.shuffle_block_shards,
                              cache_limit=self.cache_limit_bytes)

@@ -75,7 +75,7 @@ def load(
     source: str, *, val_fraction: float = 0.2, split_seed: int = 0,
     synthetic_shape: tuple[int, ...] = (3, 32, 32), synthetic_samples: int = 1024,
     num_classes: int | None = None, seed: int = 0, check_finite: bool = True,
-    x_field: str = "x", y_field: str = "y", shuffle_block: int = 4, cache_limit: int | None = None,
+    x_field: str = "x", y_field: str = "y", shuffle_block: int | None = None, cache_limit: int | None = None,
 ) -> Splits:
     """`source` is "digits", "synthetic" or a directory of .npy/.npz shards.
 

@@ -17,7 +17,8 @@ from hvdtrain.train.rundir import RunDirBusy
 def exit_with(main: Callable[[], int], script: str) -> NoReturn:
     """Exit with main()'s code. Errors every rank meets alike exit with one message and no traceback: bad data or a
     run directory another job holds (before any training): 2; training that diverged (NaN/Inf): 3. Bad data found
-    by a loader's producer process (a streamed shard: unreadable, a label out of range, NaN/Inf) is bad data too."""
+    by a loader's producer process (a streamed shard: unreadable, a label out of range, NaN/Inf) is bad data too. A
+rank that stops only because another one failed (HorovodInternalError) says so in one line and exits 1."""
     try:
         code = main()
     except WorkerError as e:
@@ -30,6 +31,15 @@ def exit_with(main: Callable[[], int], script: str) -> NoReturn:
         error_line(script, str(e))
         records.note_exception(e, records.directory())  # the rank's record names this error, not SystemExit
         code = exitcodes.DIVERGED if isinstance(e, TrainingDiverged) else exitcodes.INVALID_INPUT
+    except Exception as e:
+        if type(e).__name__ != "HorovodInternalError":  # horovod.common.exceptions, not imported here
+            raise
+        # Another rank failed and Horovod shut down under this one: a victim (hvdtrain/failures.py), whose traceback
+        # would bury the cause; one line, and the record still names HorovodInternalError.
+        error_line(script, f"stopped: Horovod shut down under this rank (HorovodInternalError), because another rank "
+                           f"failed or left; its error is the cause ({str(e).split('. ')[0]})")
+        records.note_exception(e, records.directory())
+        code = 1
     sys.exit(code)
 
 

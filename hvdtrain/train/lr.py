@@ -53,12 +53,17 @@ class LRSchedule:
         return self.peak_lr * self.gamma**decays
 
     def lr_for_step(self, epoch: int, step: int, steps_per_epoch: int) -> float:
-        """LR for optimizer step `step` (0-based) of epoch `epoch` (0-based): evaluated at the step's end."""
+        """LR for optimizer step `step` (0-based) of epoch `epoch` (0-based): the warmup evaluated at the step's end
+        (its last step trains at the peak LR); a milestone m applies from the first step of epoch m (0-based, as
+        torch's MultiStepLR): every step of an epoch after the warmup has one LR."""
         if steps_per_epoch < 1:
             raise ValueError(f"steps_per_epoch must be >= 1, got {steps_per_epoch!r}")
         if not 0 <= step < steps_per_epoch:
             raise ValueError(f"step must be in [0, {steps_per_epoch}), got {step!r}")
-        return self.lr_at(epoch + (step + 1) / steps_per_epoch)
+        end = epoch + (step + 1) / steps_per_epoch
+        if end < self.warmup_epochs:
+            return self.lr_at(end)
+        return self.peak_lr * self.gamma ** sum(1 for m in self.milestones if epoch >= m)
 
 
 def scaled_epochs(epochs: int, size: int, scale_by_size: bool) -> int:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import resource
 import struct
 import threading
 import zipfile
@@ -34,6 +33,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from hvdtrain.stream import cache
+from hvdtrain.stream.mds import MAX_OPEN
 from hvdtrain.train.datasets import DatasetError, LabelStats, Splits, check_labels, check_samples, split_indices
 from hvdtrain.train.npyfiles import (
     UNREADABLE,
@@ -47,11 +47,6 @@ from hvdtrain.train.npyfiles import (
     unreadable,
 )
 
-# Arrays kept mapped per process (each mapping holds a file descriptor). A uniform shuffle touches up to a batch's
-# worth of shards per batch: with too few maps every batch re-opens most of them (64 shards, batches of 64: 10.6 ms
-# per batch with 16 maps, 1.1 ms with 256), so take as many as a quarter of the descriptor limit allows.
-_NOFILE = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-MAX_OPEN = 512 if _NOFILE == resource.RLIM_INFINITY else max(16, min(512, _NOFILE // 4))
 READ_CHUNK = 1 << 20  # bytes per read when an archive member is read through
 VERIFY_TIMEOUT_S = 3600.0  # how long a rank waits for another process of its node to read an archive through
 

@@ -103,7 +103,8 @@ class StreamSplit:
 
 
 def load_splits(root: str | Path, *, num_classes: int | None, x_field: str = "x", y_field: str = "y",
-                check_finite: bool = True, block_shards: int = 4, cache_limit: int | None = None) -> datasets.Splits:
+                check_finite: bool = True, block_shards: int | None = None,
+                cache_limit: int | None = None) -> datasets.Splits:
     """The train/ and val/ splits under `root` (a directory or a URL; Mosaic's layout), or DatasetError saying what
     is missing."""
     if not store.is_url(root) and (Path(root) / "index.json").is_file() and not (Path(root) / "train").is_dir():

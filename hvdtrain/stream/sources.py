@@ -1,0 +1,236 @@
+"""The sources `hvdtrain data convert` reads (hvdtrain/stream/convert.py's module docstring): array shard
+directories and image folders, checked whole before anything is written, then read sample by sample."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hvdtrain.stream import encodings
+from hvdtrain.stream.errors import StreamError
+
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")  # Pillow decodes them
+
+
+@dataclass
+class Source:
+    """A checked source: per split its items in order (array shard files, or (image, label)) and sample count."""
+
+    kind: str
+    items: dict[str, list[Any]]
+    counts: dict[str, int]
+    x_encoding: str
+    meta: dict[str, Any] = field(default_factory=dict)
+    image_size: tuple[int, int] | None = None  # images: resize to (H, W)
+    notes: list[str] = field(default_factory=list)
+
+
+def samples(source: Source, items: list[Any], bar: Any) -> Iterator[tuple[np.ndarray, int]]:
+    """(x, label) of each sample of one split's items, in order."""
+    if source.kind == "images":
+        for path, label in items:
+            yield _decode_image(path, source.image_size), label
+            bar.update(1)
+        return
+    for src in items:
+        x, y = load_array(src, "x"), load_array(src, "y")
+        x = x if x.dtype.isnative else x.astype(x.dtype.newbyteorder("="))  # the encoder wants native byte order
+        for i in range(len(y)):
+            yield x[i], int(y[i])
+        bar.update(len(y))
+
+
+# ---- array shard directories ------------------------------------------------------------------------------
+
+ShardSrc = Path | tuple[Path, Path]  # a .npz file or (NAME_x.npy, NAME_y.npy), from npyfiles.shard_files
+
+
+def scan(dirs: dict[str, Path], image_size: tuple[int, int] | None) -> Source:
+    if any(next(d.glob("*.np[yz]"), None) for d in dirs.values()):
+        if image_size is not None:
+            raise StreamError(f"{next(iter(dirs.values()))} holds array shards: --image-size applies to image "
+                              "folders only")
+        return _scan_arrays(dirs)
+    return _scan_images(dirs, image_size)
+
+
+def _scan_arrays(dirs: dict[str, Path]) -> Source:
+    """Every shard's x header and labels checked (x's data is not read); one x dtype and sample shape in all."""
+    from hvdtrain.train.npyfiles import shard_files
+
+    items: dict[str, list[Any]] = {}
+    counts: dict[str, int] = {}
+    first: tuple[str, tuple[int, ...], np.dtype] | None = None
+    top, distinct = -1, set[int]()
+    for split, directory in dirs.items():
+        items[split], counts[split] = [src for _, src in shard_files(directory)], 0
+        for src in items[split]:
+            shape, dtype = _x_header(src)
+            y = load_array(src, "y")
+            _check_labels(src, shape[0], y)
+            first = first or (_where(src, "x")[1], shape[1:], dtype)
+            if (shape[1:], dtype) != first[1:]:
+                raise StreamError(f"{_where(src, 'x')[1]}: samples are {dtype} of shape {shape[1:]}, but {first[0]} "
+                                  f"holds {first[2]} of shape {first[1]}; every shard must hold one dtype and shape")
+            counts[split] += len(y)
+            if len(y):
+                top, distinct = max(top, int(y.max())), distinct | set(np.unique(y).tolist())
+        if not counts[split]:
+            raise StreamError(f"{directory}: its shards hold no samples")
+    if first is None:  # unreachable: every split holds samples (checked above), so some shard set `first`
+        raise StreamError(f"{', '.join(map(str, dirs.values()))}: no shard holds samples")
+    x_encoding = encodings.ndarray_encoding(np.empty(first[1], first[2]))
+    source = Source("arrays", items, counts, x_encoding, {"num_classes": top + 1, "x_shape": list(first[1])})
+    if top + 1 > 2 * len(distinct):
+        source.notes.append(f"num_classes is {top + 1} (the largest label + 1) but only {len(distinct)} distinct "
+                            "labels occur: check for a stray label, or train with --num-classes N")
+    return source
+
+
+def _where(src: ShardSrc, key: str) -> tuple[Path, str]:
+    """The file holding array `key` ('x' or 'y') of a shard, and its name for errors."""
+    if isinstance(src, tuple):
+        return (src[0] if key == "x" else src[1]), str(src[0] if key == "x" else src[1])
+    return src, f"{src}['{key}']"
+
+
+def _x_header(src: ShardSrc) -> tuple[tuple[int, ...], np.dtype]:
+    """x's shape and dtype from its .npy header (its data is not read); StreamError when MDS cannot store it."""
+    from hvdtrain.train.npyfiles import UNREADABLE, unreadable
+
+    path, name = _where(src, "x")
+    try:
+        if isinstance(src, tuple):
+            with open(path, "rb") as f:
+                shape, dtype = _npy_header(f)
+        else:
+            with _npz(path, "x") as npz, npz.zip.open("x.npy") as f:
+                shape, dtype = _npy_header(f)
+    except UNREADABLE as e:
+        if isinstance(e, StreamError):
+            raise
+        raise unreadable(name, e) from None
+    if len(shape) < 2 or 0 in shape[1:]:
+        raise StreamError(f"{name}: samples must be an array of shape (N, ...) with non-empty samples, got shape "
+                          f"{shape}")
+    if dtype.name not in encodings.DTYPE_CODES:
+        raise StreamError(f"{name}: dtype {dtype} cannot be stored in MDS; allowed: "
+                          f"{', '.join(encodings.DTYPE_CODES)} (cast it, e.g. x.astype(np.float32))")
+    return shape, dtype
+
+
+def _npy_header(f: Any) -> tuple[tuple[int, ...], np.dtype]:
+    version = np.lib.format.read_magic(f)
+    if version not in ((1, 0), (2, 0)):
+        raise ValueError(f".npy format version {version} is not read; save with numpy's default format")
+    read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+    shape, _, dtype = read(f)
+    return tuple(shape), dtype
+
+
+def _check_labels(src: ShardSrc, samples: int, y: np.ndarray) -> None:
+    name = _where(src, "y")[1]
+    if y.ndim != 1 or not np.issubdtype(y.dtype, np.integer):
+        raise StreamError(f"{name}: labels must be a 1-D integer array of class ids, got dtype {y.dtype} shape "
+                          f"{y.shape} (save them with y.astype(np.int64))")
+    if len(y) != samples:
+        raise StreamError(f"{_where(src, 'x')[1]} has {samples} samples but {name} has {len(y)} labels")
+    if len(y) and (int(y.min()) < 0 or y.max() > np.iinfo(np.int64).max):
+        bad = int(np.argmin(y)) if int(y.min()) < 0 else int(np.argmax(y))
+        raise StreamError(f"{name}[{bad}]: label {y[bad]} is not a class id 0..K-1 (int64)")
+
+
+def _npz(path: Path, key: str) -> Any:
+    """The open .npz archive `path`, which holds `key`; StreamError otherwise."""
+    from hvdtrain.train.npyfiles import np_load
+
+    data = np_load(path)
+    if not isinstance(data, np.lib.npyio.NpzFile):
+        raise StreamError(f"{path}: a single array, not a .npz archive holding 'x' and 'y'")
+    if key not in data.files:
+        data.close()
+        raise StreamError(f"{path}: no array {key!r} (found {sorted(data.files)}); a .npz shard must hold 'x' "
+                          "(samples) and 'y' (integer labels)")
+    return data
+
+
+def load_array(src: ShardSrc, key: str) -> np.ndarray:
+    from hvdtrain.train.npyfiles import UNREADABLE, np_load, unreadable
+
+    path, name = _where(src, key)
+    if isinstance(src, tuple):
+        data = np_load(path)
+        if not isinstance(data, np.ndarray):
+            data.close()
+            raise StreamError(f"{path}: a .npz archive, not a .npy array")
+        return data
+    with _npz(path, key) as npz:
+        try:
+            return npz[key]
+        except UNREADABLE as e:
+            raise unreadable(name, e) from None
+
+
+# ---- image folders ----------------------------------------------------------------------------------------
+
+def _scan_images(dirs: dict[str, Path], image_size: tuple[int, int] | None) -> Source:
+    classes = sorted({d.name for root in dirs.values() for d in root.iterdir()
+                      if d.is_dir() and not d.name.startswith(".")})
+    items: dict[str, list[Any]] = {}
+    first: tuple[Path, tuple[int, int]] | None = None
+    skipped: dict[str, int] = {}
+    for split, root in dirs.items():
+        items[split] = []
+        for label, name in enumerate(classes):
+            found = [p for p in (root / name).glob("*") if p.is_file() and not p.name.startswith(".")]
+            for suffix in (p.suffix.lower() or "(no suffix)" for p in found):
+                if suffix not in IMAGE_SUFFIXES:
+                    skipped[suffix] = skipped.get(suffix, 0) + 1
+            for path in sorted(p for p in found if p.suffix.lower() in IMAGE_SUFFIXES):
+                size = _image_size(path)
+                first = first or (path, size)
+                if image_size is None and size != first[1]:
+                    raise StreamError(f"{path}: image is {size[0]}x{size[1]} (HxW) but {first[0]} is "
+                                      f"{first[1][0]}x{first[1][1]}; pass --image-size HxW to resize every image")
+                items[split].append((path, label))
+        if not items[split]:
+            raise StreamError(f"{root}: no .npz/.npy shards and no images found; expected array shards or "
+                              f"class directories of {'/'.join(IMAGE_SUFFIXES)} files ({root}/CLASS/*.png)")
+    height, width = image_size or first[1]  # type: ignore[index]
+    # x_scale: readers train on x * x_scale (pixels 0..255 -> 0..1); array datasets are trained on as stored.
+    meta = {"num_classes": len(classes), "x_shape": [3, height, width], "classes": classes, "x_scale": 1 / 255}
+    source = Source("images", items, {k: len(v) for k, v in items.items()}, f"ndarray:uint8:3,{height},{width}",
+                    meta, image_size)
+    if skipped:
+        kinds = ", ".join(f"{suffix}: {n}" for suffix, n in sorted(skipped.items()))
+        source.notes.append(f"skipped {sum(skipped.values())} files of the class directories that are not images "
+                            f"({kinds}); images are {'/'.join(IMAGE_SUFFIXES)} files")
+    return source
+
+
+def _image_size(path: Path) -> tuple[int, int]:
+    """(H, W) from the image's header (its pixels are decoded only when written)."""
+    from PIL import Image
+
+    try:
+        with Image.open(path) as image:
+            return image.height, image.width
+    except (OSError, ValueError, Image.DecompressionBombError) as e:
+        raise StreamError(f"{path}: cannot read as an image ({e})") from None
+
+
+def _decode_image(path: Path, size: tuple[int, int] | None) -> np.ndarray:
+    from PIL import Image
+
+    try:
+        with Image.open(path) as image:
+            rgb = image.convert("RGB")
+    except (OSError, ValueError, Image.DecompressionBombError) as e:
+        raise StreamError(f"{path}: cannot decode the image ({e})") from None
+    if size is not None and (rgb.height, rgb.width) != size:
+        rgb = rgb.resize((size[1], size[0]), Image.Resampling.BILINEAR)
+    return np.asarray(rgb).transpose(2, 0, 1)  # H×W×3 -> 3×H×W
