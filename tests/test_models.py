@@ -38,23 +38,28 @@ def models():
 
 
 def test_small_cnn_learns_colour_images_at_the_recipes_defaults(models) -> None:
-    """The recipe's optimizer (SGD, LR 0.05, momentum 0.9, batches of 32) for 10 epochs: the old SmallCNN (no
-    BatchNorm, 16x16 flattened whole) stays below 40% here."""
-    torch.manual_seed(0)
-    torch.set_num_threads(2)
-    x, y = (torch.tensor(a) for a in colour_squares(400, 16, seed=0))
-    xv, yv = colour_squares(200, 16, seed=1)
-    model = models.make_model("cnn", (3, 16, 16), 5)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    for _ in range(10):
-        model.train()
-        for batch in torch.randperm(len(x)).split(32):
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(model(x[batch]), y[batch]).backward()
-            opt.step()
-    model.eval()
-    with torch.no_grad():
-        accuracy = float((model(torch.tensor(xv)).argmax(1).numpy() == yv).mean())
+    """The recipe's defaults on one process (SGD, LR 0.05 without warmup, momentum 0.9, batches of 32, 15 epochs):
+    the old SmallCNN (no BatchNorm, 16x16 flattened whole) ends at 23% here, below 90% for 8 of seeds 0-9; this one
+    reaches 99-100% for each of them (some dip in the first 12 epochs: the LR is not decayed)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(min(threads, 2))
+    try:
+        torch.manual_seed(0)
+        x, y = (torch.tensor(a) for a in colour_squares(400, 16, seed=0))
+        xv, yv = colour_squares(200, 16, seed=1)
+        model = models.make_model("cnn", (3, 16, 16), 5)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        for _ in range(15):
+            model.train()
+            for batch in torch.randperm(len(x)).split(32):
+                opt.zero_grad()
+                torch.nn.functional.cross_entropy(model(x[batch]), y[batch]).backward()
+                opt.step()
+        model.eval()
+        with torch.no_grad():
+            accuracy = float((model(torch.tensor(xv)).argmax(1).numpy() == yv).mean())
+    finally:
+        torch.set_num_threads(threads)
     assert accuracy > 0.9, accuracy
 
 
