@@ -1,4 +1,25 @@
-"""`hvdtrain` command line: parse argv, call one function, map errors to exit codes. No logic lives here."""
+"""hvdtrain launches Horovod data-parallel training jobs from YAML specs, and prepares and checks the datasets they
+stream (MDS shards, on disk or in an object store).
+
+main commands:
+  run JOB.yaml              launch a job with horovodrun (--dry-run: print the exact command only)
+  validate JOB.yaml         check a job spec, its hostfile and its files without launching
+  doctor                    check Horovod, frameworks, controllers, MPI and GPUs (--hosts: over ssh too)
+  data convert SRC DST      write an image folder or .npz/.npy shards as a (shuffled) MDS dataset
+  data verify DATASET       check every shard against its checksum and every sample and label
+  data inspect DATASET      describe a dataset: splits, samples, columns, sizes, label spread
+  data upload DIR URL       copy a dataset to s3://, gs:// or http(s)://
+
+example:
+  hvdtrain data convert ./images ./mds --image-size 64x64 --val-fraction 0.1
+  hvdtrain data verify ./mds
+  hvdtrain run jobs/digits.yaml
+
+`hvdtrain COMMAND --help` describes each command; the README has the rest.
+"""
+
+# Developer notes: this module parses argv, calls one function per command and maps errors to exit codes
+# (hvdtrain/exitcodes.py); no logic lives here. The module docstring above is `hvdtrain --help`'s description.
 
 from __future__ import annotations
 
@@ -124,6 +145,12 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _count(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a count (an integer >= 0, e.g. 8)")
+    return int(text)
+
+
 def _cmd_data_convert(args: argparse.Namespace) -> int:
     from hvdtrain.stream import StreamError
     from hvdtrain.stream.convert import convert
@@ -147,15 +174,42 @@ def _cmd_data_inspect(args: argparse.Namespace) -> int:
     import json
 
     from hvdtrain.stream import StreamError
-    from hvdtrain.stream.inspect import describe, render
+    from hvdtrain.stream.inspect import describe, render, warnings
 
     try:
-        desc = describe(args.path)
+        desc = describe(args.path, label_field=args.y_field, label_shards=args.label_shards)
     except StreamError as exc:
         print(f"hvdtrain data inspect: error: {exc}", file=sys.stderr)
         return exitcodes.INVALID_INPUT
     print(json.dumps(desc, indent=2) if args.json else render(desc))
+    for warning in warnings(desc):
+        print(f"hvdtrain data inspect: warning: {warning}", file=sys.stderr)
     return 0
+
+
+def _cmd_data_verify(args: argparse.Namespace) -> int:
+    import json
+
+    from hvdtrain.stream import StreamError
+    from hvdtrain.stream.check import messages, verdict, verify_dataset
+
+    results = []
+    try:
+        for result in verify_dataset(args.dataset, args.split, args.y_field):
+            results.append(result)
+            if not args.json:
+                print(result.render(), flush=True)
+            for line in messages(result):
+                print(f"hvdtrain data verify: {line}", file=sys.stderr, flush=True)
+    except StreamError as exc:
+        print(f"hvdtrain data verify: error: {exc}", file=sys.stderr)
+        return exitcodes.INVALID_INPUT
+    ok, closing = verdict(args.dataset, results)
+    if args.json:
+        print(json.dumps({"path": args.dataset, "ok": ok, "splits": {r.name: r.as_dict() for r in results}},
+                         indent=2))
+    print(closing, file=sys.stdout if ok and not args.json else sys.stderr)
+    return 0 if ok else exitcodes.INVALID_INPUT
 
 
 def _cmd_data_upload(args: argparse.Namespace) -> int:
@@ -177,7 +231,8 @@ def _cmd_data_upload(args: argparse.Namespace) -> int:
 def _add_data_parser(sub: argparse._SubParsersAction) -> None:
     from pathlib import Path
 
-    data = sub.add_parser("data", help="convert datasets to MDS shards (streamed training) and describe them")
+    data = sub.add_parser("data", help="convert, verify, inspect and upload datasets of MDS shards (streamed "
+                          "training)")
     cmds = data.add_subparsers(dest="data_command", required=True, metavar="COMMAND")
     p = cmds.add_parser("convert", help="write an array shard directory or an image folder as an MDS dataset",
                         description="Write SRC as an MDS dataset in DST (train/ and val/, one index.json each); "
@@ -202,11 +257,32 @@ def _add_data_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     p.set_defaults(func=_cmd_data_convert)
 
-    p = cmds.add_parser("inspect", help="describe an MDS dataset (splits, samples, shards, columns, sizes)")
+    p = cmds.add_parser("inspect", help="describe an MDS dataset (splits, samples, shards, columns, sizes, "
+                        "label spread)", description="Describe an MDS dataset from its index.json files, and how "
+                        "its labels spread over a few of its shards (warning when a split looks sorted by class).")
     p.add_argument("path", metavar="PATH", help="a dataset root (train/, val/) or one MDS directory, or its "
                    "s3:// gs:// http(s):// URL")
     p.add_argument("--json", action="store_true", help="print the description as JSON")
+    p.add_argument("--y-field", default="y", metavar="NAME", help="the labels column (default y)")
+    p.add_argument("--label-shards", type=_count, default=8, metavar="N",
+                   help="read the labels of at most N shards per split, evenly spaced (default 8; 0: none). Local "
+                        "raw shards: only the labels column; others are fetched whole, none more once 256 MiB of "
+                        "a split were")
     p.set_defaults(func=_cmd_data_inspect)
+
+    p = cmds.add_parser("verify", help="check every shard against its checksum, decode every sample, check labels",
+                        description="Check every shard of every split of DATASET against the index's checksum "
+                                    "(its fastest hash), decode every sample, check that array columns keep one "
+                                    "shape and that labels are integer class ids, and report how the labels spread "
+                                    "over the shards. Exit 0: OK; 2: a problem, each named with its fix. Writes "
+                                    "nothing.")
+    p.add_argument("dataset", metavar="DATASET", help="a dataset root (train/, val/) or one MDS directory, or its "
+                   "s3:// gs:// http(s):// URL")
+    p.add_argument("--split", action="append", default=None, metavar="NAME",
+                   help="verify only this split (repeat for several; default: all)")
+    p.add_argument("--y-field", default="y", metavar="NAME", help="the labels column (default y)")
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.set_defaults(func=_cmd_data_verify)
 
     p = cmds.add_parser("upload", help="copy an MDS dataset to an object store (s3://, gs://, http(s)://)",
                         description="Put every file of the MDS dataset SRC under URL, each split's index.json last. "
@@ -224,7 +300,8 @@ def _add_job_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hvdtrain", description=__doc__)
+    parser = argparse.ArgumentParser(prog="hvdtrain", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"hvdtrain {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 

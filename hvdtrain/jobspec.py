@@ -185,6 +185,10 @@ class JobSpec(_Model):
     """One Horovod job: what to run, where, and how. Every relative path is relative to the spec file."""
 
     script: str = Field(description="Training script to run on every rank (a path, relative to the spec file).")
+    workdir: str | None = Field(
+        None, description="Folder every rank starts in (relative to the spec file), so relative paths in args "
+                          "resolve there; it must exist on every host (horovodrun changes to the same path on remote "
+                          f"hosts); {SHELL_SAFE_ALLOWED}. Default: the folder `hvdtrain run` is started from.")
     args: list[Text] = Field(
         default_factory=list, description="Arguments for the script, a list of strings; unquoted values are taken "
                                           "as written (1:30 stays '1:30', 0x1F stays '0x1F'); each reaches the "
@@ -219,6 +223,8 @@ class JobSpec(_Model):
                                           "what the spec does not model (e.g. ['--mpi-args=--map-by ppr:2:node']).")
 
     _resolve = field_validator("script", "hostfile")(resolve_path)
+    # horovodrun's Gloo launcher puts the working directory into the remote hosts' shell command unquoted.
+    _workdir = field_validator("workdir")(lambda v, info: _shell_safe(resolve_path(v, info)))
 
     @field_validator("python")
     @classmethod

@@ -53,9 +53,22 @@ def default_controller(python: str, *, save: bool = True) -> str:
         return "mpi"
     if not build.built:
         why = "; ".join(f"{part}: {error}" for part, error in build.errors.items()) or "no framework's ops are built"
-        raise LaunchError(f"cannot import Horovod with {python} ({why}); run `hvdtrain doctor`, or set "
-                          "controller: gloo|mpi in the spec")
+        raise LaunchError(no_horovod(python, why))
     raise LaunchError(f"Horovod under {python} was built with neither Gloo nor MPI; rerun scripts/setup.sh")
+
+
+def no_horovod(python: str, why: str) -> str:
+    """The interpreter the ranks would run cannot import Horovod: which one was probed, and the two fixes."""
+    path = python if "/" in python else (shutil.which(python) or python)  # a bare name is looked up on PATH
+    other = "" if os.path.abspath(path) == os.path.abspath(sys.executable) else (
+        f" (e.g. {sys.executable}, the one running hvdtrain, if it has Horovod)")
+    venv = Path(path).absolute().parent.parent
+    install = (f"`HVDTRAIN_VENV={venv} bash scripts/setup.sh` installs Horovod into that venv"
+               if (venv / "pyvenv.cfg").is_file() else
+               "`bash scripts/setup.sh` makes .venv with Horovod in it: point `python:` at its bin/python")
+    return (f"the job's interpreter {python} cannot import Horovod ({why}); it is the spec's `python:` key (default: "
+            f"the Python running hvdtrain): set `python:` to an interpreter that has Horovod{other}; or, from the "
+            f"hvdtrain checkout, {install}")
 
 
 def check_rank_module(python: str) -> None:
@@ -116,7 +129,8 @@ class _Job:
 
     def start(self, plan: LaunchPlan, records_env: dict[str, str]) -> subprocess.Popen:
         try:
-            proc = subprocess.Popen(plan.argv, env={**os.environ, **plan.env, **records_env}, stdin=subprocess.DEVNULL,
+            proc = subprocess.Popen(plan.argv, env={**os.environ, **plan.env, **records_env}, cwd=plan.cwd,
+                                    stdin=subprocess.DEVNULL,
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
                                     preexec_fn=die_with_parent(signal.SIGTERM))
         except OSError as exc:

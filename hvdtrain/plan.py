@@ -38,10 +38,12 @@ class LaunchPlan:
     rank_hosts: tuple[str, ...] = ()  # host of each rank (Horovod fills hosts' slots in order); () when elastic
     elastic: bool = False
     hosts_at: int | None = None  # index in argv of the -H value (renderers put the cluster's hosts there)
+    cwd: str | None = None  # folder horovodrun (and so every rank) starts in; None: hvdtrain's own
 
     def describe(self) -> str:
         """Dry-run text: the command (shell-quoted for display only) and the environment it adds."""
-        lines = ["# command", shlex.join(self.argv), "# environment added (forwarded to every rank)"]
+        lines = ["# working directory", shlex.quote(self.cwd)] if self.cwd else []
+        lines += ["# command", shlex.join(self.argv), "# environment added (forwarded to every rank)"]
         lines += [f"{name}={shlex.quote(value)}" for name, value in sorted(self.env.items())] or ["(none)"]
         return "\n".join(lines)
 
@@ -84,4 +86,5 @@ def build_plan(spec: JobSpec, *, controller: str, horovodrun: str = "horovodrun"
     env = dict(spec.env)
     if controller == "mpi" and any(not is_loopback(h) for h in ranks):
         env = {**MPI_REMOTE_ENV, **env}
-    return LaunchPlan(argv=argv, env=env, rank_hosts=ranks, elastic=spec.elastic is not None, hosts_at=hosts_at)
+    return LaunchPlan(argv=argv, env=env, rank_hosts=ranks, elastic=spec.elastic is not None, hosts_at=hosts_at,
+                      cwd=spec.workdir)

@@ -313,6 +313,9 @@ def file_issues(spec: JobSpec) -> list[Issue]:
     if not os.path.isfile(spec.script):
         issues.append(Issue(("script",), "the training script does not exist", spec.script,
                             fix="fix the path (relative paths are relative to the spec file)"))
+    if spec.workdir is not None and not os.path.isdir(spec.workdir):
+        issues.append(Issue(("workdir",), "the working directory does not exist", spec.workdir,
+                            fix="create it, or fix the path (relative to the spec file)"))
     if "/" in spec.python and not os.access(spec.python, os.X_OK):
         issues.append(Issue(("python",), "the interpreter does not exist or is not executable", spec.python,
                             fix="fix the path, or leave python unset to use hvdtrain's own interpreter"))

@@ -48,7 +48,7 @@ from hvdtrain.train.config import RecipeConfig, parse_config
 from hvdtrain.train.entry import exit_with
 from hvdtrain.train.lr import LRSchedule, scaled_epochs
 from hvdtrain.train.metrics import History, build_summary, write_summary
-from hvdtrain.train.report import log, nothing_to_train, same_weights
+from hvdtrain.train.report import log, nothing_to_train, run_config, same_weights, versions
 
 
 @dataclass(frozen=True)
@@ -211,12 +211,19 @@ def main(argv: list[str] | None = None) -> int:
     done = int(history.epochs[-1]["epoch"]) if history.epochs else first
     if rank == 0 and done == first:
         print(nothing_to_train(epochs, run_dir / "checkpoints", run_dir), flush=True)
-    elif rank == 0:  # Horovod: rank 0 writes the summary.
+    elif rank == 0:
+        # Horovod: rank 0 writes the summary, with what the run was; its world: hvd.size() ranks, hvd.local_size()
+        # on this host, on hvd.cross_size() hosts (the ranks whose local rank is 0, as this one's).
+        keras = tfkeras.keras_info(tf)  # tf_keras (Keras 2), its version
+        config = run_config(cfg, splits, model=keraskit.model_info(model, cfg.width), epochs=epochs,
+                            peak_lr=schedule.peak_lr,
+                            world={"size": size, "local_size": hvd.local_size(), "hosts": hvd.cross_size()},
+                            versions=versions(tensorflow=tf.__version__, **{keras.package: keras.version}))
         summary = build_summary(
-            epochs_completed=done, epochs_total=epochs, history=history, stall=None,
+            epochs_completed=done, epochs_total=epochs, history=history, stall=None, config=config,
             samples_per_sec=recorder.trained_samples / recorder.trained_s if recorder.trained_s else math.nan,
             extra={"world_size": size, "resumed_from_epoch": first, "weights_sha256_by_rank": digests,
-                   "keras": tfkeras.keras_info(tf).describe()})
+                   "keras": keras.describe()})
         path = write_summary(run_dir, summary)
         last = summary["val_accuracy"]
         print(f"done: {done}/{epochs} epochs, validation accuracy {'n/a' if last is None else format(last, '.2%')}"

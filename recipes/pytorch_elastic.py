@@ -60,7 +60,7 @@ from hvdtrain.train.entry import exit_with
 from hvdtrain.train.lr import LRSchedule
 from hvdtrain.train.metrics import History, MetricSums, build_summary, combine_stall
 from hvdtrain.train.precision import Precision, prepare_model
-from hvdtrain.train.report import log, nothing_to_train, same_weights, wait_share
+from hvdtrain.train.report import log, nothing_to_train, run_config, same_weights, versions, wait_share
 
 EVENTS_NAME = "elastic.jsonl"
 
@@ -279,9 +279,15 @@ def finish(j: Job, state: hvd.elastic.TorchState, trained: bool) -> None:
         return
     history = History(list(state.history))
     rates = [row["samples_per_sec"] for row in history.epochs]
+    # Horovod: what the run was, with the world it ended in: hvd.size() ranks, hvd.local_size() on this host, on
+    # hvd.cross_size() hosts (world_sizes below: every size it trained at).
+    config = run_config(
+        j.cfg, j.splits, model=torchkit.model_info(torchkit.model_name(j.cfg, j.splits), j.model, j.cfg.model_width),
+        epochs=j.cfg.epochs, peak_lr=j.schedule.peak_lr, versions=versions(torch=torch.__version__),
+        world={"size": j.size, "local_size": hvd.local_size(), "hosts": hvd.cross_size()})
     summary = build_summary(
         epochs_completed=state.epoch, epochs_total=j.cfg.epochs, history=history,
-        samples_per_sec=float(np.mean(rates)) if rates else math.nan, stall=stall,
+        samples_per_sec=float(np.mean(rates)) if rates else math.nan, stall=stall, config=config,
         extra={"world_size": j.size, "world_sizes": list(state.sizes), "resets": state.resets,
                "weights_sha256_by_rank": digests})
     path = torchkit.write_run_summary(j.run_dir, summary, j.meter, j.cfg.stall_plot, j.size)

@@ -54,7 +54,7 @@ from hvdtrain.train.lr import LRSchedule, scaled_epochs
 from hvdtrain.train.metrics import History, MetricSums, build_summary, combine_stall
 from hvdtrain.train.precision import Precision, prepare_model
 from hvdtrain.train.progress import progress_bar
-from hvdtrain.train.report import log, nothing_to_train, same_weights
+from hvdtrain.train.report import log, nothing_to_train, run_config, same_weights, versions
 from hvdtrain.train.torchkit import (
     Meters,
     TorchConfig,
@@ -63,6 +63,7 @@ from hvdtrain.train.torchkit import (
     forward_backward,
     load_latest,
     lr_schedule,
+    model_info,
     model_name,
     pin_device,
     report_epoch,
@@ -205,9 +206,12 @@ def main(argv: list[str] | None = None) -> int:
             if cfg.check_finite:  # before anything records or checkpoints the epoch (NOTE [divergence checks])
                 divergence.check_epoch(epoch, {"train_loss": train["loss"], "val_loss": val["loss"]})
             done, samples, seconds = epoch + 1, samples + train["samples"], seconds + took
+            # the epoch's LR: its first step's and its last step's (they differ during the warmup)
             row = history.record(done, train_loss=train["loss"], train_accuracy=train["accuracy"],
-                                 val_loss=val["loss"], val_accuracy=val["accuracy"], lr=optimizer.param_groups[0]["lr"],
-                                 samples_per_sec=train["samples"] / took, **meters.epoch_shares(mark))
+                                 val_loss=val["loss"], val_accuracy=val["accuracy"],
+                                 lr_first=schedule.lr_for_step(epoch, 0, len(loader)),
+                                 lr=optimizer.param_groups[0]["lr"], samples_per_sec=train["samples"] / took,
+                                 **meters.epoch_shares(mark))
             if rank == 0:  # Horovod: only rank 0 reports and writes checkpoints (all ranks hold the same weights).
                 report_epoch(row, epochs, writer)
                 save_checkpoint(cfg, ckpt_dir, done, model, optimizer, history, precision)
@@ -230,9 +234,14 @@ def main(argv: list[str] | None = None) -> int:
     if done == first:  # nothing trained in this run: keep the summary of the run that did the training
         print(nothing_to_train(epochs, ckpt_dir, run_dir), flush=True)
         return 0
-    # Horovod: rank 0 writes the summary.
+    # Horovod: rank 0 writes the summary, with what the run was; its world: hvd.size() ranks, hvd.local_size() on
+    # this host, on hvd.cross_size() hosts (the ranks whose local rank is 0, as this one's).
+    config = run_config(cfg, splits, model=model_info(model_name(cfg, splits), model, cfg.model_width),
+                        epochs=epochs, peak_lr=schedule.peak_lr,
+                        world={"size": size, "local_size": hvd.local_size(), "hosts": hvd.cross_size()},
+                        versions=versions(torch=torch.__version__))
     summary = build_summary(epochs_completed=done, epochs_total=epochs, history=history,
-                            samples_per_sec=samples / seconds if seconds else math.nan, stall=stall,
+                            samples_per_sec=samples / seconds if seconds else math.nan, stall=stall, config=config,
                             extra={"world_size": size, "resumed_from_epoch": first, "weights_sha256_by_rank": digests})
     path = write_run_summary(run_dir, summary, meters.stall, cfg.stall_plot, size)
     newest, last = checkpoint.list_checkpoints(ckpt_dir), summary["val_accuracy"]

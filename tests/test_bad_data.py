@@ -11,6 +11,7 @@ PyTorch (Gloo and MPI), elastic and Keras recipes; `--no-check-finite` trains on
 from __future__ import annotations
 
 import importlib.util
+import io
 import math
 import re
 import sys
@@ -284,6 +285,36 @@ def test_a_ranks_error_line_is_one_write_so_no_other_ranks_line_lands_inside_it(
     assert len(writes) == 2 and writes[1] == "<flush>", writes
     assert writes[0].startswith("recipe.py: error: training diverged at epoch 1, step 2/6: x (this rank's loss at ")
     assert writes[0].endswith(" to train on regardless\n") and writes[0].count("\n") == 1
+
+
+def test_a_recipes_printed_lines_are_one_write_each_even_unbuffered(monkeypatch):
+    """horovodrun gives Gloo ranks PYTHONUNBUFFERED=1, under which print() writes text and newline apart (mpirun
+    then shows another rank's chunk inside the line); exit_with makes each line one write."""
+    class Raw(io.RawIOBase):
+        def __init__(self) -> None:
+            self.chunks: list[bytes] = []
+
+        def writable(self) -> bool:
+            return True
+
+        def write(self, data) -> int:
+            self.chunks.append(bytes(data))
+            return len(data)
+
+    out, err = Raw(), Raw()
+    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(out, write_through=True))  # what python -u sets up
+    monkeypatch.setattr(sys, "stderr", io.TextIOWrapper(err, write_through=True))
+    print("before")
+    assert out.chunks == [b"before", b"\n"]
+
+    def main() -> int:
+        print("epoch 1/2  train loss 0.5")
+        print("epoch 2/2  train loss 0.25", file=sys.stderr)
+        return 0
+
+    with pytest.raises(SystemExit):
+        exit_with(main, "/r/recipe.py")
+    assert out.chunks[2:] == [b"epoch 1/2  train loss 0.5\n"] and err.chunks == [b"epoch 2/2  train loss 0.25\n"]
 
 
 def test_a_step_reports_the_worst_of_its_backward_passes_losses():

@@ -165,3 +165,25 @@ def test_summary_json_is_written_atomically_and_nan_becomes_null(tmp_path, monke
     path = write_summary(tmp_path, {"val_accuracy": 0.97, "loss": float("nan"), "nested": {"x": [1.0]}})
     assert replaced == [tmp_path / "summary.json"] == [path]
     assert json.loads(path.read_text()) == {"val_accuracy": 0.97, "loss": None, "nested": {"x": [1.0]}}
+
+
+def test_a_checkpoint_of_another_model_is_one_error_line_and_exit_2(tmp_path: Path, capsys) -> None:
+    """Resuming a run directory written by another --model (or an earlier SmallCNN) said RuntimeError with a
+    traceback on rank 0; it is now exit 2 naming the checkpoint and the two ways out."""
+    from hvdtrain.train import torchkit
+    from hvdtrain.train.entry import exit_with
+
+    old = torch.nn.Sequential(torch.nn.Linear(4, 3))
+    opt = torch.optim.SGD(old.parameters(), lr=0.1, momentum=0.9)
+    ckpt.save(tmp_path, 1, {"model": old.state_dict(), "optimizer": opt.state_dict(), "history": [{"epoch": 1}]},
+              torch.save, keep=1)
+    new = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+    with pytest.raises(SystemExit) as e:
+        exit_with(lambda: torchkit.load_latest(tmp_path, new, torch.optim.SGD(new.parameters(), lr=0.1))[0],
+                  "/r/pytorch_train.py")
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"pytorch_train.py: error: {tmp_path}/ckpt-epoch0001.pt does not fit this model or "
+                          "optimizer (Error(s) in loading state_dict for Sequential:") and err.count("\n") == 1, err
+    assert err.endswith("train in a new --run-dir, or pass --no-resume to start from scratch\n"), err
+    assert torchkit.load_latest(tmp_path, old, opt)[0] == 1  # the same model still resumes

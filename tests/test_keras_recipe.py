@@ -142,6 +142,17 @@ def test_gloo_two_ranks_learn_and_end_with_identical_weights(fresh):
     assert summary["val_accuracy"] > 0.5 and summary["samples_per_sec"] > 0, summary
     assert summary["keras"].startswith("tf_keras 2."), summary["keras"]
     assert epoch_lines(fresh.output) == [1, 2]
+    # the epoch line: the first step's LR → the last's during the warmup (23 steps of 2 × 32 samples), then one value
+    assert [row["lr_first"] for row in summary["history"]] == pytest.approx([0.05 + 0.05 / 23, 0.1])
+    assert re.findall(r"epoch \d+/2  .*  (lr \S+)  ", fresh.output) == ["lr 0.05217→0.1", "lr 0.1"]
+    config = summary["config"]  # what the run was
+    assert config["dataset"]["kind"] == "digits" and config["dataset"]["train_samples"] == 1438
+    assert config["model"]["name"] == "cnn" and config["model"]["width"] == 32 and config["model"]["parameters"] > 0
+    assert config["batch_size"] == {"per_rank": 32, "backward_passes_per_step": 1, "global": 64}
+    assert config["lr"]["peak"] == pytest.approx(0.1) and config["lr"]["milestones"] == [2]
+    assert (config["epochs"], config["precision"], config["seed"]) == (2, "fp32", 42)
+    assert config["world"] == {"size": 2, "local_size": 2, "hosts": 1}
+    assert set(config["versions"]) == {"hvdtrain", "horovod", "tensorflow", "tf_keras", "python"}
     assert "weights identical on all 2 ranks" in fresh.output
 
 

@@ -152,11 +152,12 @@ def echoed(console: list[str]) -> list[tuple[int, dict]]:
 def test_real_job_passes_hostile_args_literally_forwards_env_and_writes_rank_logs(controller, tmp_path):
     marker = tmp_path / "PWNED"
     hostile = [f"$(touch {marker})", f"`touch {marker}`", f"; touch {marker}", "a b", "'", '"', "*"]
-    job = write_job(tmp_path, ECHO_ARGV, controller=controller, args=hostile,
+    (tmp_path / "work_dir").mkdir()  # workdir: relative to the spec file, whatever folder hvdtrain starts in
+    job = write_job(tmp_path, ECHO_ARGV, controller=controller, args=hostile, workdir="work_dir",
                     env={"HVDTRAIN_TEST": f"$(touch {marker}) x"}, logs={"dir": "logs", "console_ranks": [0]})
-    res = expect_ok(run_bounded([HVDTRAIN, "run", str(job)], timeout=180, cwd=tmp_path))
+    res = expect_ok(run_bounded([HVDTRAIN, "run", str(job)], timeout=180, cwd="/"))
     assert not marker.exists(), "a spec value reached a shell"
-    given = {"argv": hostile, "env": f"$(touch {marker}) x"}
+    given = {"argv": hostile, "env": f"$(touch {marker}) x", "cwd": str(tmp_path / "work_dir")}
     # Whole lines, in any order: the ranks write at the same time (each line in one write, which mpirun keeps whole).
     console = res.output.splitlines()
     assert echoed(console) == [(0, {"rank": 0, **given})], res.describe()  # rank 0 only

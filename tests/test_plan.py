@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hvdtrain.plan import MPI_REMOTE_ENV, LaunchPlan, build_plan
-from hvdtrain.spec import load_spec
+from hvdtrain.spec import SpecError, load_spec
 
 PY = "/venv/bin/python"
 
@@ -100,6 +100,16 @@ def test_describe_quotes_for_display_only():
         "A=1\nB='x y'")
     assert plan_for("script: t.py\nnp: 1\n").describe().endswith("# environment added (forwarded to every rank)"
                                                                     "\n(none)")
+
+
+def test_workdir_resolves_against_the_spec_folder_and_is_the_plans_cwd():
+    plan = plan_for("script: t.py\nnp: 1\nworkdir: ../data\n")
+    assert plan.cwd == "/data"
+    assert plan.describe().startswith("# working directory\n/data\n# command\n")
+    assert plan_for("script: t.py\nnp: 1\n").cwd is None
+    # horovodrun's Gloo launcher cds there on remote hosts through a shell, unquoted.
+    with pytest.raises(SpecError, match=r"workdir: .*passes this path to a shell unquoted"):
+        plan_for("script: t.py\nnp: 1\nworkdir: 'data dir'\n")
 
 
 def test_controller_must_be_known():

@@ -141,7 +141,22 @@ def test_training_learns_and_ranks_end_with_identical_weights(uninterrupted):
     assert summary["resumed_from_epoch"] == 0
     # warmup over epoch 1, then 0.05 × 2 ranks, × 0.1 from milestone 2 (0-based epoch 2) on: as the Keras recipe
     assert [row["lr"] for row in summary["history"]] == pytest.approx([0.1, 0.1, 0.01])
+    # the epoch line: the first step's LR → the last's during the warmup (23 steps of 2 × 32 samples), then one value
+    assert [row["lr_first"] for row in summary["history"]] == pytest.approx([0.05 + 0.05 / 23, 0.1, 0.01])
+    assert re.findall(r"epoch \d+/3  .*  (lr \S+)  ", uninterrupted.output) == ["lr 0.05217→0.1", "lr 0.1", "lr 0.01"]
     assert epoch_lines(uninterrupted.output) == [1, 2, 3]
+    config = summary["config"]  # what the run was
+    assert config["dataset"] == {"source": "digits", "kind": "digits", "train_samples": 1438, "val_samples": 359,
+                                 "sample_shape": [1, 8, 8], "num_classes": 10}
+    assert config["model"]["name"] == "cnn" and config["model"]["class"] == "SmallCNN"
+    assert config["model"]["parameters"] > 0 and config["model"]["width"] is None
+    assert config["batch_size"] == {"per_rank": 32, "backward_passes_per_step": 1, "global": 64}
+    assert config["lr"] == {"base": 0.05, "peak": 0.1, "warmup_epochs": 1.0, "milestones": [2], "gamma": 0.1,
+                            "momentum": 0.9, "weight_decay": 1e-3}
+    assert (config["epochs"], config["precision"], config["seed"]) == (3, "fp32", 42)
+    assert config["world"] == {"size": 2, "local_size": 2, "hosts": 1}
+    assert set(config["versions"]) == {"hvdtrain", "horovod", "torch", "python"}
+    assert config["flags"]["keep_checkpoints"] == 2 and config["flags"]["tensorboard"] is False
     assert f"summary:    {uninterrupted.run_dir / 'summary.json'}" in uninterrupted.output
 
 

@@ -182,7 +182,7 @@ def stub_bin(tmp_path: Path, nodes: list[str]) -> Path:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     echo = "#!/usr/bin/env bash\nprintf '%s\\0' \"$(basename \"$0\")\" \"$@\" > \"$STUB_OUT\"\n" \
-           "printf '%s' \"$NOTE\" > \"$STUB_OUT.note\"\n"
+           "printf '%s' \"$NOTE\" > \"$STUB_OUT.note\"\npwd > \"$STUB_OUT.cwd\"\n"
     scripts = {"horovodrun": echo, "srun": echo, "python": echo,
                "scontrol": "#!/usr/bin/env bash\nprintf '%s\\n' " + " ".join(nodes) + "\n"}
     for name, body in scripts.items():
@@ -243,6 +243,23 @@ def test_sbatch_srun_launcher(tmp_path):
     assert argv == ["srun", "--ntasks=4", "--ntasks-per-node=2", "--mpi=pmix", "--kill-on-bad-exit=1",
                     "/opt/hvdtrain/.venv/bin/python", "/opt/hvdtrain/recipes/train.py", "x y", "$(id)"]
     assert note == "$HOME"
+
+
+@pytest.mark.parametrize("launcher", ["horovodrun", "srun"])
+def test_workdir_is_where_the_ranks_start_in_sbatch_and_mpijob(tmp_path, launcher):
+    bin_dir = stub_bin(tmp_path, ["node01", "node02"])
+    workdir = tmp_path / "work_dir"
+    workdir.mkdir()
+    spec = f"script: ../recipes/train.py\nnp: 2\nhosts: a:1,b:1\nworkdir: '{workdir}'\n"
+    text = render_file("slurm", write_spec(tmp_path, spec), cluster(python=str(bin_dir / "python"), gpus_per_node=0),
+                       SlurmOptions(launcher=launcher))
+    proc, argv, _ = run_sbatch(tmp_path, text, bin_dir)
+    assert proc.returncode == 0 and argv, proc.stderr
+    assert (tmp_path / "argv.cwd").read_text() == f"{workdir}\n"  # run_sbatch starts the script in tmp_path
+    obj = mpijob(load_for_cluster(write_spec(tmp_path, spec), "/opt/hvdtrain/jobs"), cluster(),
+                 K8sOptions(image="reg.example/hvd:1"))
+    launcher_container = obj["spec"]["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]["containers"][0]
+    assert launcher_container["workingDir"] == str(workdir)
 
 
 def test_srun_refuses_horovodrun_only_settings(tmp_path):

@@ -94,7 +94,7 @@ def test_hostfile_errors_point_at_the_spec_and_quote_the_hostfile_line(hostfile,
         'job.yaml:3: hostz: unknown key',
         "got: 'a:2'",
         'allowed: keys here: args, controller, elastic, env, extra_args, horovod, hostfile, hosts, logs,'
-         ' network_interfaces, np, python, script, ssh',
+         ' network_interfaces, np, python, script, ssh, workdir',
         "fix: remove 'hostz' or rename it to 'hosts'",
     ], id='unknown_top'),
     pytest.param('script: t.py\nnp: 2\nhorovod:\n  fusion_treshold_mb: 3\n', (), [
@@ -379,6 +379,16 @@ def test_files_are_checked_on_request(tmp_path):
     ]
     (tmp_path / "discover.sh").chmod(0o755)
     assert load_spec(text, str(tmp_path / "job.yaml"), check_files=True).elastic is not None
+    with pytest.raises(SpecError) as err:
+        load_spec(text + "workdir: run\n", str(tmp_path / "job.yaml"), check_files=True)
+    assert [line.strip() for line in str(err.value).replace(str(tmp_path), "T").splitlines()[1:]] == [
+        "T/job.yaml:4: workdir: the working directory does not exist",
+        "got: 'T/run'",
+        "fix: create it, or fix the path (relative to the spec file)",
+    ]
+    (tmp_path / "run").mkdir()
+    assert load_spec(text + "workdir: run\n", str(tmp_path / "job.yaml"), check_files=True).workdir == str(
+        tmp_path / "run")
 
 
 def test_schema_forbids_unknown_keys_and_describes_every_field():

@@ -60,6 +60,8 @@ def test_pytorch_recipe_learns_from_streamed_shards(digits_root: Path, tmp_path:
                          env=env_for(tmp_path)))
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["epochs_completed"] == 4 and summary["val_accuracy"] > 0.8, summary["history"]
+    assert summary["config"]["dataset"] == {"source": str(digits_root), "kind": "mds", "train_samples": 1438,
+                                            "val_samples": 359, "sample_shape": [1, 8, 8], "num_classes": 10}
     digests = summary["weights_sha256_by_rank"]
     assert len(digests) == 2 and digests[0] == digests[1]
     shards = json.loads((digits_root / "train" / "index.json").read_text())["shards"]
@@ -162,5 +164,7 @@ def test_shipped_s3_job_trains_the_digits_streamed_from_a_local_s3_server(tmp_pa
         server.wait(timeout=30)
     summary = json.loads((tmp_path / "runs" / "digits-s3" / "summary.json").read_text())
     assert summary["epochs_completed"] == 6 and summary["val_accuracy"] > 0.9, summary["history"]
+    dataset = summary["config"]["dataset"]
+    assert (dataset["source"], dataset["kind"]) == ("s3://hvdtrain-demo/digits", "mds"), dataset
     cached = sum(p.stat().st_size for p in (tmp_path / "node-cache").glob("train-*/shard.*"))
     assert 0 < cached <= 256 * 1024  # the job's --cache-limit held

@@ -71,6 +71,8 @@ def _launcher(spec: JobSpec, cluster: ClusterOptions, opts: K8sOptions) -> dict:
     argv[hosts_at - 1: hosts_at + 1] = ["--hostfile", OPERATOR_HOSTFILE]
     argv[0] = horovodrun_path(spec, cluster)
     container = _container("launcher", opts.image, opts.image_pull_policy, argv, _env(spec))
+    if spec.workdir:
+        container["workingDir"] = spec.workdir  # horovodrun's ranks start in the same folder on the workers
     return {"replicas": 1, "restartPolicy": "Never", "template": {"spec": {"containers": [container]}}}
 
 

@@ -119,5 +119,7 @@ def render_slurm(spec: JobSpec, cluster: ClusterOptions, opts: SlurmOptions | No
     lines += [f"# Not used here: {item}" for item in ignored_keys(spec)]
     lines.append("set -euo pipefail")
     lines += [f"export {name}={shlex.quote(value)}" for name, value in spec.env.items()]
+    if spec.workdir:
+        lines.append(f"cd -- {shlex.quote(spec.workdir)}  # workdir: the ranks start here")
     body = _srun_lines(spec, lay, cluster, opts) if opts.launcher == "srun" else _horovodrun_lines(spec, lay, cluster)
     return "\n".join(lines + body) + "\n"

@@ -41,6 +41,13 @@ def dataset_dir(root: Path, source: str) -> Path:
     return root / f"{tail or 'dataset'}-{hashlib.sha256(source.encode()).hexdigest()[:12]}"
 
 
+class CacheFull(StreamError):
+    """The disk of the cache directory is full (ENOSPC, EDQUOT): `directory`, and the bytes still `free` there."""
+
+    directory: Path
+    free: int | None
+
+
 class Busy(StreamError):
     """Another process holds the lock (and `file_lock` was told not to wait, or waited its whole timeout)."""
 
@@ -106,10 +113,23 @@ def ensure(path: Path, produce: Callable[[BinaryIO], None] | None = None, *, tim
 
 def _cache_error(e: OSError, path: Path, what: str) -> StreamError:
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
-        return StreamError(f"the cache directory {path.parent} is full ({e.strerror}) while {what}: free space "
-                           f"there, or set {ENV_DIR} to a directory on a bigger disk")
+        free = free_bytes(path.parent)
+        left = "" if free is None else f"; {free:,} bytes free"
+        full = CacheFull(f"the cache directory {path.parent} is full ({e.strerror}{left}) while {what}: free space "
+                         f"there, or set {ENV_DIR} to a directory on a bigger disk")
+        full.directory, full.free = path.parent, free
+        return full
     return StreamError(f"cannot use the cache directory {path.parent} while {what}: {e.strerror or e} "
                        f"({e.filename or path}); set {ENV_DIR} to a writable local directory")
+
+
+def free_bytes(directory: Path) -> int | None:
+    """Bytes an unprivileged process may still write on `directory`'s filesystem (None: cannot tell)."""
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
 
 
 def _remove_parts(path: Path) -> None:

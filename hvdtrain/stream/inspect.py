@@ -1,8 +1,16 @@
-"""`hvdtrain data inspect PATH`: what an MDS dataset holds, from its index.json files only (no shard is read).
+"""`hvdtrain data inspect PATH`: what an MDS dataset holds, from its index.json files, and how its labels spread
+over its shards, from a few of them.
 
 PATH is one MDS directory (its own index.json) or a dataset root whose subdirectories (train/, val/, ...) are MDS
 directories, or the URL of either (a URL root's splits are train/ and val/: a store is not listed).
 `describe` returns a JSON-able dict; `render` turns it into text.
+
+Labels (NOTE [label spread] in labels.py) are read from at most `LABEL_SHARDS` shards per split, evenly spaced over
+its index order: enough to tell a class-sorted split (each shard one or two classes) from a shuffled one, at a
+bounded cost. A raw shard on a filesystem is read in place and only its labels column is copied out (the pages
+holding it are read: for small samples, most of the shard); a compressed shard or one in a store has to be fetched
+whole, so once `LABEL_FETCH_BYTES` have been fetched no more shards are read (at least 2 always are).
+`hvdtrain data verify` reads every shard.
 """
 
 from __future__ import annotations
@@ -10,33 +18,49 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from hvdtrain.stream import mds, store
+import numpy as np
+
+from hvdtrain.stream import check, labels, mds, store
 from hvdtrain.stream.errors import StreamError
 
 ORDER = {"train": 0, "val": 1}  # these first, then the other splits by name
+LABEL_SHARDS = 8
+LABEL_FETCH_BYTES = 256 << 20
 
 
-def describe(path: str | Path) -> dict[str, Any]:
-    """{"path", "layout": "root" | "split", "splits": {name: split description}}; StreamError when `path` is
-    neither an MDS directory nor a root of them, or an index is unreadable. A URL (s3://, gs://, http(s)://) is read
-    from its store: its own index.json, else those of its train/ and val/."""
+def find_splits(path: str | Path) -> tuple[str, str, dict[str, tuple[str, mds.Index, list[str]]]]:
+    """(the dataset as named, "root" | "split", {split name: (its directory or URL, its index, shard files listed
+    but absent)}); StreamError when `path` is neither an MDS directory nor a root of them, or an index is
+    unreadable. A URL (s3://, gs://, http(s)://) is read from its store: its own index.json, else those of its
+    train/ and val/ (absent shards are checked for local directories only)."""
     if store.is_url(path):
-        return _describe_url(store.normalise(path))
+        return _find_url(store.normalise(path))
     path = Path(path)
     if not path.is_dir():
         raise StreamError(f"{path}: not a directory; give an MDS dataset directory (with index.json) or a dataset "
                           "root (train/, val/, ...)")
     if (path / mds.INDEX).is_file():
-        return {"path": str(path), "layout": "split", "splits": {path.resolve().name: _split(path)}}
+        return str(path), "split", {path.resolve().name: _split(path)}
     subdirs = sorted((d for d in path.iterdir() if (d / mds.INDEX).is_file()),
                      key=lambda d: (ORDER.get(d.name, len(ORDER)), d.name))
     if not subdirs:
         raise StreamError(f"{path}: no {mds.INDEX} in it or in its subdirectories: not an MDS dataset (write one with "
                           "`hvdtrain data convert SRC DST`)")
-    return {"path": str(path), "layout": "root", "splits": {d.name: _split(d) for d in subdirs}}
+    return str(path), "root", {d.name: _split(d) for d in subdirs}
 
 
-def _describe_url(url: str) -> dict[str, Any]:
+def describe(path: str | Path, label_field: str = labels.DEFAULT_FIELD,
+             label_shards: int = LABEL_SHARDS) -> dict[str, Any]:
+    """{"path", "layout": "root" | "split", "splits": {name: split description}} (`find_splits`); each split's
+    "labels": how column `label_field` spreads over up to `label_shards` of its shards (0: none read)."""
+    shown, layout, splits = find_splits(path)
+    return {"path": shown, "layout": layout,
+            "splits": {name: {**_summary(where, index, missing),
+                              "labels": _labels(name, where, index, missing, label_field, label_shards)}
+                       for name, (where, index, missing) in splits.items()}}
+
+
+def _find_url(url: str) -> tuple[str, str, dict[str, tuple[str, mds.Index, list[str]]]]:
     def index_of(source: str) -> mds.Index | None:
         try:
             text = store.open_store(source).get(mds.INDEX)
@@ -48,16 +72,15 @@ def _describe_url(url: str) -> dict[str, Any]:
 
     own = index_of(url)
     if own is not None:
-        return {"path": url, "layout": "split", "splits": {url.rsplit("/", 1)[-1]: _summary(url, own, [])}}
+        return url, "split", {url.rsplit("/", 1)[-1]: (url, own, [])}
     splits = {name: index for name in ORDER if (index := index_of(store.join(url, name))) is not None}
     if not splits:
         raise StreamError(f"{url}: no {mds.INDEX} there or under train/ and val/: not an MDS dataset (upload one "
                           "with `hvdtrain data upload DIR URL`)")
-    return {"path": url, "layout": "root",
-            "splits": {name: _summary(store.join(url, name), index, []) for name, index in splits.items()}}
+    return url, "root", {name: (store.join(url, name), index, []) for name, index in splits.items()}
 
 
-def _split(directory: Path) -> dict[str, Any]:
+def _split(directory: Path) -> tuple[str, mds.Index, list[str]]:
     index_path = directory / mds.INDEX
     try:
         text = index_path.read_text(encoding="utf-8")
@@ -65,11 +88,45 @@ def _split(directory: Path) -> dict[str, Any]:
         raise StreamError(f"{index_path}: cannot read ({e})") from None
     index = mds.parse_index(text, str(index_path))
     missing = [s.remote_file.basename for s in index.shards if not (directory / s.remote_file.basename).is_file()]
-    return _summary(str(directory), index, missing)
+    return str(directory), index, missing
+
+
+def _labels(name: str, where: str, index: mds.Index, missing: list[str], field: str, most: int) -> dict[str, Any]:
+    """The label spread of up to `most` shards of a split (module docstring), or a note saying why there is none."""
+    out: dict[str, Any] = {"field": field}
+    note = labels.unusable(dict(index.shards[0].columns), field)
+    if note is not None or most <= 0:
+        return {**out, "note": note or "not read (--label-shards 0)"}
+    source, present = store.open_store(where), [s for s in index.shards if s.remote_file.basename not in missing]
+    picks = sorted({int(i) for i in np.linspace(0, len(present) - 1, min(len(present), most)).round()})
+    got, fetched = [], 0
+    for i in picks:
+        if fetched >= LABEL_FETCH_BYTES and len(got) >= 2:
+            break
+        shard = source.url(present[i].remote_file.basename)
+        try:
+            reader, nbytes = check.open_shard(source, present[i], check=False)
+            try:
+                values = labels.shard_labels(reader, field)
+            finally:
+                reader.close()
+        except StreamError as e:
+            return {**out, "note": f"not read: {e} (`hvdtrain data verify` checks every shard)"}
+        fetched += nbytes
+        ints = labels.integer_labels(values)
+        if ints is None:
+            return {**out, "note": f"{shard}: column {field!r} does not hold one integer per sample "
+                                   "(`hvdtrain data verify` names the samples)"}
+        got.append(ints)
+    spread = labels.spread(got)
+    if spread is None:
+        return {**out, "note": "no samples in the shards read"}
+    return {**out, "shards_of": len(index.shards), "fetched_bytes": fetched, **spread,
+            "warning": labels.sorted_warning(name, spread, index)}
 
 
 def _summary(where: str, index: mds.Index, missing: list[str]) -> dict[str, Any]:
-    """One split's description (`missing`: shard files listed but absent, checked for local directories only)."""
+    """One split's description from its index (`missing`: shard files listed but absent)."""
     shards = index.shards
     hashes = sorted({algo for s in shards for f in (s.raw, s.zip) if f is not None for algo in f.hashes})
     return {
@@ -113,7 +170,23 @@ def render(desc: dict[str, Any]) -> str:
             if isinstance(value, list) and len(value) > 10:  # e.g. 1000 class names
                 value = f"[{', '.join(map(str, value[:10]))}, ... ({len(value)} in all)]"
             lines.append(f"  hvdtrain {key}: {value}")
+        lines.append(_render_labels(split["labels"]))
         if split["missing_shards"]:
             lines.append(f"  MISSING {len(split['missing_shards'])} shard file(s) listed in the index: "
                          f"{', '.join(split['missing_shards'][:5])}{' ...' * (len(split['missing_shards']) > 5)}")
     return "\n".join(lines)
+
+
+
+def _render_labels(info: dict[str, Any]) -> str:
+    if "note" in info:
+        return f"  labels ({info['field']}): {info['note']}"
+    read = (f"all {info['shards_of']} shards" if info["shards_read"] == info["shards_of"]
+            else f"{info['shards_read']} of {info['shards_of']} shards")
+    verdict = "; LOOKS SORTED BY CLASS (see the warning)" if info["sorted"] else ""
+    return f"  labels ({info['field']}, {read} read): {labels.render(info)}{verdict}"
+
+
+def warnings(desc: dict[str, Any]) -> list[str]:
+    """The warnings of a description (a class-sorted split)."""
+    return [split["labels"]["warning"] for split in desc["splits"].values() if split["labels"].get("warning")]

@@ -177,20 +177,26 @@ class ShardReader:
     def __init__(self, path: Path, info: ShardInfo) -> None:
         self.path, self.info = path, info
         with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size != info.raw.bytes or size < 8:
-                raise StreamError(f"{path}: {size} bytes, the index says {info.raw.bytes} (truncated or replaced)")
+            self._check_size(os.fstat(f.fileno()).st_size)
             self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         try:
-            self.offsets = self._read_offsets(size)
+            self._read_layout()
         except BaseException:
             self.map.close()
             raise
-        self.variable = [i for i, (_, enc) in enumerate(info.columns) if enc.size is None]
-        self.stride = info.fixed_stride
+
+    def _check_size(self, size: int) -> None:
+        if size != self.info.raw.bytes or size < 8:
+            raise StreamError(f"{self.path}: {size} bytes, the index says {self.info.raw.bytes} (truncated or "
+                              "replaced)")
+
+    def _read_layout(self) -> None:
+        """The sample offsets and the columns' layout, checked against the index, from `self.map`."""
+        self.offsets = self._read_offsets(len(self.map))
+        self.variable = [i for i, (_, enc) in enumerate(self.info.columns) if enc.size is None]
+        self.stride = self.info.fixed_stride
         if self.stride is not None and np.any(np.diff(self.offsets) != self.stride):
-            self.map.close()
-            raise StreamError(f"{path}: samples are not {self.stride} bytes each as its fixed-size columns say "
+            raise StreamError(f"{self.path}: samples are not {self.stride} bytes each as its fixed-size columns say "
                               "(corrupt shard)")
 
     def _read_offsets(self, size: int) -> np.ndarray:

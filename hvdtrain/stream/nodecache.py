@@ -231,8 +231,31 @@ class NodeCache:
         """Shard `s`'s local file, produced by `fetch()` unless present (`wait=False`: `cache.Busy` when another
         process is producing it)."""
         room = self._room if self.limit is not None else None
-        path, _ = cache.ensure(self.path(s), fetch=fetch, room=room, timeout=600.0 if wait else 0.0, what=what)
+        try:
+            path, _ = cache.ensure(self.path(s), fetch=fetch, room=room, timeout=600.0 if wait else 0.0, what=what)
+        except cache.CacheFull as e:
+            raise self._full(e, what) from None
         return path
+
+    def _full(self, e: cache.CacheFull, what: str) -> cache.CacheFull:
+        """A full disk under the shards: how much room there is, and a --cache-limit that fits it."""
+        held = sum(size for _, size, _ in self.usage())
+        room = held + (e.free or 0)  # what the shards could use: the free bytes and their own
+        need = self.working_set()
+        now = "no limit" if self.limit is None else f"--cache-limit {human(self.limit).replace(' ', '')}"
+        free = "unknown" if e.free is None else human(e.free)
+        if e.free is not None and room * 0.9 >= need:
+            fix = (f"pass --cache-limit below what the disk can give the shards (e.g. --cache-limit "
+                   f"{human(room * 0.9).replace(' ', '')}; it must still hold {human(need)}, the shards the readers "
+                   f"need at once), free space on that disk, or set {cache.ENV_DIR} to a directory on a bigger disk")
+        else:  # no limit that fits the disk would hold the readers' shards
+            fix = (f"the readers need {human(need)} at once: free space on that disk, or set {cache.ENV_DIR} to a "
+                   "directory on a bigger disk")
+        full = cache.CacheFull(
+            f"the cache directory {self.dir} is full ({free} free on its disk, {human(held)} of shards in it) while "
+            f"{what}, with {now}: {fix}")
+        full.directory, full.free = self.dir, e.free
+        return full
 
     @contextlib.contextmanager
     def _room(self, nbytes: int) -> Iterator[None]:

@@ -10,14 +10,19 @@ such as MinIO or moto; an `http://` endpoint is allowed), GCS its own (GOOGLE_AP
 Errors: a missing object (404) or refused access (401/403) is permanent and raised at once, naming the URL; anything
 else (connection refused, reset, timeout, 5xx) is retried with exponential backoff until `retry_s` seconds
 (`$HVDTRAIN_STREAM_RETRY_S`, default 120) have passed since the first failure, then raised naming the URL, the
-last error and how long it was retried. Every error is a StreamError.
+last error and how long it was retried; a retry prints one line to stderr (`hvdtrain: retrying URL (try 2; 0 of
+120 s spent) after ...`), at most one per RETRY_LINE_EVERY_S per process. A bucket that does not exist (S3's
+NoSuchBucket, also a 404) is said so, naming the bucket and the endpoint. Every error is a StreamError.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import random
+import re
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -31,7 +36,12 @@ ENV_RETRY = "HVDTRAIN_STREAM_RETRY_S"
 DEFAULT_RETRY_S = 120.0
 COALESCE = 16 << 10  # get_ranges: ranges closer than this are one request (adjacent rows of a shard)
 RANGES_TIMEOUT_S = 150.0  # get_ranges waits this long for its threads (obstore's own request timeout is 120 s)
+ENDPOINT_VARS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ENDPOINT")  # S3-compatible servers, first set wins
+NOT_FOUND = "not found (404)"  # in the message of a missing object (hvdtrain/train/streamed.py: a missing split)
+RETRY_LINE_EVERY_S = 10.0  # at most one "retrying" line per process this often (_say_retry)
 T = TypeVar("T")
+_retry_line_lock = threading.Lock()
+_last_retry_line = -math.inf
 
 
 def is_url(source: str | os.PathLike[str]) -> bool:
@@ -190,17 +200,21 @@ class RemoteStore(Store):
         self._call(name, lambda: obstore.put(self._store(), name, data))
 
     def _call(self, name: str, op: Callable[[], T]) -> T:
-        """`op()`, retried with backoff on transient errors for `retry_s`; StreamError naming the URL."""
+        """`op()`, retried with backoff on transient errors for `retry_s` (one line on stderr per retry); StreamError
+        naming the URL (and the bucket and endpoint when the bucket does not exist)."""
         from obstore.exceptions import NotFoundError, PermissionDeniedError, UnauthenticatedError
 
         url = self.url(name)
         first_failure: float | None = None
         delay = 0.2
+        tries = 1
         while True:
             try:
                 return op()
-            except (NotFoundError, FileNotFoundError):
-                raise StreamError(f"{url}: not found (404): the dataset lists it but the store does not have it; "
+            except (NotFoundError, FileNotFoundError) as e:
+                if self.source.startswith(("s3://", "gs://")) and _no_bucket(e):
+                    raise StreamError(self._no_bucket_message(url, e)) from None
+                raise StreamError(f"{url}: {NOT_FOUND}: the dataset lists it but the store does not have it; "
                                   "was the upload complete?") from None
             except (PermissionDeniedError, UnauthenticatedError) as e:
                 raise StreamError(f"{url}: access denied ({_first_line(e)}); check the credentials "
@@ -214,8 +228,22 @@ class RemoteStore(Store):
                     raise StreamError(f"{url}: the store did not answer for {now - first_failure:.0f} s of retries "
                                       f"({_first_line(e)}); is it up and reachable? ({ENV_RETRY} sets how long to "
                                       "retry)") from None
+                tries += 1
+                _say_retry(f"hvdtrain: retrying {url} (try {tries}; {now - first_failure:.0f} of {self.retry_s:g} s "
+                           f"spent) after {_summary(e)}")
                 time.sleep(min(delay * (0.5 + random.random()), max(0.0, self.retry_s - (now - first_failure))))
                 delay = min(delay * 2, 5.0)
+
+    def _no_bucket_message(self, url: str, e: BaseException) -> str:
+        """The store's bucket does not exist: name it, the endpoint asked, and the two fixes."""
+        scheme, _, rest = self.source.partition("://")
+        bucket = rest.split("/", 1)[0]
+        endpoint, how = _endpoint(e, scheme)
+        create = (f"`aws s3 mb s3://{bucket}" + (f" --endpoint-url {endpoint}`" if how else "`")
+                  if scheme == "s3" else f"`gcloud storage buckets create gs://{bucket}`")
+        return (f"{url}: the bucket {bucket!r} does not exist at {endpoint}{how} (404 NoSuchBucket); create it "
+                f"({create}) or check the bucket name in the URL"
+                + (f" and the endpoint ({' / '.join(ENDPOINT_VARS[:2])})" if scheme == "s3" else ""))
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_client": None}
@@ -237,6 +265,57 @@ def _http_allowed(source: str) -> bool:
     endpoints = (os.environ.get(k, "") for k in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ENDPOINT"))
     return (source.startswith("http://") or any(e.startswith("http://") for e in endpoints)
             or os.environ.get("AWS_ALLOW_HTTP", "").lower() in ("true", "1", "yes"))
+
+
+def _no_bucket(e: BaseException) -> bool:
+    """A 404 because the bucket itself is missing (S3's and GCS's NoSuchBucket), not an object in it."""
+    text = str(e)
+    return "NoSuchBucket" in text or "bucket does not exist" in text.lower()
+
+
+def _endpoint(e: BaseException, scheme: str) -> tuple[str, str]:
+    """(the endpoint a request went to, where it came from: ' (AWS_ENDPOINT_URL)' or '' for the default)."""
+    asked = re.search(r"Error performing \w+ (\w+://[^/\s]+)", str(e))
+    for var in ENDPOINT_VARS if scheme == "s3" else ():
+        if os.environ.get(var):
+            return (asked.group(1) if asked else os.environ[var].rstrip("/")), f" ({var})"
+    if asked:
+        return asked.group(1), ""
+    return ("AWS's default endpoint (no AWS_ENDPOINT_URL set)" if scheme == "s3" else f"{scheme}'s default "
+            "endpoint"), ""
+
+
+def _summary(e: BaseException) -> str:
+    """A transient error in a few words: `HTTP 503 Service Unavailable`, `Connection refused`, or its first line."""
+    text = str(e)
+    status = re.search(r"status code: (\d{3}[^:\n]*)", text)
+    if status:
+        return f"HTTP {status.group(1).strip()}"
+    os_error = re.search(r'message: "([^"]+)"', text)
+    if os_error:
+        return os_error.group(1)
+    line = _first_line(e)
+    return line.rsplit(" - ", 1)[-1].strip() or line
+
+
+def _say_retry(line: str) -> None:
+    """A retry line, at most one per RETRY_LINE_EVERY_S per process: every fetch thread and producer of a node
+    retries the same outage, and a line from each, for each try, would bury the console (2 ranks x 2 producers
+    printed ~200 lines in 120 s)."""
+    global _last_retry_line
+    with _retry_line_lock:
+        now = time.monotonic()
+        if now - _last_retry_line < RETRY_LINE_EVERY_S:
+            return
+        _last_retry_line = now
+    with contextlib.suppress(OSError, ValueError, AttributeError):  # a closed stderr must not end the retrying
+        _say(line)
+
+
+def _say(line: str) -> None:
+    """One line to stderr in one write (mpirun tags what it reads: two writes could be split by another rank's)."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 def _first_line(e: BaseException) -> str:

@@ -25,7 +25,7 @@ class Uploaded:
 def plan(src: Path) -> list[tuple[Path, str]]:
     """(local file, key relative to the URL) for every file to put, in upload order; StreamError when SRC is not an
     MDS dataset or a shard its index lists is missing (nothing is uploaded then)."""
-    desc = inspect.describe(src)
+    desc = inspect.describe(src, label_shards=0)  # the files only: no shard is read
     files: list[tuple[Path, str]] = []
     indexes: list[tuple[Path, str]] = []
     for name, split in desc["splits"].items():

@@ -37,10 +37,22 @@ def verify_once(path: Path, info: mds.FileInfo, marker: Path, where: str) -> boo
     if marker.exists() or not computable(info):
         return False
 
-    fastest = computable(info)[0]  # one hash is enough to tell corruption
-    one = mds.FileInfo(info.basename, info.bytes, {fastest: info.hashes[fastest]})
+    one = fastest(info)
     _, produced = cache.ensure(marker, lambda _: _check(path, one, where), what=f"verifying {where}")
     return produced
+
+
+def fastest(info: mds.FileInfo) -> mds.FileInfo:
+    """`info` with only its fastest computable hash (one hash is enough to tell corruption; none when it has no
+    computable hash: then only the size is checked)."""
+    algos = computable(info)
+    return mds.FileInfo(info.basename, info.bytes, {algos[0]: info.hashes[algos[0]]} if algos else {})
+
+
+def check_file(path: Path, info: mds.FileInfo, where: str) -> None:
+    """Check the file `path` against `info` (size and every hash in it, hashed in place through a read-only
+    mapping); StreamError naming `where` when it differs or cannot be read (`hvdtrain data verify`)."""
+    _check(path, info, where)
 
 
 def _check(path: Path, info: mds.FileInfo, where: str) -> None:

@@ -42,6 +42,11 @@ class CheckpointInvalid(ValueError):
     """A checkpoint file loaded but its content is not a checkpoint of the expected shape."""
 
 
+class CheckpointMismatch(Exception):
+    """An intact checkpoint that does not fit the model or optimizer being trained (another --model, --model-width,
+    or an earlier version of the model): the recipes stop with exit 2 (hvdtrain/train/entry.py)."""
+
+
 @dataclass(frozen=True)
 class Found:
     """The newest checkpoint that loaded: its path, the epochs it completed, and its state."""

@@ -33,14 +33,14 @@ def parse_config(cls: type[C], argv: Sequence[str] | None = None, *, description
 
 
 def config_parser(cls: type, *, description: str | None = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=description,
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    """The parser for `cls`'s fields; each option's help ends with its default (`default_text`)."""
+    parser = argparse.ArgumentParser(description=description)
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
         kind, optional = _unwrap(hints[f.name], f.name)
-        help_text = f.metadata.get("help", " ")
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        help_text = with_default(f.metadata.get("help", ""), default)
         if kind is bool:
             parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
                                 help=help_text)
@@ -49,6 +49,26 @@ def config_parser(cls: type, *, description: str | None = None) -> argparse.Argu
                             choices=f.metadata.get("choices"), help=help_text,
                             metavar=f.metadata.get("metavar"))
     return parser
+
+
+def default_text(default: Any) -> str:
+    """A default as it is typed on the command line: on/off for a --x/--no-x flag, 3,32,32 for a tuple, none for
+    None or an empty tuple (the help text says what none means)."""
+    if default is None:
+        return "none"
+    if isinstance(default, bool):
+        return "on" if default else "off"
+    if isinstance(default, tuple):
+        return ",".join(str(v) for v in default) or "none"
+    return str(default)
+
+
+def with_default(help_text: str, default: Any) -> str:
+    """`help_text` ending with "(default: ...)", unless it places the default itself (%(default)s); escaped for
+    argparse's %-formatting."""
+    if "%(default)" in help_text:
+        return help_text
+    return f"{help_text} (default: {default_text(default).replace('%', '%%')})".strip()
 
 
 def _unwrap(tp: Any, name: str) -> tuple[Any, bool]:
@@ -102,21 +122,22 @@ class RecipeConfig:
     cache_limit: str | None = field(default=None, metadata={
         "help": "streamed datasets: bytes of shards the node's cache keeps, e.g. 20GiB (none: no limit); the "
                 "shards needed furthest in the future are evicted first"})
-    momentum: float = 0.9
+    momentum: float = field(default=0.9, metadata={"help": "SGD momentum"})
     lr_milestones: tuple[int, ...] = field(default=(), metadata={"help": "epochs where LR ×= gamma, e.g. 10,20"})
-    lr_gamma: float = 0.1
+    lr_gamma: float = field(default=0.1, metadata={"help": "LR factor at each of --lr-milestones"})
     fp16_allreduce: bool = field(default=False, metadata={"help": "compress gradients to fp16 for allreduce"})
-    threads: int | None = field(default=None, metadata={"help": "CPU threads per rank (cores // local ranks)"})
-    seed: int = 42
+    threads: int | None = field(default=None, metadata={
+        "help": "CPU threads per rank (none: the cores // local ranks)"})
+    seed: int = field(default=42, metadata={"help": "seed of the initial weights, the shuffle and synthetic data"})
     val_fraction: float = field(default=0.2, metadata={"help": "held-out share (digits, shard dirs)"})
     synthetic_shape: tuple[int, ...] = field(default=(3, 32, 32), metadata={"help": "sample shape, C,H,W"})
-    synthetic_samples: int = 1024
+    synthetic_samples: int = field(default=1024, metadata={"help": "training samples (synthetic)"})
     num_classes: int | None = field(default=None, metadata={
         "help": "classes; labels must be below it (none: 10 for digits and synthetic, from the labels of shards)"})
-    keep_checkpoints: int = 3
+    keep_checkpoints: int = field(default=3, metadata={"help": "newest checkpoints kept"})
     resume: bool = field(default=True, metadata={"help": "resume from the newest intact checkpoint"})
     stop_after_epoch: int | None = field(default=None, metadata={
-        "help": "stop cleanly after this epoch (re-run to resume)"})
+        "help": "stop cleanly after this epoch (re-run to resume; none: train every epoch)"})
     tensorboard: bool = field(default=True, metadata={"help": "TensorBoard logs on rank 0"})
     check_finite: bool = field(default=True, metadata={
         "help": "stop on NaN/Inf: in the samples (at load), each step (PyTorch: the averaged gradients, Keras: the "

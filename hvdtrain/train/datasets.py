@@ -102,9 +102,11 @@ def load(
         return streamed.load_splits(source, **stream_args)  # type: ignore[arg-type]
     path = Path(source)
     if not path.is_dir():
+        where = "" if path.is_absolute() else (f" (looked for {path.absolute()}: a relative path is relative to the "
+                                               "working directory, which a job spec sets with `workdir:`)")
         raise DatasetError(f"dataset must be {DIGITS!r}, {SYNTHETIC!r}, an MDS dataset root (a directory or an "
                            f"s3://, gs://, http(s):// URL) or a directory of .npy/.npz shards; got {source!r}, which "
-                           "is not a directory")
+                           f"is not a directory{where}")
     if streamed.is_mds_root(path):
         return streamed.load_splits(path, **stream_args)  # type: ignore[arg-type]
     return shard_dir(path, val_fraction=val_fraction, split_seed=split_seed, num_classes=num_classes,

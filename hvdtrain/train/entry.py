@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -10,6 +11,7 @@ from typing import NoReturn
 from hvdtrain import exitcodes, records
 from hvdtrain.data.lifecycle import WorkerError
 from hvdtrain.stream.errors import StreamError
+from hvdtrain.train.checkpoint import CheckpointMismatch
 from hvdtrain.train.divergence import TrainingDiverged
 from hvdtrain.train.rundir import RunDirBusy
 
@@ -17,8 +19,10 @@ from hvdtrain.train.rundir import RunDirBusy
 def exit_with(main: Callable[[], int], script: str) -> NoReturn:
     """Exit with main()'s code. Errors every rank meets alike exit with one message and no traceback: bad data or a
     run directory another job holds (before any training): 2; training that diverged (NaN/Inf): 3. Bad data found
-    by a loader's producer process (a streamed shard: unreadable, a label out of range, NaN/Inf) is bad data too. A
+    by a loader's producer process (a streamed shard: unreadable, a label out of range, NaN/Inf) is bad data too; so
+    is a checkpoint that does not fit the model (2). A
 rank that stops only because another one failed (HorovodInternalError) says so in one line and exits 1."""
+    whole_lines()
     try:
         code = main()
     except WorkerError as e:
@@ -27,7 +31,7 @@ rank that stops only because another one failed (HorovodInternalError) says so i
         error_line(script, e.message)
         records.note_exception(StreamError(e.message), records.directory())  # the data's fault, not a traceback
         code = exitcodes.INVALID_INPUT
-    except (StreamError, RunDirBusy, TrainingDiverged) as e:
+    except (StreamError, RunDirBusy, TrainingDiverged, CheckpointMismatch) as e:
         error_line(script, str(e))
         records.note_exception(e, records.directory())  # the rank's record names this error, not SystemExit
         code = exitcodes.DIVERGED if isinstance(e, TrainingDiverged) else exitcodes.INVALID_INPUT
@@ -41,6 +45,16 @@ rank that stops only because another one failed (HorovodInternalError) says so i
         records.note_exception(e, records.directory())
         code = 1
     sys.exit(code)
+
+
+def whole_lines() -> None:
+    """Each line of stdout and stderr in one write, as horovodrun's Gloo ranks get PYTHONUNBUFFERED=1: unbuffered,
+    print() writes the text and the newline apart, and mpirun (or a terminal shared by the ranks) then shows another
+    rank's chunk inside the line (`...step time[1,0]<stdout>:`). Line buffering without write-through keeps a line
+    until its newline; progress bars flush themselves."""
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, io.TextIOWrapper) and (stream.write_through or not stream.line_buffering):
+            stream.reconfigure(line_buffering=True, write_through=False)
 
 
 def error_line(script: str, message: str) -> None:

@@ -29,7 +29,7 @@ from hvdtrain.stream.errors import StreamError
 from hvdtrain.train import checkpoint, divergence
 from hvdtrain.train.layout import channels_last_shape, take_channels_last
 from hvdtrain.train.metrics import History
-from hvdtrain.train.report import log
+from hvdtrain.train.report import log, lr_text
 
 tf = tfkeras.import_tensorflow()
 T = TypeVar("T")
@@ -61,6 +61,12 @@ def build_model(sample_shape: tuple[int, ...], num_classes: int, width: int) -> 
         body = [layers.Flatten(), layers.Dense(4 * width, activation="relu")]
     return tf.keras.Sequential([tf.keras.Input(sample_shape), *body,
                                 layers.Dense(4 * width, activation="relu"), layers.Dense(num_classes)])
+
+
+def model_info(model: Any, width: int) -> dict[str, Any]:
+    """The model for summary.json's config, as build_model made it: cnn (images) or mlp, --width, parameters."""
+    name = "cnn" if len(model.input_shape) == 4 else "mlp"  # N×H×W×C images
+    return {"name": name, "class": type(model).__name__, "width": width, "parameters": int(model.count_params())}
 
 
 def weights_digest(model: Any) -> str:
@@ -105,18 +111,27 @@ class Checkpoint(tf.keras.callbacks.Callback):
 
 
 class Recorder(tf.keras.callbacks.Callback):
-    """Times each epoch's training part and records the (rank-averaged) metrics in `history` on every rank."""
+    """Times each epoch's training part and records the (rank-averaged) metrics in `history` on every rank, with the
+    LR of the epoch's first step (`lr_first`, read after the LR callbacks before it in the list have set it) and of
+    its last (`lr`)."""
 
     def __init__(self, history: History, samples_per_epoch: int, rank: int, epochs: int,
                  stop_after: int | None) -> None:
         super().__init__()
         self.history, self.samples, self.rank, self.epochs, self.stop_after = (
             history, samples_per_epoch, rank, epochs, stop_after)
-        self.start = self.train_end = 0.0
+        self.start = self.train_end = self.lr_first = 0.0
         self.trained_s = self.trained_samples = 0.0
 
     def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         self.start, self.train_end = time.perf_counter(), 0.0
+
+    def on_train_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        if batch == 0:
+            self.lr_first = self._lr()
+
+    def _lr(self) -> float:
+        return float(tf.keras.backend.get_value(self.model.optimizer.learning_rate))
 
     def on_test_begin(self, logs: dict[str, Any] | None = None) -> None:
         self.train_end = self.train_end or time.perf_counter()  # validation starts: the training part ended
@@ -125,14 +140,13 @@ class Recorder(tf.keras.callbacks.Callback):
         logs = logs or {}
         took = (self.train_end or time.perf_counter()) - self.start
         self.trained_s, self.trained_samples = self.trained_s + took, self.trained_samples + self.samples
-        lr = float(tf.keras.backend.get_value(self.model.optimizer.learning_rate))
         row = self.history.record(epoch + 1, train_loss=logs["loss"], train_accuracy=logs["accuracy"],
                                   val_loss=logs.get("val_loss", math.nan),
-                                  val_accuracy=logs.get("val_accuracy", math.nan), lr=lr,
-                                  samples_per_sec=self.samples / took)
+                                  val_accuracy=logs.get("val_accuracy", math.nan), lr_first=self.lr_first,
+                                  lr=self._lr(), samples_per_sec=self.samples / took)
         log(self.rank, f"epoch {epoch + 1}/{self.epochs}  train loss {row['train_loss']:.4f} acc "
                        f"{row['train_accuracy']:.2%}  val loss {row['val_loss']:.4f} acc {row['val_accuracy']:.2%}"
-                       f"  lr {lr:.4g}  {row['samples_per_sec']:.0f} samples/s")
+                       f"  {lr_text(row['lr_first'], row['lr'])}  {row['samples_per_sec']:.0f} samples/s")
         if self.stop_after is not None and self.stop_after <= epoch + 1 < self.epochs:
             log(self.rank, f"stopping after epoch {epoch + 1} as asked (--stop-after-epoch); run again to resume")
             self.model.stop_training = True

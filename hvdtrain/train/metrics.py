@@ -77,10 +77,12 @@ def build_summary(
     history: History,
     samples_per_sec: float,
     stall: Mapping[str, Any] | None,
+    config: Mapping[str, Any] | None = None,
     extra: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The summary.json content. `stall`: StallMeter-style statistics with mean_wait_s, mean_step_s and
-    wait_share (the share of step time spent waiting for data), or None when not measured."""
+    wait_share (the share of step time spent waiting for data), or None when not measured. `config`: what the run
+    was (hvdtrain.train.report.run_config), after the results and before the per-rank and per-epoch detail."""
     last = history.epochs[-1] if history.epochs else {}
     stall = stall or {}
     return {
@@ -95,6 +97,7 @@ def build_summary(
         "mean_step_s": stall.get("mean_step_s"),
         "data_wait_share": stall.get("wait_share"),
         "gpu_idle_share": stall.get("gpu_idle_share"),
+        **({"config": dict(config)} if config is not None else {}),
         "stall": dict(stall),
         "history": history.epochs,
         **(extra or {}),

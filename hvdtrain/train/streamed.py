@@ -109,7 +109,8 @@ def load_splits(root: str | Path, *, num_classes: int | None, x_field: str = "x"
     is missing."""
     if not store.is_url(root) and (Path(root) / "index.json").is_file() and not (Path(root) / "train").is_dir():
         raise datasets.DatasetError(f"{root} is one MDS split; a dataset root holds train/ and val/ splits (each with "
-                                    "its index.json), as `hvdtrain data convert` writes them")
+                                    "its index.json), as `hvdtrain data convert SRC DST --val-fraction 0.1` writes "
+                                    "them (holding out 10% of the samples for val/)")
     root = store.normalise(root)
     splits = {}
     for name in ("train", "val"):
@@ -117,10 +118,7 @@ def load_splits(root: str | Path, *, num_classes: int | None, x_field: str = "x"
             splits[name] = StreamingDataset(store.join(root, name), fields=(x_field, y_field),
                                             block_shards=block_shards, cache_limit=cache_limit)
         except StreamError as e:
-            text = str(e).replace("does not exist: not an MDS dataset", f"does not exist: the dataset has no {name}/ "
-                                  "split")
-            text = text.replace("was the upload complete?", f"does the dataset have a {name}/ split?")
-            raise datasets.DatasetError(text) from None
+            raise datasets.DatasetError(_split_error(root, name, e)) from None
     classes = num_classes or splits["train"].meta.get("num_classes")
     if classes is None:
         raise datasets.DatasetError(f"{root}: the number of classes is not in its index (the 'hvdtrain' metadata "
@@ -130,3 +128,19 @@ def load_splits(root: str | Path, *, num_classes: int | None, x_field: str = "x"
                                     "classes (labels 0..N-1): fix the labels, or pass --num-classes N")
     train, val = (StreamSplit(splits[n], x_field, y_field, classes, check_finite) for n in ("train", "val"))
     return datasets.Splits(train=train, val=val, num_classes=classes, name=root)  # type: ignore[arg-type]
+
+
+def _split_error(root: str, name: str, e: StreamError) -> str:
+    """The message for a split that cannot be opened: a missing split says which and how to get one (a missing val/:
+    `hvdtrain data convert ... --val-fraction`); any other error (a missing bucket, a bad index) as it is."""
+    index = store.join(store.join(root, name), "index.json")
+    missing = (store.NOT_FOUND in str(e) if store.is_url(root) else not Path(index).is_file())
+    if not missing:
+        return str(e)
+    if name == "val":
+        return (f"{root} has no val/ split ({index} does not exist), and training validates on it: convert the "
+                "source again holding out samples for validation, e.g. `hvdtrain data convert SRC DST "
+                "--val-fraction 0.1` (10% of the samples go to val/), and train on DST")
+    return (f"{root} has no train/ split ({index} does not exist): give the root of a dataset written by "
+            "`hvdtrain data convert SRC DST` (add --val-fraction 0.1 to hold out a val/ split)"
+            + (f", or upload one there (`hvdtrain data upload DST {root}`)" if store.is_url(root) else ""))

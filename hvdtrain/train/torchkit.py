@@ -26,7 +26,7 @@ from hvdtrain.train.config import RecipeConfig
 from hvdtrain.train.lr import LRSchedule
 from hvdtrain.train.metrics import History, MetricSums, write_summary
 from hvdtrain.train.precision import PRECISIONS, Precision, as_input
-from hvdtrain.train.report import wait_share
+from hvdtrain.train.report import lr_text, wait_share
 
 MODEL_CHOICES = ("auto", "cnn", "mlp", "resnet")  # auto, and recipes/pytorch_models.py's MODELS (a test checks)
 CPU_CHANNELS_LAST = (
@@ -41,11 +41,11 @@ class TorchConfig(RecipeConfig):
 
     model: str = field(default="auto", metadata={"choices": MODEL_CHOICES,
                                                  "help": "auto: cnn for digits, resnet for synthetic"})
-    model_width: int | None = field(default=None, metadata={"help": "channels/hidden units (model default)"})
+    model_width: int | None = field(default=None, metadata={"help": "channels/hidden units (none: the model's own)"})
     epochs: int = field(default=15, metadata={"help": "total epochs"})
     batch_size: int = field(default=32, metadata={"help": "samples per rank per backward pass"})
     base_lr: float = field(default=0.05, metadata={"help": "single-process LR; × size × backward passes"})
-    weight_decay: float = 0.0
+    weight_decay: float = field(default=0.0, metadata={"help": "SGD weight decay (L2)"})
     warmup_epochs: float = field(default=2.0, metadata={"help": "linear LR warmup (Goyal et al.)"})
     backward_passes_per_step: int = field(default=1, metadata={
         "help": "accumulate this many batches locally before each allreduce"})
@@ -143,6 +143,13 @@ def model_name(cfg: TorchConfig, splits: datasets.Splits) -> str:
     return {"digits": "cnn", "synthetic": "resnet"}.get(splits.name, fallback)
 
 
+def model_info(name: str, model: nn.Module, width: int | None) -> dict[str, Any]:
+    """The model for summary.json's config: --model's choice, its class, --model-width (None: the model's own) and
+    its parameter count."""
+    return {"name": name, "class": type(model).__name__, "width": width,
+            "parameters": sum(p.numel() for p in model.parameters())}
+
+
 def forward_backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor, chunks: int, sums: MetricSums,
                      precision: Precision | None = None, channels_last: bool = False) -> list[torch.Tensor]:
     """Forward and backward passes over the batch in `chunks` pieces (DistributedOptimizer's
@@ -221,8 +228,15 @@ def load_latest(ckpt_dir: Path, model: nn.Module, optimizer: torch.optim.Optimiz
                                    warn=lambda msg: print(f"WARNING: {msg}", flush=True))
     if found is None:
         return 0, []
-    model.load_state_dict(found.state["model"])
-    optimizer.load_state_dict(found.state["optimizer"])
+    try:
+        model.load_state_dict(found.state["model"])
+        optimizer.load_state_dict(found.state["optimizer"])
+    except (RuntimeError, ValueError, KeyError) as e:
+        what = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise checkpoint.CheckpointMismatch(
+            f"{found.path} does not fit this model or optimizer ({what}): it was written with another --model or "
+            "--model-width, or by an earlier version of the model; train in a new --run-dir, or pass --no-resume "
+            "to start from scratch") from None
     if precision is not None:
         precision.load_state_dict(found.state.get("precision", {}))
     print(f"resuming from {found.path} (epoch {found.epoch} done)", flush=True)
@@ -256,7 +270,8 @@ def tensorboard_writer(enabled: bool, run_dir: Path) -> Any:
 
 
 def report_epoch(row: dict[str, float], epochs: int, writer: Any = None) -> None:
-    """One line per epoch on the console, and the row's scalars to TensorBoard (call on rank 0)."""
+    """One line per epoch on the console, and the row's scalars to TensorBoard (call on rank 0). The LR shown is the
+    epoch's first step's → its last step's (`lr_first`, `lr`) where they differ."""
     if writer is not None:
         for key, value in row.items():
             if key != "epoch":
@@ -264,7 +279,7 @@ def report_epoch(row: dict[str, float], epochs: int, writer: Any = None) -> None
         writer.flush()
     print(f"epoch {int(row['epoch'])}/{epochs}  train loss {row['train_loss']:.4f} "
           f"acc {row['train_accuracy']:.2%}  val loss {row['val_loss']:.4f} acc {row['val_accuracy']:.2%}  "
-          f"lr {row['lr']:.4g}  {row['samples_per_sec']:.0f} samples/s  "
+          f"{lr_text(row.get('lr_first', row['lr']), row['lr'])}  {row['samples_per_sec']:.0f} samples/s  "
           f"data wait {row['data_wait_share']:.1%} of step time"
           + (f"  GPU idle {row['gpu_idle_share']:.1%}" if "gpu_idle_share" in row else ""), flush=True)
 

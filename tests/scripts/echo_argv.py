@@ -1,4 +1,4 @@
-"""Each rank prints what it was given: `ARGV {"rank", "argv", "env": $HVDTRAIN_TEST}` on stdout, then
+"""Each rank prints what it was given: `ARGV {"rank", "argv", "env": $HVDTRAIN_TEST, "cwd"}` on stdout, then
 `rank N says hi on stderr` on stderr.
 
 Each line goes out in a single write(): mpirun tags every chunk it reads from a rank, so a line written in pieces
@@ -20,5 +20,5 @@ def say(fd: int, line: str) -> None:
 
 hvd.init()
 say(sys.stdout.fileno(), "ARGV " + json.dumps({"rank": hvd.rank(), "argv": sys.argv[1:],
-                                                "env": os.environ.get("HVDTRAIN_TEST")}))
+                                                "env": os.environ.get("HVDTRAIN_TEST"), "cwd": os.getcwd()}))
 say(sys.stderr.fileno(), f"rank {hvd.rank()} says hi on stderr")
