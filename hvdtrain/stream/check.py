@@ -20,6 +20,7 @@ import numpy as np
 
 from hvdtrain.stream import labels, mds, store, verify
 from hvdtrain.stream.errors import StreamError
+from hvdtrain.stream.splits import find_splits, human_bytes
 
 REFETCH = "copy or upload it again from a good copy (`hvdtrain data upload`), or re-convert the source " \
           "(`hvdtrain data convert`)"
@@ -133,7 +134,6 @@ class SplitCheck:
                 "problems": [p.__dict__ for p in self.problems]}
 
     def render(self) -> str:
-        from hvdtrain.stream.inspect import human_bytes
 
         hashed = (f"{human_bytes(self.bytes_verified)} verified ({', '.join(self.hashes)})" if self.hashes
                   else "not verified (no checksums)")
@@ -256,10 +256,8 @@ def progress(total: int, desc: str) -> Any:
 
 
 def verify_dataset(path: str, only: list[str] | None, field_name: str) -> Iterator[SplitCheck]:
-    """Each split of the dataset at `path` (a directory or URL, as `inspect.find_splits` reads it; `only`: these
+    """Each split of the dataset at `path` (a directory or URL, as `splits.find_splits` reads it; `only`: these
     splits, in this order) verified, one at a time; StreamError when there is no such dataset or split."""
-    from hvdtrain.stream.inspect import find_splits
-
     shown, _, splits = find_splits(path)
     unknown = [name for name in only or [] if name not in splits]
     if unknown:

@@ -69,7 +69,7 @@ class Summary:
     notes: tuple[str, ...] = ()
 
     def render(self) -> str:
-        from hvdtrain.stream.inspect import human_bytes
+        from hvdtrain.stream.splits import human_bytes
 
         lines = [f"wrote {self.dst}: {self.kind}, {self.num_classes} classes, x {self.x_encoding}, y int64, "
                  f"compression {self.compression or 'none'}"]

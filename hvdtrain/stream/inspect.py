@@ -22,31 +22,10 @@ import numpy as np
 
 from hvdtrain.stream import check, labels, mds, store
 from hvdtrain.stream.errors import StreamError
+from hvdtrain.stream.splits import find_splits, human_bytes
 
-ORDER = {"train": 0, "val": 1}  # these first, then the other splits by name
 LABEL_SHARDS = 8
 LABEL_FETCH_BYTES = 256 << 20
-
-
-def find_splits(path: str | Path) -> tuple[str, str, dict[str, tuple[str, mds.Index, list[str]]]]:
-    """(the dataset as named, "root" | "split", {split name: (its directory or URL, its index, shard files listed
-    but absent)}); StreamError when `path` is neither an MDS directory nor a root of them, or an index is
-    unreadable. A URL (s3://, gs://, http(s)://) is read from its store: its own index.json, else those of its
-    train/ and val/ (absent shards are checked for local directories only)."""
-    if store.is_url(path):
-        return _find_url(store.normalise(path))
-    path = Path(path)
-    if not path.is_dir():
-        raise StreamError(f"{path}: not a directory; give an MDS dataset directory (with index.json) or a dataset "
-                          "root (train/, val/, ...)")
-    if (path / mds.INDEX).is_file():
-        return str(path), "split", {path.resolve().name: _split(path)}
-    subdirs = sorted((d for d in path.iterdir() if (d / mds.INDEX).is_file()),
-                     key=lambda d: (ORDER.get(d.name, len(ORDER)), d.name))
-    if not subdirs:
-        raise StreamError(f"{path}: no {mds.INDEX} in it or in its subdirectories: not an MDS dataset (write one with "
-                          "`hvdtrain data convert SRC DST`)")
-    return str(path), "root", {d.name: _split(d) for d in subdirs}
 
 
 def describe(path: str | Path, label_field: str = labels.DEFAULT_FIELD,
@@ -58,37 +37,6 @@ def describe(path: str | Path, label_field: str = labels.DEFAULT_FIELD,
             "splits": {name: {**_summary(where, index, missing),
                               "labels": _labels(name, where, index, missing, label_field, label_shards)}
                        for name, (where, index, missing) in splits.items()}}
-
-
-def _find_url(url: str) -> tuple[str, str, dict[str, tuple[str, mds.Index, list[str]]]]:
-    def index_of(source: str) -> mds.Index | None:
-        try:
-            text = store.open_store(source).get(mds.INDEX)
-        except StreamError as e:
-            if "not found (404)" in str(e):
-                return None
-            raise
-        return mds.parse_index(bytes(text).decode("utf-8", errors="replace"), store.join(source, mds.INDEX))
-
-    own = index_of(url)
-    if own is not None:
-        return url, "split", {url.rsplit("/", 1)[-1]: (url, own, [])}
-    splits = {name: index for name in ORDER if (index := index_of(store.join(url, name))) is not None}
-    if not splits:
-        raise StreamError(f"{url}: no {mds.INDEX} there or under train/ and val/: not an MDS dataset (upload one "
-                          "with `hvdtrain data upload DIR URL`)")
-    return url, "root", {name: (store.join(url, name), index, []) for name, index in splits.items()}
-
-
-def _split(directory: Path) -> tuple[str, mds.Index, list[str]]:
-    index_path = directory / mds.INDEX
-    try:
-        text = index_path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise StreamError(f"{index_path}: cannot read ({e})") from None
-    index = mds.parse_index(text, str(index_path))
-    missing = [s.remote_file.basename for s in index.shards if not (directory / s.remote_file.basename).is_file()]
-    return str(directory), index, missing
 
 
 def _labels(name: str, where: str, index: mds.Index, missing: list[str], field: str, most: int) -> dict[str, Any]:
@@ -142,16 +90,6 @@ def _summary(where: str, index: mds.Index, missing: list[str]) -> dict[str, Any]
         "missing_shards": missing,
         "hvdtrain": dict(index.meta),
     }
-
-
-def human_bytes(n: int) -> str:
-    """1536 -> '1.5 KiB'."""
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if size < 1024 or unit == "TiB":
-            return f"{int(size)} B" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    raise AssertionError("unreachable")
 
 
 def render(desc: dict[str, Any]) -> str:
