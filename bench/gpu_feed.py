@@ -40,7 +40,7 @@ sys.path.insert(0, str(REPO / "recipes"))
 import pytorch_train as recipe  # noqa: E402  (the recipe is a script beside its models, not a package)
 
 from hvdtrain.data import DevicePrefetcher, ShmLoader  # noqa: E402
-from hvdtrain.train import datasets  # noqa: E402
+from hvdtrain.datasets import arrays  # noqa: E402
 from hvdtrain.train.precision import Precision, prepare_model  # noqa: E402
 from hvdtrain.train.torchkit import Meters, lr_schedule, pin_device, sgd  # noqa: E402
 
@@ -116,7 +116,7 @@ class TimedPrefetcher(DevicePrefetcher):
 class Resident:
     """The rank's shard on the device; each epoch a permutation drawn on the device, batches gathered there."""
 
-    def __init__(self, ds: datasets.ArrayDataset, rank: int, size: int, batch: int, device: torch.device) -> None:
+    def __init__(self, ds: arrays.ArrayDataset, rank: int, size: int, batch: int, device: torch.device) -> None:
         mine = np.arange(rank, len(ds), size)
         self.x = torch.from_numpy(ds.x[mine]).to(device)
         self.y = torch.from_numpy(ds.y[mine]).to(device)
@@ -139,7 +139,7 @@ class Resident:
 class TorchDataLoaderFeed:
     """torch's DataLoader as users write it for Horovod: DistributedSampler, pinned batches, non-blocking copy."""
 
-    def __init__(self, ds: datasets.ArrayDataset, rank: int, size: int, batch: int, workers: int,
+    def __init__(self, ds: arrays.ArrayDataset, rank: int, size: int, batch: int, workers: int,
                  device: torch.device) -> None:
         samples = torch.utils.data.TensorDataset(torch.from_numpy(ds.x), torch.from_numpy(ds.y))
         self.sampler = torch.utils.data.distributed.DistributedSampler(samples, num_replicas=size, rank=rank,
@@ -161,12 +161,12 @@ class TorchDataLoaderFeed:
             yield x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
 
-def make_feeds(cfg: recipe.Config, splits: datasets.Splits, device: torch.device) -> dict[str, Any]:
+def make_feeds(cfg: recipe.Config, splits: arrays.Splits, device: torch.device) -> dict[str, Any]:
     rank, size, batch = hvd.rank(), hvd.size(), cfg.batch_size
     return {
         "resident": Resident(splits.train, rank, size, batch, device),
         **{name: TimedPrefetcher(ShmLoader(splits.train, rank=rank, size=size, batch_size=batch,
-                                           num_workers=cfg.num_workers, seed=cfg.seed, fetch=datasets.take,
+                                           num_workers=cfg.num_workers, seed=cfg.seed, fetch=arrays.take,
                                            order=splits.train.order), device, register_slots=name == "hvdtrain")
            for name in ("hvdtrain", "memcpy")},
         "dataloader": TorchDataLoaderFeed(splits.train, rank, size, batch, cfg.num_workers, device),

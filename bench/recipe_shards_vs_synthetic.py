@@ -12,7 +12,7 @@ two datasets in one horovodrun job:
   starts and removed after: `--format mds` (default) MDS shards (`--shard-files` of them), which the recipe
   streams: the loader's producers read memory-mapped shards batch by batch, shuffle block by shuffle block; `npy`:
   `NAME_x.npy` + `NAME_y.npy` pairs, `npz`: `NAME.npz` files with arrays x and y, both memory-mapped and read batch
-  by batch in the producers too (hvdtrain/train/npyshards.py; an `.npz` is CRC-checked once at load).
+  by batch in the producers too (hvdtrain/datasets/npyshards.py; an `.npz` is CRC-checked once at load).
 The shards hold exactly the samples and labels that the synthetic side generates (same shape, seed, count), so
 the model, batches and work per step are identical; the job checks that the two training sets are equal. Each
 side trains one warmup epoch, then `--num-iters` (16) epochs of `--num-batches-per-iter` (20) steps per rank (more
@@ -76,10 +76,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def write_shards(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
     """train/ and val/ shards holding the recipe's synthetic data for this configuration; returns what was written."""
-    from hvdtrain.train import datasets
+    from hvdtrain.datasets import arrays
 
     n = args.batch_size * args.num_batches_per_iter * args.np  # as recipe_side sizes the synthetic side
-    splits = datasets.synthetic(args.shape, n, num_classes=args.num_classes, seed=SEED)
+    splits = arrays.synthetic(args.shape, n, num_classes=args.num_classes, seed=SEED)
     for split in (splits.train, splits.val):
         if int(split.y.max()) + 1 != args.num_classes:  # the recipe infers the classes from the labels
             raise SystemExit(f"the random labels do not reach class {args.num_classes - 1}: use more samples "

@@ -91,7 +91,7 @@ def recipe_side(args: argparse.Namespace, dataset: str, run_dir: Path) -> tuple[
     import torch
 
     from hvdtrain.data import DevicePrefetcher, ShmLoader
-    from hvdtrain.train import datasets
+    from hvdtrain.datasets import arrays
     from hvdtrain.train.precision import Precision
     from hvdtrain.train.torchkit import Meters, epoch_seed, lr_schedule, model_name, pin_device, sgd
 
@@ -118,7 +118,7 @@ def recipe_side(args: argparse.Namespace, dataset: str, run_dir: Path) -> tuple[
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     loader = DevicePrefetcher(ShmLoader(splits.train, rank=rank, size=size, batch_size=cfg.batch_size,
-                                        num_workers=cfg.num_workers, seed=cfg.seed, fetch=datasets.take,
+                                        num_workers=cfg.num_workers, seed=cfg.seed, fetch=arrays.take,
                                         order=splits.train.order), device)
     side = SimpleNamespace(cfg=cfg, train_loader=loader, meter=Meters.on(device), rank=rank)
     precision = Precision(cfg.precision, device)

@@ -30,6 +30,7 @@ import sys
 from collections.abc import Sequence
 
 from hvdtrain import __version__, exitcodes
+from hvdtrain.data.errors import DataError
 
 REQUIRABLE = ("mpi", "nccl", "tensorflow")
 
@@ -50,7 +51,7 @@ def _port(text: str) -> int:
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
-    from hvdtrain.doctor import doctor
+    from hvdtrain.doctor.local import doctor
 
     more = None
     if args.hosts is None and args.hostfile is None and (args.ssh_port or args.ssh_identity_file):
@@ -58,7 +59,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
               "check over ssh)", file=sys.stderr)
         return exitcodes.INVALID_INPUT
     if args.hosts is not None or args.hostfile is not None:
-        from hvdtrain.doctor_hosts import host_checks, load_hosts
+        from hvdtrain.doctor.remote import host_checks, load_hosts
 
         hosts = load_hosts(args.hosts, args.hostfile)  # HostError: exit 2 with the parser's message
         more = functools.partial(host_checks, hosts, port=args.ssh_port, identity_file=args.ssh_identity_file)
@@ -66,13 +67,13 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def _load(args: argparse.Namespace):
-    from hvdtrain.spec import load_spec_file
+    from hvdtrain.job.load import load_spec_file
 
     return load_spec_file(args.job, args.override, check_files=True)
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
-    from hvdtrain.plan import build_plan
+    from hvdtrain.job.plan import build_plan
 
     spec = _load(args)
     # The same pure build `run --dry-run` does, so that validate accepts only what dry-run accepts; only what this
@@ -85,8 +86,8 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from hvdtrain.launch import check_rank_module, default_controller, find_horovodrun, run_plan
-    from hvdtrain.plan import build_plan
+    from hvdtrain.job.plan import build_plan
+    from hvdtrain.launch.runner import check_rank_module, default_controller, find_horovodrun, run_plan
 
     spec = _load(args)
     controller = spec.controller or default_controller(spec.python, save=not args.dry_run)  # a dry run writes nothing
@@ -101,8 +102,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 def check_run_dir(script_args: list[str]) -> None:
     """Refuse at once, before any process starts, when another job on this machine holds the run directory."""
-    from hvdtrain.launch import LaunchError
-    from hvdtrain.train.rundir import busy_message, held_here, run_dir_arg
+    from hvdtrain.launch.runner import LaunchError
+    from hvdtrain.rundir import busy_message, held_here, run_dir_arg
 
     run_dir = run_dir_arg(script_args)
     holder = held_here(run_dir) if run_dir else None
@@ -113,7 +114,7 @@ def check_run_dir(script_args: list[str]) -> None:
 def _cmd_schema(args: argparse.Namespace) -> int:
     import json
 
-    from hvdtrain.jobspec import JobSpec
+    from hvdtrain.job.model import JobSpec
 
     print(json.dumps(JobSpec.model_json_schema(), indent=2))
     return 0
@@ -152,14 +153,13 @@ def _count(text: str) -> int:
 
 
 def _cmd_data_convert(args: argparse.Namespace) -> int:
-    from hvdtrain.stream import StreamError
     from hvdtrain.stream.convert import convert
 
     try:
         summary = convert(args.src, args.dst, shard_bytes=args.shard_size, compression=args.compression,
                           image_size=args.image_size, val_fraction=args.val_fraction, progress=args.progress,
                           shuffle=args.shuffle, seed=args.seed)
-    except StreamError as exc:
+    except DataError as exc:
         print(f"hvdtrain data convert: error: {exc}", file=sys.stderr)
         return exitcodes.INVALID_INPUT
     except OSError as exc:  # DST not writable, a file where a directory must be, a full disk
@@ -173,12 +173,11 @@ def _cmd_data_convert(args: argparse.Namespace) -> int:
 def _cmd_data_inspect(args: argparse.Namespace) -> int:
     import json
 
-    from hvdtrain.stream import StreamError
     from hvdtrain.stream.inspect import describe, render, warnings
 
     try:
         desc = describe(args.path, label_field=args.y_field, label_shards=args.label_shards)
-    except StreamError as exc:
+    except DataError as exc:
         print(f"hvdtrain data inspect: error: {exc}", file=sys.stderr)
         return exitcodes.INVALID_INPUT
     print(json.dumps(desc, indent=2) if args.json else render(desc))
@@ -190,7 +189,6 @@ def _cmd_data_inspect(args: argparse.Namespace) -> int:
 def _cmd_data_verify(args: argparse.Namespace) -> int:
     import json
 
-    from hvdtrain.stream import StreamError
     from hvdtrain.stream.check import messages, verdict, verify_dataset
 
     results = []
@@ -201,7 +199,7 @@ def _cmd_data_verify(args: argparse.Namespace) -> int:
                 print(result.render(), flush=True)
             for line in messages(result):
                 print(f"hvdtrain data verify: {line}", file=sys.stderr, flush=True)
-    except StreamError as exc:
+    except DataError as exc:
         print(f"hvdtrain data verify: error: {exc}", file=sys.stderr)
         return exitcodes.INVALID_INPUT
     ok, closing = verdict(args.dataset, results)
@@ -213,12 +211,11 @@ def _cmd_data_verify(args: argparse.Namespace) -> int:
 
 
 def _cmd_data_upload(args: argparse.Namespace) -> int:
-    from hvdtrain.stream import StreamError
     from hvdtrain.stream.upload import render, upload
 
     try:
         result = upload(args.src, args.url, progress=args.progress)
-    except StreamError as exc:
+    except DataError as exc:
         print(f"hvdtrain data upload: error: {exc}", file=sys.stderr)
         return exitcodes.INVALID_INPUT
     except OSError as exc:
@@ -366,9 +363,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)  # argparse exits with 2 on bad usage
-    from hvdtrain.hosts import HostError
-    from hvdtrain.launch import LaunchError
-    from hvdtrain.spec import SpecError
+    from hvdtrain.job.hosts import HostError
+    from hvdtrain.job.load import SpecError
+    from hvdtrain.launch.runner import LaunchError
 
     try:
         return args.func(args)

@@ -8,7 +8,7 @@ exception that ended the script) for the launcher.
 NOTE [no orphans]
 How every process of a job ends when the launcher ends, however it ends:
 - `hvdtrain run` starts horovodrun in a process group of its own with PR_SET_PDEATHSIG=SIGTERM
-  (lifeline.die_with_parent), then a guard (`python -m hvdtrain.lifeline PGID`, in a session of its own so that
+  (lifeline.die_with_parent), then a guard (`python -m hvdtrain.launch.lifeline PGID`, in a session of its own so that
   the terminal's signals and a kill of the launcher's group miss it) holding a pipe from the launcher. When the
   launcher dies, however, the pipe closes and the guard SIGTERMs horovodrun's group, then SIGKILLs it after
   lifeline.GUARD_GRACE_S. That reaches what PDEATHSIG alone cannot: with MPI, horovodrun exec()s
@@ -38,7 +38,7 @@ import time
 from typing import NoReturn
 
 from hvdtrain import records
-from hvdtrain.lifeline import die_with_parent, output_gone, watchable
+from hvdtrain.launch.lifeline import die_with_parent, output_gone, watchable
 
 WATCH_S = 0.5  # how often the supervisor looks at the rank and at its own stdout/stderr
 GRACE_S = 5.0  # after SIGTERM, how long a rank of a lost job may take before SIGKILL

@@ -5,9 +5,9 @@ Each rank's supervisor (`hvdtrain.rank`) runs the script through `python -m hvdt
 notes an exception that ends the script (type, message, traceback) in `exception.<host>.<local rank>.<pid>.json`
 and writes a provisional record; when the rank has ended the supervisor writes the final
 `rank.<host>.<local rank>.<pid>.json` with its identity, its exit code or signal, and that exception. The launcher
-names the failing rank from these records (`hvdtrain.failures`), and falls back to horovodrun's and mpirun's report
-lines for a rank that left none (its supervisor was SIGKILLed before the rank noted anything, its host was lost, or
-its records directory is not shared with the launcher's machine).
+names the failing rank from these records (`hvdtrain.launch.failures`), and falls back to horovodrun's and
+mpirun's report lines for a rank that left none (its supervisor was SIGKILLed before the rank noted anything,
+its host was lost, or its records directory is not shared with the launcher's machine).
 
 With `logs.dir` the directory is `<logs.dir>/records`, without a temporary one; the launcher creates it, and a
 rank writes its records only where that directory exists (this machine, or a filesystem shared with it): nothing

@@ -41,9 +41,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hvdtrain import tfkeras
+from hvdtrain import rundir, tfkeras
 from hvdtrain.data import ShmLoader, expected_batches, sweep_stale_segments
-from hvdtrain.train import checkpoint, layout, rundir
+from hvdtrain.train import checkpoint, layout
 from hvdtrain.train.config import RecipeConfig, parse_config
 from hvdtrain.train.entry import exit_with
 from hvdtrain.train.lr import LRSchedule, scaled_epochs

@@ -52,9 +52,11 @@ import torch
 from pytorch_models import make_model
 from torch import nn
 
+from hvdtrain import rundir
 from hvdtrain.atomic import atomic_write
 from hvdtrain.data import DevicePrefetcher, ShmLoader, StallMeter, sweep_stale_segments
-from hvdtrain.train import datasets, divergence, rundir, torchkit
+from hvdtrain.datasets import arrays
+from hvdtrain.train import divergence, torchkit
 from hvdtrain.train.config import parse_config
 from hvdtrain.train.entry import exit_with
 from hvdtrain.train.lr import LRSchedule
@@ -90,7 +92,7 @@ class Job:
     rank: int
     size: int
     device: torch.device
-    splits: datasets.Splits
+    splits: arrays.Splits
     model: nn.Module
     net: nn.Module  # what the training step calls: model, or torch.compile(model) with --compile
     precision: Precision
@@ -103,12 +105,12 @@ class Job:
     run_lock: rundir.RunDirLock | None = None
 
 
-def make_loader(cfg: Config, splits: datasets.Splits, rank: int, size: int, device: torch.device) -> DevicePrefetcher:
+def make_loader(cfg: Config, splits: arrays.Splits, rank: int, size: int, device: torch.device) -> DevicePrefetcher:
     # Horovod: this rank's shard of the epoch's order (ShardSampler inside: the same permutation on every rank,
     # padded to the same number of steps), built by producer processes into shared memory.
     return DevicePrefetcher(ShmLoader(
         splits.train, rank=rank, size=size, batch_size=cfg.batch_size * cfg.backward_passes_per_step,
-        num_workers=cfg.num_workers, seed=cfg.seed, fetch=datasets.take, order=splits.train.order,
+        num_workers=cfg.num_workers, seed=cfg.seed, fetch=arrays.take, order=splits.train.order,
         epochs=cfg.epochs), device)
 
 

@@ -46,8 +46,10 @@ import torch
 from pytorch_models import make_model
 from torch import nn
 
+from hvdtrain import rundir
 from hvdtrain.data import DevicePrefetcher, ShmLoader, sweep_stale_segments
-from hvdtrain.train import checkpoint, datasets, divergence, rundir
+from hvdtrain.datasets import arrays
+from hvdtrain.train import checkpoint, divergence
 from hvdtrain.train.config import parse_config
 from hvdtrain.train.entry import exit_with
 from hvdtrain.train.lr import LRSchedule, scaled_epochs
@@ -120,7 +122,7 @@ def train_epoch(cfg: Config, epoch: int, epochs: int, net: nn.Module, optimizer:
     return sums.reduce(allreduce_sum)
 
 
-def evaluate(cfg: Config, model: nn.Module, val_set: datasets.ArrayDataset, device: torch.device,
+def evaluate(cfg: Config, model: nn.Module, val_set: arrays.ArrayDataset, device: torch.device,
              precision: Precision) -> dict[str, float]:
     # Horovod: gradients are averaged but BatchNorm running statistics are not; average them too, so every rank
     # validates and rank 0 checkpoints the same model.
@@ -156,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     # with compute (a zero-copy pass-through on CPU).
     loader = DevicePrefetcher(ShmLoader(
         splits.train, rank=rank, size=size, batch_size=cfg.batch_size * cfg.backward_passes_per_step,
-        num_workers=cfg.num_workers, seed=cfg.seed, fetch=datasets.take, order=splits.train.order,
+        num_workers=cfg.num_workers, seed=cfg.seed, fetch=arrays.take, order=splits.train.order,
         epochs=epochs), device)
 
     # ---- 3. model, LR, optimizer

@@ -396,7 +396,7 @@ def leaked_segments(owner_pids: set[int]) -> list[str]:
 
 def route(lines: Sequence[str], logs, *, stopping: bool = False):
     """Feed lines to an OutputRouter as horovodrun's output would; (router, console stdout, console stderr)."""
-    from hvdtrain.console import OutputRouter
+    from hvdtrain.launch.console import OutputRouter
 
     out, err = io.StringIO(), io.StringIO()
     router = OutputRouter(logs, out, err)

@@ -18,7 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hvdtrain.stream import MDSWriter, cache, store
+from hvdtrain.datasets import cachedir
+from hvdtrain.stream import MDSWriter, store
 from tests import harness
 
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
@@ -151,5 +152,5 @@ def point_at(s3: MotoS3, cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> No
     """hvdtrain's S3 client at `s3`, its node cache in `cache_dir`, 20 s of retries."""
     for key, value in s3.env.items():
         monkeypatch.setenv(key, value)
-    monkeypatch.setenv(cache.ENV_DIR, str(cache_dir))
+    monkeypatch.setenv(cachedir.ENV_DIR, str(cache_dir))
     monkeypatch.setenv(store.ENV_RETRY, "20")

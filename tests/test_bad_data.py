@@ -23,9 +23,11 @@ import pytest
 import yaml
 
 from hvdtrain import exitcodes
-from hvdtrain.jobspec import Logs
-from hvdtrain.train import checkpoint, datasets, divergence, npyshards
-from hvdtrain.train.datasets import DatasetError, load
+from hvdtrain.datasets import arrays, npyshards
+from hvdtrain.datasets.arrays import DatasetError
+from hvdtrain.job.model import Logs
+from hvdtrain.train import checkpoint, divergence
+from hvdtrain.train.datasets import load
 from hvdtrain.train.entry import exit_with
 from tests.harness import REPO, JobResult, horovodrun, route, run_bounded
 
@@ -199,7 +201,7 @@ def test_every_unreadable_shard_is_one_error_naming_the_file_and_the_reason(tmp_
 
 # ---- NaN/Inf samples -----------------------------------------------------------------------------------------
 
-def read_every_sample(splits: datasets.Splits) -> np.ndarray:
+def read_every_sample(splits: arrays.Splits) -> np.ndarray:
     """Every sample of both splits, as the loaders read them (batches through `take`)."""
     return np.concatenate([split.take(np.arange(len(split)))[0] for split in (splits.train, splits.val)])
 
@@ -246,13 +248,13 @@ def test_loading_shards_reads_labels_not_samples(tmp_path):
 
 
 def test_the_sample_check_scans_in_blocks_and_still_names_the_right_sample(monkeypatch):
-    monkeypatch.setattr(datasets, "FINITE_BLOCK_VALUES", 10)  # 2 samples of 5 values per block
+    monkeypatch.setattr(arrays, "FINITE_BLOCK_VALUES", 10)  # 2 samples of 5 values per block
     x = np.zeros((9, 5), np.float32)
-    datasets.check_samples(x, "x")
+    arrays.check_samples(x, "x")
     x[7, 3] = np.inf
     with pytest.raises(DatasetError, match=re.escape("x[7]: sample holds inf at position (3,)")):
-        datasets.check_samples(x, "x")
-    datasets.check_samples(np.zeros((3, 2), np.int64), "ints")  # integers are always finite
+        arrays.check_samples(x, "x")
+    arrays.check_samples(np.zeros((3, 2), np.int64), "ints")  # integers are always finite
 
 
 # ---- what the recipes do with it -------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""What the console shows (NOTE [console] in hvdtrain/console.py): hvdtrain's summary, not horovodrun's traceback.
+"""What the console shows (NOTE [console] in hvdtrain/launch/console.py): hvdtrain's summary, not horovodrun's
+traceback.
 
 - in-process: the router fed the lines real horovodrun runs printed (Gloo's rank failure, an interrupted start);
   what reaches the console, what reaches launcher.log.
@@ -16,10 +17,10 @@ import psutil
 import pytest
 import yaml
 
-from hvdtrain.console import PARTIAL_LIMIT, OutputRouter
-from hvdtrain.failures import RankFailure
-from hvdtrain.jobspec import Logs
-from hvdtrain.launch import _exit_code
+from hvdtrain.job.model import Logs
+from hvdtrain.launch.console import PARTIAL_LIMIT, OutputRouter
+from hvdtrain.launch.failures import RankFailure
+from hvdtrain.launch.runner import _exit_code
 from tests.harness import BIN, REPO, kill_launcher_when, route, run_bounded, wait_gone
 
 HVDTRAIN = str(BIN / "hvdtrain")

@@ -14,7 +14,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from hvdtrain.stream import StreamError, StreamingDataset, cache
+from hvdtrain.data.errors import DataError
+from hvdtrain.datasets import cachedir
+from hvdtrain.stream import StreamError, StreamingDataset
 from hvdtrain.stream.convert import convert, parse_image_size, parse_size
 from hvdtrain.stream.inspect import describe, render
 from tests.harness import BIN, run_bounded
@@ -24,7 +26,7 @@ HVDTRAIN = str(BIN / "hvdtrain")
 
 @pytest.fixture(autouse=True)
 def _cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(cache.ENV_DIR, str(tmp_path / "cache"))  # compressed shards are decompressed here
+    monkeypatch.setenv(cachedir.ENV_DIR, str(tmp_path / "cache"))  # compressed shards are decompressed here
 
 
 def _arrays(seed: int, n: int, shape=(3, 4, 4), dtype=np.float64, classes: int = 5) -> tuple[np.ndarray, np.ndarray]:
@@ -301,7 +303,7 @@ def test_bad_input_is_a_named_error_and_writes_nothing(case: str, tmp_path: Path
     make, words = BAD[case]
     src = tmp_path / "src"
     make(src)
-    with pytest.raises(StreamError, match=words.format(src=str(src))):
+    with pytest.raises(DataError, match=words.format(src=str(src))):
         convert(src, tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
 
@@ -330,7 +332,7 @@ def test_a_failure_while_writing_removes_what_was_written(tmp_path: Path) -> Non
     data = (src / "b_x.npy").read_bytes()
     (src / "b_x.npy").write_bytes(data[:-40])
     (tmp_path / "out").mkdir()
-    with pytest.raises(StreamError, match=r"b_x\.npy: cannot read as numpy data"):
+    with pytest.raises(DataError, match=r"b_x\.npy: cannot read as numpy data"):
         convert(src, tmp_path / "out", shard_bytes=600, progress=False)
     assert list((tmp_path / "out").iterdir()) == []
 

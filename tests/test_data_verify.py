@@ -12,7 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hvdtrain.stream import MDSWriter, cache, labels
+from hvdtrain.datasets import cachedir
+from hvdtrain.stream import MDSWriter, labels
 from hvdtrain.stream.convert import convert
 from hvdtrain.stream.inspect import describe
 from tests.harness import BIN, run_bounded
@@ -24,7 +25,7 @@ COLUMNS = {"x": "ndarray:float32:4", "y": "int64"}
 
 @pytest.fixture(autouse=True)
 def _cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv(cache.ENV_DIR, str(tmp_path / "cache"))  # verify must write nothing, here included
+    monkeypatch.setenv(cachedir.ENV_DIR, str(tmp_path / "cache"))  # verify must write nothing, here included
     return tmp_path / "cache"
 
 

@@ -12,9 +12,11 @@ from dataclasses import replace
 
 import pytest
 
-from hvdtrain import cli, doctor_hosts, ssh
-from hvdtrain.doctor import format_report
-from hvdtrain.doctor_hosts import (
+from hvdtrain import cli
+from hvdtrain.doctor import remote, ssh
+from hvdtrain.doctor.local import format_report
+from hvdtrain.doctor.probe import MARKER, Facts
+from hvdtrain.doctor.remote import (
     Probe,
     common_interfaces,
     host_checks,
@@ -23,9 +25,8 @@ from hvdtrain.doctor_hosts import (
     nic_checks,
     version_checks,
 )
-from hvdtrain.hosts import Host, HostError
-from hvdtrain.probe import MARKER, Facts
-from hvdtrain.ssh import is_local, ssh_argv, unreachable_hosts
+from hvdtrain.doctor.ssh import is_local, ssh_argv, unreachable_hosts
+from hvdtrain.job.hosts import Host, HostError
 
 HERE = Facts(python="3.11.7", executable="/opt/venv/bin/python", horovod="0.28.1", torch="2.13.0+cpu")
 PY = "/opt/venv/bin/python"
@@ -151,9 +152,9 @@ def test_host_checks_skip_versions_of_unreachable_hosts_and_intersect_nics_of_th
         "b": Probe("b", facts=replace(HERE, python="3.11.9", nics=["ib0"]), seconds=0.5),
         "c": Probe("c", error="unreachable: ssh: connect to host c port 22: No route to host", fix="check c"),
     }
-    monkeypatch.setattr(doctor_hosts, "probe_host", lambda name, *a: answers[name])
-    monkeypatch.setattr(doctor_hosts, "local_facts", lambda python=PY: HERE)
-    monkeypatch.setattr(doctor_hosts, "_local_nic_addrs", lambda: {"ib0": ["10.0.0.1"], "docker0": []})
+    monkeypatch.setattr(remote, "probe_host", lambda name, *a: answers[name])
+    monkeypatch.setattr(remote, "local_facts", lambda python=PY: HERE)
+    monkeypatch.setattr(remote, "_local_nic_addrs", lambda: {"ib0": ["10.0.0.1"], "docker0": []})
     checks = host_checks([Host("a", 1), Host("b", 1), Host("c", 1)], port=22)
     assert [c.name for c in checks] == ["a: ssh", "a: Python", "a: Horovod", "b: ssh", "b: Python", "b: Horovod",
                                         "c: ssh", "Common NIC", "Launcher NIC"]
@@ -184,7 +185,7 @@ def test_unreachable_hosts_lists_only_hosts_where_ssh_itself_failed(monkeypatch)
 
 
 def test_the_probe_runs_locally_without_ssh():
-    probe = doctor_hosts.probe_host("localhost", sys.executable, None, None, local=True)
+    probe = remote.probe_host("localhost", sys.executable, None, None, local=True)
     assert not probe.error, probe
     assert probe.local and probe.facts.python == platform.python_version()
     assert probe.facts.executable == sys.executable

@@ -30,8 +30,8 @@ import psutil
 import pytest
 import yaml
 
-from hvdtrain.plan import build_plan
-from hvdtrain.spec import load_spec
+from hvdtrain.job.load import load_spec
+from hvdtrain.job.plan import build_plan
 from hvdtrain.train import checkpoint
 from tests.harness import REPO, SHM_DIR, SHM_PREFIX, expect_ok, run_bounded
 

@@ -20,8 +20,9 @@ import numpy as np
 import pytest
 
 from hvdtrain import cli, exitcodes
-from hvdtrain.launch import LaunchError, default_controller
-from hvdtrain.stream import StreamError, StreamingDataset, cache, store
+from hvdtrain.datasets import arrays, cachedir
+from hvdtrain.launch.runner import LaunchError, default_controller
+from hvdtrain.stream import StreamError, StreamingDataset, store
 from hvdtrain.stream.upload import upload
 from hvdtrain.train import datasets
 from hvdtrain.train.entry import exit_with
@@ -53,7 +54,7 @@ def bucket_hint(s3: MotoS3) -> str:
 # ---- item 4: a missing bucket ------------------------------------------------------------------------------------
 
 def test_training_on_a_missing_bucket_names_the_bucket_and_the_endpoint(on_s3: MotoS3) -> None:
-    with pytest.raises(datasets.DatasetError) as err:
+    with pytest.raises(arrays.DatasetError) as err:
         datasets.load(f"s3://{MISSING}/mds")
     assert str(err.value) == (f"cannot read the dataset's index: s3://{MISSING}/mds/train/index.json: "
                               + bucket_hint(on_s3))
@@ -95,12 +96,12 @@ def test_a_dataset_without_val_on_s3_says_how_to_convert_one(on_s3: MotoS3, tmp_
     write_dataset(tmp_path / "ds" / "train", 10, per_shard=20)
     url = f"s3://{BUCKET}/train-only"
     upload(tmp_path / "ds", url, progress=False)
-    with pytest.raises(datasets.DatasetError) as err:
+    with pytest.raises(arrays.DatasetError) as err:
         datasets.load(url)
     assert str(err.value) == (f"{url} has no val/ split ({url}/val/index.json does not exist), and training "
                               f"validates on it: convert the source again holding out samples for validation, e.g. "
                               f"{VAL_HINT}")
-    with pytest.raises(datasets.DatasetError, match=r"has no train/ split .*`hvdtrain data upload DST s3://"):
+    with pytest.raises(arrays.DatasetError, match=r"has no train/ split .*`hvdtrain data upload DST s3://"):
         datasets.load(f"s3://{BUCKET}/nothing-here")
 
 
@@ -133,7 +134,7 @@ def full_disk(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         tried.append(str(path))
         return FullFile(f)
 
-    monkeypatch.setattr(cache, "open", opener, raising=False)  # the module's `open`: only the cache's writes
+    monkeypatch.setattr(cachedir, "open", opener, raising=False)  # the module's `open`: only the cache's writes
     return tried
 
 
@@ -167,8 +168,8 @@ def test_a_disk_too_full_for_any_limit_is_not_told_to_set_one(tmp_path: Path, mo
     write_dataset(tmp_path / "ds", 40, per_shard=10)
     ds = StreamingDataset(tmp_path / "ds", cache_dir=tmp_path / "cache", fetch_threads=0)
     full_disk(monkeypatch)
-    monkeypatch.setattr(cache, "free_bytes", lambda directory: 100)
-    with pytest.raises(cache.CacheFull) as err:
+    monkeypatch.setattr(cachedir, "free_bytes", lambda directory: 100)
+    with pytest.raises(cachedir.CacheFull) as err:
         ds.take(np.array([0]))
     assert re.search(r"is full \(100 B free on its disk, 0 B of shards in it\) while fetching .*, with no limit: "
                      r"the readers need \d+\.\d KiB at once: free space on that disk, or set HVDTRAIN_DATA_CACHE to a "
@@ -254,10 +255,10 @@ def test_a_store_retry_prints_one_line(flaky_http: tuple[str, list[str]], capsys
 def test_a_relative_dataset_path_that_is_not_there_names_where_it_looked(tmp_path: Path,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(datasets.DatasetError) as err:
+    with pytest.raises(arrays.DatasetError) as err:
         datasets.load("mds")
     assert str(err.value).endswith(f"got 'mds', which is not a directory (looked for {tmp_path}/mds: a relative "
                                    "path is relative to the working directory, which a job spec sets with `workdir:`)")
-    with pytest.raises(datasets.DatasetError) as err:
+    with pytest.raises(arrays.DatasetError) as err:
         datasets.load(str(tmp_path / "mds"))
     assert str(err.value).endswith("which is not a directory")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from hvdtrain.failures import FailureTracker, RankFailure
-from hvdtrain.hosts import parse_hosts, rank_hosts
+from hvdtrain.job.hosts import parse_hosts, rank_hosts
+from hvdtrain.launch.failures import FailureTracker, RankFailure
 from hvdtrain.records import RankRecord
 
 GLOO_RAISE = ["Process 1 exit with status code 1.", "Terminating remaining workers after failure of Process 1.",

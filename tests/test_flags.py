@@ -1,4 +1,4 @@
-"""The flag registry (hvdtrain.flags): every flag the plan emits comes from a spec key's declaration, and
+"""The flag registry (hvdtrain.job.flags): every flag the plan emits comes from a spec key's declaration, and
 extra_args cannot set one behind the spec's back in any spelling horovodrun's own parser accepts."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ from unittest import mock
 
 import pytest
 
-from hvdtrain.flags import HOROVODRUN_OPTIONS, SCHEMA_KEY, all_flags, option_of
-from hvdtrain.jobspec import JobSpec
-from hvdtrain.plan import build_plan
-from hvdtrain.spec import MODELED_FLAGS, SpecError, load_spec
+from hvdtrain.job.flags import HOROVODRUN_OPTIONS, SCHEMA_KEY, all_flags, option_of
+from hvdtrain.job.load import MODELED_FLAGS, SpecError, load_spec
+from hvdtrain.job.model import JobSpec
+from hvdtrain.job.plan import build_plan
 from tests.harness import BIN, REPO, run_bounded
 
 EVERY_KEY = """

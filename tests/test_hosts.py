@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hvdtrain.hosts import Host, HostError, check_np, hosts_arg, parse_hostfile, parse_hosts
+from hvdtrain.job.hosts import Host, HostError, check_np, hosts_arg, parse_hostfile, parse_hosts
 from tests.harness import REPO
 
 

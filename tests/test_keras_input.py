@@ -24,8 +24,8 @@ import numpy as np
 import pytest
 
 from hvdtrain.data import ShardSampler, ShmLoader, WorkerError
-from hvdtrain.stream import cache
-from hvdtrain.train import datasets, layout
+from hvdtrain.datasets import arrays, cachedir
+from hvdtrain.train import layout
 from tests.harness import REPO, expect_ok, horovodrun
 
 pytestmark = [pytest.mark.timeout(300),
@@ -54,7 +54,7 @@ class Encoded:
     def take(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         idx = np.asarray(indices, dtype=np.int64)
         if self.bad_at is not None and self.bad_at in idx:
-            raise datasets.DatasetError(f"shard.00000.mds sample {self.bad_at}: label 12 is out of range")
+            raise arrays.DatasetError(f"shard.00000.mds sample {self.bad_at}: label 12 is out of range")
         x = idx[:, None, None, None] + np.arange(SHAPE[0])[None, :, None, None] / 10
         return np.broadcast_to(x, (len(idx), *SHAPE)).astype(np.float32), idx % 3
 
@@ -163,7 +163,7 @@ def test_validation_reads_its_share_in_batches_and_names_bad_data() -> None:
     assert got == [((2, 3, 3, 2), share[:2].tolist()), ((2, 3, 3, 2), share[2:4].tolist()),
                    ((1, 3, 3, 2), share[4:].tolist())]
     bad = Encoded(9, bad_at=int(share[3]))
-    with pytest.raises(datasets.DatasetError, match="label 12"), keraskit.data_errors_reraised():
+    with pytest.raises(arrays.DatasetError, match="label 12"), keraskit.data_errors_reraised():
         for _ in keraskit.val_input(bad, 1, 2, batch_size=2):
             pass
 
@@ -201,7 +201,7 @@ def test_recipe_streams_from_s3_through_its_producers_each_shard_fetched_once(tm
     server.start()
     try:
         server.client().create_bucket(Bucket="keras")
-        env = {**server.env, cache.ENV_DIR: str(tmp_path / "node-cache"), "TF_CPP_MIN_LOG_LEVEL": "2"}
+        env = {**server.env, cachedir.ENV_DIR: str(tmp_path / "node-cache"), "TF_CPP_MIN_LOG_LEVEL": "2"}
         upload = subprocess.run([str(REPO / ".venv" / "bin" / "hvdtrain"), "data", "upload", str(local),
                                  "s3://keras/digits", "--no-progress"], capture_output=True, text=True, timeout=120,
                                 env={**os.environ, **env})

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hvdtrain.failures import RankFailure
-from hvdtrain.jobspec import Logs
-from hvdtrain.plan import MPI_REMOTE_ENV
+from hvdtrain.job.model import Logs
+from hvdtrain.job.plan import MPI_REMOTE_ENV
+from hvdtrain.launch.failures import RankFailure
 from tests.harness import BIN, REPO, expect_ok, route, run_bounded
 
 HVDTRAIN = str(BIN / "hvdtrain")

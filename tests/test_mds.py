@@ -14,7 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hvdtrain.stream import MDSWriter, StreamError, StreamingDataset, cache, encodings, mds
+from hvdtrain.data.errors import DataError
+from hvdtrain.datasets import cachedir
+from hvdtrain.stream import MDSWriter, StreamError, StreamingDataset, encodings, mds
 
 MOSAIC = Path(__file__).parent / "data" / "mosaic"  # written by scripts/make_mosaic_fixtures.py (mosaicml-streaming)
 
@@ -31,7 +33,7 @@ def mosaic_sample(i: int) -> dict:
 
 @pytest.fixture(autouse=True)
 def _cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv(cache.ENV_DIR, str(tmp_path / "cache"))
+    monkeypatch.setenv(cachedir.ENV_DIR, str(tmp_path / "cache"))
     return tmp_path / "cache"
 
 
@@ -204,7 +206,7 @@ def _slow_ensure(path: str, started: mp.synchronize.Event, delay: float, out: mp
         time.sleep(delay)
         f.write(b"b" * 1000)
 
-    got, produced = cache.ensure(Path(path), produce, timeout=30)
+    got, produced = cachedir.ensure(Path(path), produce, timeout=30)
     out.put((produced, got.read_bytes() == b"a" * 1000 + b"b" * 1000))
 
 
@@ -230,7 +232,7 @@ def test_killed_producer_leaves_nothing_that_blocks_or_is_read(tmp_path: Path) -
     os.kill(victim.pid, signal.SIGKILL)
     victim.join(timeout=30)
     assert not (tmp_path / "f").exists() and list(tmp_path.glob(".f.part.*"))  # a partial file, never visible as f
-    path, produced = cache.ensure(tmp_path / "f", lambda f: f.write(b"fresh"), timeout=5)
+    path, produced = cachedir.ensure(tmp_path / "f", lambda f: f.write(b"fresh"), timeout=5)
     assert produced and path.read_bytes() == b"fresh" and not list(tmp_path.glob(".f.part.*"))
 
 
@@ -238,8 +240,8 @@ def test_full_cache_disk_is_a_clear_error(tmp_path: Path) -> None:
     def produce(f) -> None:
         raise OSError(28, "No space left on device")
 
-    with pytest.raises(StreamError, match=r"cache directory .* is full .*HVDTRAIN_DATA_CACHE"):
-        cache.ensure(tmp_path / "f", produce, timeout=5, what="shard 3")
+    with pytest.raises(cachedir.CacheFull, match=r"cache directory .* is full .*HVDTRAIN_DATA_CACHE"):
+        cachedir.ensure(tmp_path / "f", produce, timeout=5, what="shard 3")
     assert not list(tmp_path.glob(".f.part.*")) and not (tmp_path / "f").exists()
 
 
@@ -253,8 +255,8 @@ def test_writer_refuses_a_bad_level_and_an_empty_dataset(tmp_path: Path) -> None
 
 def test_unusable_cache_directory_is_named(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("not a directory")
-    with pytest.raises(StreamError, match=r"cannot use the cache directory .*file/sub while shard 3: .*HVDTRAIN"):
-        cache.ensure(tmp_path / "file" / "sub" / "f", lambda f: f.write(b"x"), timeout=5, what="shard 3")
+    with pytest.raises(DataError, match=r"cannot use the cache directory .*file/sub while shard 3: .*HVDTRAIN"):
+        cachedir.ensure(tmp_path / "file" / "sub" / "f", lambda f: f.write(b"x"), timeout=5, what="shard 3")
 
 
 # ---- damaged samples, stale caches, many shards, merged indexes ---------------------------------------------

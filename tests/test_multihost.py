@@ -30,8 +30,8 @@ import psutil
 import pytest
 import yaml
 
+from hvdtrain.doctor.ssh import unreachable_hosts
 from hvdtrain.records import read_records
-from hvdtrain.ssh import unreachable_hosts
 from tests import netns
 from tests.harness import BIN, REPO, JobResult, expect_ok, kill_launcher_when, run_bounded, wait_gone
 

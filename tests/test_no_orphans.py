@@ -3,7 +3,7 @@
 - the pieces: lifeline.output_gone on real pipes and sockets; the rank supervisor (`python -m hvdtrain.rank`)
   passing exit codes and signals through, ending its rank when its output's reader goes away (what happens to a
   Gloo rank on another host when its ssh connection ends) and taking the rank down when it is SIGKILLed itself;
-  the guard (`python -m hvdtrain.lifeline PGID`) stopping a process group when the launcher's pipe closes.
+  the guard (`python -m hvdtrain.launch.lifeline PGID`) stopping a process group when the launcher's pipe closes.
 - whole jobs: `hvdtrain run` of the PyTorch recipe, SIGKILLed or its terminal closed mid-epoch, with Gloo and MPI:
   every process of the job (horovodrun, mpirun, middlemen, supervisors, ranks, loader producers, the guard) is gone
   within seconds. The same on two ssh hosts: tests/test_multihost.py.
@@ -22,7 +22,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from hvdtrain.lifeline import DONE, output_gone, watchable
+from hvdtrain.launch.lifeline import DONE, output_gone, watchable
 from tests.harness import BIN, REPO, STARTED_SESSIONS, kill_launcher_when, wait_gone
 
 PY = sys.executable
@@ -131,7 +131,7 @@ def sleeper_group(tmp_path: Path) -> tuple[subprocess.Popen, list[int]]:
 @pytest.mark.parametrize("launcher_says_done", [False, True], ids=["launcher-died", "job-ended-normally"])
 def test_the_guard_stops_the_group_only_when_the_launcher_died(launcher_says_done, tmp_path):
     shell, group = sleeper_group(tmp_path)
-    guard = subprocess.Popen([PY, "-m", "hvdtrain.lifeline", str(shell.pid)], stdin=subprocess.PIPE)
+    guard = subprocess.Popen([PY, "-m", "hvdtrain.launch.lifeline", str(shell.pid)], stdin=subprocess.PIPE)
     time.sleep(1.5)  # the guard is up and watching
     if launcher_says_done:
         guard.stdin.write(DONE)

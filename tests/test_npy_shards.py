@@ -21,16 +21,16 @@ import pytest
 
 from hvdtrain.data import ShmLoader
 from hvdtrain.data.lifecycle import WorkerError
-from hvdtrain.stream import cache
-from hvdtrain.train import datasets
-from hvdtrain.train.datasets import DatasetError, load
+from hvdtrain.datasets import arrays, cachedir
+from hvdtrain.datasets.arrays import DatasetError
+from hvdtrain.train.datasets import load
 
 RNG = np.random.default_rng(5)
 
 
 @pytest.fixture(autouse=True)
 def _cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv(cache.ENV_DIR, str(tmp_path / "cache"))  # deflated members are decompressed here
+    monkeypatch.setenv(cachedir.ENV_DIR, str(tmp_path / "cache"))  # deflated members are decompressed here
     return tmp_path / "cache"
 
 
@@ -66,7 +66,7 @@ def assert_batch(got: tuple[np.ndarray, np.ndarray], x: np.ndarray, y: np.ndarra
 def test_a_mixed_directory_without_splits_is_the_fixed_permutation_split_of_all_shards(tmp_path):
     x, y = mixed_dir(tmp_path / "data")
     splits = load(str(tmp_path / "data"), val_fraction=0.25, split_seed=3)
-    tr, va = datasets.split_indices(len(y), 0.25, 3)
+    tr, va = arrays.split_indices(len(y), 0.25, 3)
     assert (len(splits.train), len(splits.val), splits.num_classes) == (len(tr), len(va), int(y.max()) + 1)
     assert splits.sample_shape == (2, 3, 4) and splits.train.order is None
     assert_batch(take_all(splits.train), x[tr], y[tr])
@@ -97,7 +97,7 @@ def test_a_split_pickles_without_its_data_and_reads_after_unpickling(tmp_path):
     blob = pickle.dumps(splits.train)
     assert len(blob) < 8000, len(blob)  # paths, offsets, shapes: no samples, no maps, no index array
     again = pickle.loads(blob)
-    tr, _ = datasets.split_indices(len(y), 0.2, 0)
+    tr, _ = arrays.split_indices(len(y), 0.2, 0)
     assert_batch(take_all(again), x[tr], y[tr])
 
 
@@ -115,8 +115,8 @@ def test_at_most_max_open_arrays_stay_mapped(tmp_path):
 def test_the_loaders_producers_read_every_sample_once_per_epoch(tmp_path):
     x, y = mixed_dir(tmp_path / "data")
     train = load(str(tmp_path / "data")).train
-    tr, _ = datasets.split_indices(len(y), 0.2, 0)
-    with ShmLoader(train, rank=0, size=1, batch_size=8, num_workers=2, fetch=datasets.take, drop_last=False,
+    tr, _ = arrays.split_indices(len(y), 0.2, 0)
+    with ShmLoader(train, rank=0, size=1, batch_size=8, num_workers=2, fetch=arrays.take, drop_last=False,
                    even=False) as loader:
         got = [(bx.copy(), by.copy()) for bx, by in loader]
     gx, gy = np.concatenate([b[0] for b in got]), np.concatenate([b[1] for b in got])
@@ -150,7 +150,7 @@ def test_a_deflated_member_is_decompressed_once_and_a_rewritten_archive_again(tm
     os.utime(d / "a.npz", ns=(time.time_ns(), time.time_ns() + 10**9))  # a distinct mtime, even on coarse clocks
     third = load(str(d))
     assert len(cached(_cache_dir, ".npy")) == 4  # a new copy of each member; the old ones are never read
-    tr, _ = datasets.split_indices(12, 0.2, 0)
+    tr, _ = arrays.split_indices(12, 0.2, 0)
     assert np.array_equal(take_all(third.train)[0], x2[tr])
 
 
@@ -219,7 +219,7 @@ def test_a_nan_sample_read_by_a_producer_is_bad_data_naming_it(tmp_path):
     splits = load(str(tmp_path / "data"), val_fraction=0.5)
     with pytest.raises(WorkerError) as e:
         for split in (splits.train, splits.val):
-            with ShmLoader(split, rank=0, size=1, batch_size=4, num_workers=1, fetch=datasets.take) as loader:
+            with ShmLoader(split, rank=0, size=1, batch_size=4, num_workers=1, fetch=arrays.take) as loader:
                 for _ in loader:
                     pass
     assert e.value.bad_data

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from hvdtrain.plan import MPI_REMOTE_ENV, LaunchPlan, build_plan
-from hvdtrain.spec import SpecError, load_spec
+from hvdtrain.job.load import SpecError, load_spec
+from hvdtrain.job.plan import MPI_REMOTE_ENV, LaunchPlan, build_plan
 
 PY = "/venv/bin/python"
 

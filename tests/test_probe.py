@@ -1,4 +1,4 @@
-"""hvdtrain.probe against this venv's real Horovod build: the modes, the cache and its invalidation, failures as
+"""hvdtrain.doctor.probe against this venv's real Horovod build: the modes, the cache and its invalidation, failures as
 data, and `run --dry-run` writing nothing."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from hvdtrain import probe
-from hvdtrain.probe import Facts
+from hvdtrain.doctor import probe
+from hvdtrain.doctor.probe import Facts
 from tests.harness import BIN, REPO, run_bounded
 
 
@@ -69,9 +69,9 @@ def test_a_dry_run_writes_nothing(job, tmp_path):
 def test_run_plan_refuses_to_run_off_the_main_thread(tmp_path):
     import threading
 
-    from hvdtrain.jobspec import Logs
-    from hvdtrain.launch import LaunchError, run_plan
-    from hvdtrain.plan import LaunchPlan
+    from hvdtrain.job.model import Logs
+    from hvdtrain.job.plan import LaunchPlan
+    from hvdtrain.launch.runner import LaunchError, run_plan
 
     raised: list[BaseException] = []
 

@@ -20,9 +20,10 @@ import numpy as np
 import pytest
 import torch
 
+from hvdtrain.datasets.arrays import ArrayDataset, DatasetError
 from hvdtrain.train import checkpoint, torchkit
 from hvdtrain.train.config import parse_config
-from hvdtrain.train.datasets import ArrayDataset, DatasetError, load
+from hvdtrain.train.datasets import load
 from hvdtrain.train.metrics import History, MetricSums, build_summary, combine_stall
 from hvdtrain.train.progress import LogLines
 from tests.harness import REPO, JobResult, expect_ok, horovodrun, run_bounded

@@ -181,19 +181,19 @@ def test_a_rank_ending_with_sys_exit_leaves_a_provisional_record_the_supervisor_
 def test_a_temporary_records_directory_is_locked_while_used_and_a_stale_one_is_removed(tmp_path, monkeypatch):
     import fcntl
 
-    from hvdtrain import launch
+    from hvdtrain.launch import runner
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    stale, live = tmp_path / f"{launch.RECORDS_TMP}stale", tmp_path / f"{launch.RECORDS_TMP}live"
+    stale, live = tmp_path / f"{runner.RECORDS_TMP}stale", tmp_path / f"{runner.RECORDS_TMP}live"
     for d in (stale, live):
         d.mkdir()
         (d / ".lock").touch()
-    (tmp_path / f"{launch.RECORDS_TMP}starting").mkdir()  # a launcher between mkdtemp and its lock
+    (tmp_path / f"{runner.RECORDS_TMP}starting").mkdir()  # a launcher between mkdtemp and its lock
     with open(live / ".lock", "rb") as held:
         fcntl.flock(held, fcntl.LOCK_EX)  # as a running launcher (in any pid namespace) holds it
-        with launch._records_dir(None) as where:
+        with runner._records_dir(None) as where:
             assert where.is_dir() and not stale.exists() and live.is_dir()
-            assert (tmp_path / f"{launch.RECORDS_TMP}starting").is_dir()
+            assert (tmp_path / f"{runner.RECORDS_TMP}starting").is_dir()
             with open(where / ".lock", "rb") as f, pytest.raises(BlockingIOError):
                 fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # this launcher's own, held for the job
         assert not where.exists()

@@ -23,7 +23,8 @@ import numpy as np
 import pytest
 
 from hvdtrain.data import ShmLoader, WorkerError
-from hvdtrain.stream import BlockShuffle, MDSWriter, StreamError, StreamingDataset, cache, readers, store
+from hvdtrain.datasets import cachedir
+from hvdtrain.stream import BlockShuffle, MDSWriter, StreamError, StreamingDataset, readers, store
 from hvdtrain.stream.nodecache import CacheTooSmall, NodeCache
 from tests import harness
 from tests.stores import HttpStore, MotoS3, moto_bucket, point_at, write_dataset
@@ -241,7 +242,7 @@ def _simulate(order: BlockShuffle, limit: int, plan: bool, ahead: int, epochs: i
     """Read 1 KiB shards in `order` through a NodeCache, fetching `upcoming()` as the Fetcher does; (fetches per
     epoch after epoch 0, peak bytes)."""
     n = len(order.shard_sizes)
-    directory = Path(os.environ[cache.ENV_DIR]) / f"sim-{type(order).__name__}-{plan}-{order.block_shards}"
+    directory = Path(os.environ[cachedir.ENV_DIR]) / f"sim-{type(order).__name__}-{plan}-{order.block_shards}"
     node = NodeCache(directory, [f"s{i}" for i in range(n)], [1024] * n, order, limit=limit, ahead=ahead)
     fetches, peak = [0] * epochs, 0
     for epoch in range(epochs):
@@ -281,7 +282,7 @@ def _two_readers(lag: int, node_wide: bool, monkeypatch: pytest.MonkeyPatch, epo
     if not node_wide:
         monkeypatch.setattr(readers, "live", lambda directory: {})  # each reader sees only its own position
     order = BlockShuffle.of([10] * 64, 4)
-    directory = Path(os.environ[cache.ENV_DIR]) / f"two-{lag}-{node_wide}"
+    directory = Path(os.environ[cachedir.ENV_DIR]) / f"two-{lag}-{node_wide}"
     nodes = [NodeCache(directory, [f"s{i}" for i in range(64)], [1024] * 64, order, limit=16 * 1024, ahead=4)
              for _ in range(2)]
     fetches = [0] * epochs
@@ -478,7 +479,7 @@ def test_a_full_cache_filesystem_is_a_clear_error(tmp_path: Path, s3: MotoS3, ti
     upload(tmp_path / "ds", url)
     ds = StreamingDataset(url, cache_dir=tiny_fs, fetch_threads=0)
     ds.take(np.array([0]))
-    with pytest.raises(StreamError, match=r"the cache directory .* is full .*HVDTRAIN_DATA_CACHE"):
+    with pytest.raises(cachedir.CacheFull, match=r"the cache directory .* is full .*HVDTRAIN_DATA_CACHE"):
         ds.take(np.array([1, 2]))
     assert not list(ds.cache_dir.glob(".*.part.*"))  # the partial file was removed
 

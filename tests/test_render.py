@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from hvdtrain.cli import main
-from hvdtrain.plan import build_plan
+from hvdtrain.job.plan import build_plan
 from hvdtrain.render import ClusterOptions, K8sOptions, RenderError, SlurmOptions, render_file
 from hvdtrain.render.common import load_for_cluster
 from hvdtrain.render.k8s import mpijob

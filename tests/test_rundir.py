@@ -1,4 +1,4 @@
-"""One writer per run directory (hvdtrain/train/rundir.py): the lock, its messages, and real jobs against it.
+"""One writer per run directory (hvdtrain/rundir.py): the lock, its messages, and real jobs against it.
 
 - in-process and with a second process: a held directory is refused naming the holder (host, pid, start time),
   `hvdtrain run` sees the holder without touching anything (/proc/locks), and a SIGKILLed holder leaves no lock.
@@ -19,13 +19,13 @@ from pathlib import Path
 
 import pytest
 
-from hvdtrain.train import rundir
+from hvdtrain import rundir
 from tests.harness import BIN, HOROVODRUN, REPO, STARTED_SESSIONS, expect_ok, kill_tree, run_bounded
 
 PY = sys.executable
 HVDTRAIN = str(BIN / "hvdtrain")
 RECIPE = str(REPO / "recipes" / "pytorch_train.py")
-HOLD = ("import sys, time\nfrom hvdtrain.train import rundir\nlock = rundir.lock(sys.argv[1])\n"
+HOLD = ("import sys, time\nfrom hvdtrain import rundir\nlock = rundir.lock(sys.argv[1])\n"
         "print('locked', flush=True)\ntime.sleep(120)\n")
 
 

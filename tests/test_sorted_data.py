@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hvdtrain.stream import MDSWriter, cache
+from hvdtrain.datasets import cachedir
+from hvdtrain.stream import MDSWriter
 from hvdtrain.stream.order import AUTO_BLOCK_SAMPLES, auto_block_shards
 from hvdtrain.train import datasets
 from tests.harness import REPO, expect_ok, run_bounded
@@ -57,7 +58,7 @@ def _val_accuracy(dataset: Path, run_dir: Path, *args: str) -> float:
     expect_ok(run_bounded([str(REPO / ".venv" / "bin" / "python"), str(REPO / "recipes" / "pytorch_train.py"),
                            "--dataset", str(dataset), "--epochs", "4", "--warmup-epochs", "1", "--threads", "1",
                            "--run-dir", str(run_dir), "--no-tensorboard", *args],
-                          timeout=180, env={cache.ENV_DIR: str(run_dir.parent / "node-cache")}))
+                          timeout=180, env={cachedir.ENV_DIR: str(run_dir.parent / "node-cache")}))
     return float(json.loads((run_dir / "summary.json").read_text())["val_accuracy"])
 
 

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from hvdtrain.jobspec import JobSpec
-from hvdtrain.spec import SpecError, load_spec, load_spec_file
+from hvdtrain.job.load import SpecError, load_spec, load_spec_file
+from hvdtrain.job.model import JobSpec
 from hvdtrain.textfile import NotText, decode
 
 MINIMAL = "script: train.py\nnp: 2\n"

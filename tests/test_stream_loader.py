@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from hvdtrain.data import ShardSampler, ShmLoader, WorkerError
-from hvdtrain.stream import BlockShuffle, MDSWriter, StreamingDataset, cache
+from hvdtrain.datasets import arrays, cachedir
+from hvdtrain.stream import BlockShuffle, MDSWriter, StreamingDataset
 from hvdtrain.train import datasets
 from hvdtrain.train.streamed import load_splits
 
@@ -20,7 +21,7 @@ SHARD_SIZES = [7, 0, 12, 5, 9, 3, 11, 8]  # uneven, one empty
 
 @pytest.fixture(autouse=True)
 def _cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv(cache.ENV_DIR, str(tmp_path / "cache"))
+    monkeypatch.setenv(cachedir.ENV_DIR, str(tmp_path / "cache"))
     return tmp_path / "cache"
 
 
@@ -111,7 +112,7 @@ def test_two_ranks_of_producers_read_every_sample_once_from_compressed_shards(tm
     ds = StreamingDataset(write_dataset(tmp_path / "d", 97, compression="zstd"), fields=("x", "y"))
     assert ds.num_shards >= 9
     got = collections.Counter()
-    loaders = [ShmLoader(ds, rank=r, size=2, batch_size=8, num_workers=2, seed=4, fetch=datasets.take,
+    loaders = [ShmLoader(ds, rank=r, size=2, batch_size=8, num_workers=2, seed=4, fetch=arrays.take,
                          order=ds.order, timeout=60) for r in range(2)]
     try:
         for loader in loaders:
@@ -132,17 +133,17 @@ def test_two_ranks_of_producers_read_every_sample_once_from_compressed_shards(tm
 
 def test_mid_epoch_resume_yields_exactly_the_rest(tmp_path: Path) -> None:
     ds = StreamingDataset(write_dataset(tmp_path / "d", 64), fields=("x",))
-    with ShmLoader(ds, rank=1, size=2, batch_size=4, num_workers=2, seed=9, fetch=datasets.take,
+    with ShmLoader(ds, rank=1, size=2, batch_size=4, num_workers=2, seed=9, fetch=arrays.take,
                    order=ds.order, timeout=60) as full:
         full.set_epoch(3)
         everything = [b["x"][:, 0].copy() for b in full]
-    with ShmLoader(ds, rank=1, size=2, batch_size=4, num_workers=2, seed=9, fetch=datasets.take,
+    with ShmLoader(ds, rank=1, size=2, batch_size=4, num_workers=2, seed=9, fetch=arrays.take,
                    order=ds.order, timeout=60) as first:
         first.set_epoch(3)
         it = iter(first)
         head = [next(it)["x"][:, 0].copy() for _ in range(3)]
         state = first.state_dict()
-    with ShmLoader(ds, rank=1, size=2, batch_size=4, num_workers=1, seed=9, fetch=datasets.take,
+    with ShmLoader(ds, rank=1, size=2, batch_size=4, num_workers=1, seed=9, fetch=arrays.take,
                    order=ds.order, timeout=60) as second:
         second.load_state_dict(state)
         tail = [b["x"][:, 0].copy() for b in second]
@@ -156,7 +157,7 @@ def test_bad_label_in_a_shard_is_named_by_the_producer(tmp_path: Path) -> None:
     splits = load_splits(root, num_classes=None)
     assert splits.num_classes == 5 and len(splits.train) == 40 and splits.sample_shape == (3,)
     assert splits.train.data._readers == {}  # the shape came from the index: the trainer read no shard
-    with ShmLoader(splits.train, rank=0, size=1, batch_size=8, num_workers=2, fetch=datasets.take,
+    with ShmLoader(splits.train, rank=0, size=1, batch_size=8, num_workers=2, fetch=arrays.take,
                    order=splits.train.order, timeout=60) as loader, pytest.raises(WorkerError) as err:
         for _ in loader:
             pass
@@ -168,15 +169,15 @@ def test_bad_label_in_a_shard_is_named_by_the_producer(tmp_path: Path) -> None:
 
 def test_a_root_without_splits_or_classes_says_what_to_do(tmp_path: Path) -> None:
     write_dataset(tmp_path / "one", 10)
-    with pytest.raises(datasets.DatasetError, match="one MDS split; a dataset root holds train/ and val/"):
+    with pytest.raises(arrays.DatasetError, match="one MDS split; a dataset root holds train/ and val/"):
         datasets.load(str(tmp_path / "one"))
     write_dataset(tmp_path / "r" / "train", 10)
-    with pytest.raises(datasets.DatasetError, match="has no val/ split"):
+    with pytest.raises(arrays.DatasetError, match="has no val/ split"):
         datasets.load(str(tmp_path / "r"))
     with MDSWriter(tmp_path / "nc" / "train", {"x": "ndarray:float32:3", "y": "int64"}) as w:
         w.write({"x": np.zeros(3, np.float32), "y": 0})
     write_dataset(tmp_path / "nc" / "val", 4)
-    with pytest.raises(datasets.DatasetError, match="pass --num-classes N"):
+    with pytest.raises(arrays.DatasetError, match="pass --num-classes N"):
         datasets.load(str(tmp_path / "nc"))
     assert datasets.load(str(tmp_path / "nc"), num_classes=3).num_classes == 3
 
@@ -184,7 +185,7 @@ def test_a_root_without_splits_or_classes_says_what_to_do(tmp_path: Path) -> Non
 def test_an_index_with_one_class_is_named(tmp_path: Path) -> None:
     write_dataset(tmp_path / "r" / "train", 4, classes=1)
     write_dataset(tmp_path / "r" / "val", 4, classes=1)
-    with pytest.raises(datasets.DatasetError, match="its index says num_classes=1; training needs 2 or more"):
+    with pytest.raises(arrays.DatasetError, match="its index says num_classes=1; training needs 2 or more"):
         datasets.load(str(tmp_path / "r"))
 
 

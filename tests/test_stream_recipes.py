@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import yaml
 
-from hvdtrain.stream import MDSWriter, StreamingDataset, cache
+from hvdtrain.datasets import cachedir
+from hvdtrain.stream import MDSWriter, StreamingDataset
 from hvdtrain.train import datasets
 from tests.harness import REPO, expect_ok, horovodrun, run_bounded
 
@@ -49,7 +50,7 @@ def digits_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def env_for(tmp_path: Path) -> dict[str, str]:
-    return {cache.ENV_DIR: str(tmp_path / "node-cache"), "TF_CPP_MIN_LOG_LEVEL": "2"}
+    return {cachedir.ENV_DIR: str(tmp_path / "node-cache"), "TF_CPP_MIN_LOG_LEVEL": "2"}
 
 
 @pytest.mark.slow
@@ -157,7 +158,7 @@ def test_shipped_s3_job_trains_the_digits_streamed_from_a_local_s3_server(tmp_pa
         assert ready.startswith("ready: s3://hvdtrain-demo/digits"), ready
         result = run_bounded([str(REPO / ".venv" / "bin" / "hvdtrain"), "run", str(REPO / "jobs" / "digits-s3.yaml"),
                               "-o", f"env.AWS_ENDPOINT_URL=http://127.0.0.1:{port}",
-                              "-o", f"env.{cache.ENV_DIR}={tmp_path / 'node-cache'}"], timeout=TIMEOUT, cwd=tmp_path)
+                              "-o", f"env.{cachedir.ENV_DIR}={tmp_path / 'node-cache'}"], timeout=TIMEOUT, cwd=tmp_path)
         expect_ok(result)
     finally:
         server.terminate()

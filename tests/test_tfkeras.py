@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from hvdtrain.doctor import keras_check
+from hvdtrain.doctor.local import keras_check
 from hvdtrain.tfkeras import LEGACY_ENV, KerasInfo, keras_verdict, tf_keras_pin
 from tests.harness import BIN, REPO, run_bounded
 

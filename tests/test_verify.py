@@ -12,13 +12,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hvdtrain.stream import MDSWriter, StreamError, StreamingDataset, cache, verify
+from hvdtrain.datasets import cachedir
+from hvdtrain.stream import MDSWriter, StreamError, StreamingDataset, verify
 from tests.harness import REPO, run_bounded
 
 
 @pytest.fixture(autouse=True)
 def _cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(cache.ENV_DIR, str(tmp_path / "cache"))
+    monkeypatch.setenv(cachedir.ENV_DIR, str(tmp_path / "cache"))
 
 
 def _write(out: Path, n: int = 60, hashes: tuple[str, ...] = ("sha1",)) -> Path:
@@ -93,6 +94,6 @@ def test_the_recipe_stops_with_exit_2_naming_a_corrupt_local_shard(tmp_path: Pat
     result = run_bounded([str(REPO / ".venv" / "bin" / "python"), str(REPO / "recipes" / "pytorch_train.py"),
                           "--dataset", str(tmp_path / "ds"), "--epochs", "1", "--threads", "1",
                           "--run-dir", str(tmp_path / "run"), "--no-tensorboard", "--no-check-finite"],
-                         timeout=180, env={cache.ENV_DIR: str(tmp_path / "cache")})
+                         timeout=180, env={cachedir.ENV_DIR: str(tmp_path / "cache")})
     assert result.returncode == 2, result.describe()
     assert f"{shard}: sha1 checksum" in result.output and "(corrupt shard)" in result.output, result.output

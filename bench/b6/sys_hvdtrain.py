@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from _harness import main
 
 from hvdtrain.data import ShmLoader
+from hvdtrain.datasets import arrays
 from hvdtrain.stream import StreamingDataset
-from hvdtrain.train import datasets
 
 
 class Reader:
@@ -31,7 +31,7 @@ class Reader:
         self.data = StreamingDataset(args.source, fields=("x", "y"), cache_dir=args.cache_dir,
                                      cache_limit=args.cache_limit or None)
         self.loader = ShmLoader(self.data, rank=args.rank, size=args.world, batch_size=args.batch_size,
-                                num_workers=args.workers, seed=args.seed, fetch=datasets.take, order=self.data.order,
+                                num_workers=args.workers, seed=args.seed, fetch=arrays.take, order=self.data.order,
                                 timeout=600, epochs=args.epochs)
         self.resumed = state is not None
         if state is not None:

@@ -60,7 +60,7 @@ class LoaderError(RuntimeError):
 
 class WorkerError(LoaderError):
     """User code raised in a producer process; the message carries the original traceback, `message` the original
-    exception's text, `bad_data` whether it was a StreamError (unreadable or invalid data, named in `message`)."""
+    exception's text, `bad_data` whether it was a DataError (unreadable or invalid data, named in `message`)."""
 
     def __init__(self, text: str, *, message: str = "", bad_data: bool = False) -> None:
         super().__init__(text)

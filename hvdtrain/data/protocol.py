@@ -98,7 +98,7 @@ class EpochDone:
 @dataclass(frozen=True)
 class WorkerFailed:
     """User code raised in the worker after it produced `seq` batches; `traceback` is the formatted traceback,
-    `message` the exception's text, `bad_data` whether it is a StreamError (the dataset is at fault, not the code)."""
+    `message` the exception's text, `bad_data` whether it is a DataError (the dataset is at fault, not the code)."""
 
     generation: int
     seq: int

@@ -26,6 +26,7 @@ import numpy as np
 
 from hvdtrain.data import shm
 from hvdtrain.data.channel import Channel
+from hvdtrain.data.errors import DataError
 from hvdtrain.data.protocol import (
     MAX_LAYOUTS,
     Batch,
@@ -39,7 +40,6 @@ from hvdtrain.data.protocol import (
 )
 from hvdtrain.data.ring import Ring
 from hvdtrain.data.sharding import ShardSampler
-from hvdtrain.stream.errors import StreamError
 
 
 @dataclass(frozen=True)
@@ -209,7 +209,7 @@ class _Worker:
         except TrainerGone:
             raise
         except Exception as exc:
-            self.send(WorkerFailed(gen, seq, traceback.format_exc(), str(exc), isinstance(exc, StreamError)))
+            self.send(WorkerFailed(gen, seq, traceback.format_exc(), str(exc), isinstance(exc, DataError)))
         finally:
             self.signal_started()  # (an epoch without batches, failed or abandoned: nothing to wait for)
             close = getattr(source, "close", None)

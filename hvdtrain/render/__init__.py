@@ -1,7 +1,7 @@
 """Render a job spec for a cluster: a Kubeflow MPIJob (`k8s.py`) or an sbatch script (`slurm.py`).
 
 Both are pure functions (spec + options -> text) over the same loaded `JobSpec` and the same horovodrun argv as
-`hvdtrain run` (`hvdtrain.plan.build_plan`); `render_file` is the one entry point that reads the spec file.
+`hvdtrain run` (`hvdtrain.job.plan.build_plan`); `render_file` is the one entry point that reads the spec file.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What the Kubernetes and Slurm renderers share: cluster options, the node layout, and the horovodrun argv.
 
 A job spec's relative paths are relative to the spec file *on the cluster* (`ClusterOptions.remote_dir`: inside the
-image, or on the cluster's shared filesystem), not on this machine. The argv comes from `hvdtrain.plan.build_plan`,
+image, or on the cluster's shared filesystem), not on this machine. The argv comes from `hvdtrain.job.plan.build_plan`,
 so a rendered job runs the same horovodrun flags as `hvdtrain run` would; only the host list differs (the cluster
 picks the nodes). Nothing here reads files, starts a process or touches the network.
 """
@@ -14,10 +14,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from hvdtrain.hosts import parse_hosts
-from hvdtrain.jobspec import JobSpec
-from hvdtrain.plan import build_plan
-from hvdtrain.spec import load_spec
+from hvdtrain.job.hosts import parse_hosts
+from hvdtrain.job.load import load_spec
+from hvdtrain.job.model import JobSpec
+from hvdtrain.job.plan import build_plan
 from hvdtrain.textfile import read_text
 
 # Where the images in docker/ keep the checkout and its venv, and the sshd port they listen on.
@@ -151,7 +151,7 @@ def load_for_cluster(path: str | Path, remote_dir: str, overrides: Sequence[str]
 
     Files are not checked here: they live on the cluster. The hostfile, if any, is read from this machine.
     """
-    from hvdtrain.spec import read_spec_text
+    from hvdtrain.job.load import read_spec_text
 
     if not remote_dir.startswith("/"):
         raise RenderError(f"--remote-dir {remote_dir!r} must be an absolute path on the cluster "

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import yaml
 
-from hvdtrain.jobspec import JobSpec
+from hvdtrain.job.model import JobSpec
 from hvdtrain.render.common import (
     ClusterOptions,
     Layout,

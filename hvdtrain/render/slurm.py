@@ -15,7 +15,7 @@ import re
 import shlex
 from dataclasses import dataclass
 
-from hvdtrain.jobspec import HorovodKnobs, JobSpec
+from hvdtrain.job.model import HorovodKnobs, JobSpec
 from hvdtrain.render.common import (
     ClusterOptions,
     Layout,

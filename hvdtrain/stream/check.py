@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from hvdtrain.data.errors import DataError
 from hvdtrain.stream import labels, mds, store, verify
 from hvdtrain.stream.errors import StreamError
 from hvdtrain.stream.splits import find_splits, human_bytes
@@ -56,7 +57,7 @@ def open_shard(source: store.Store, info: mds.ShardInfo, check: bool) -> tuple[m
         return _open_shard(source, info, check)
     except (ShardProblem, StoreFailed):
         raise
-    except StreamError as e:  # the shard's bytes: size, checksum, decompression, layout
+    except DataError as e:  # the shard's bytes: size, checksum, decompression, layout
         raise ShardProblem(str(e)) from None
 
 
@@ -67,7 +68,7 @@ class StoreFailed(StreamError):
 def _get(source: store.Store, name: str) -> bytes:
     try:
         return source.get(name)
-    except StreamError as e:
+    except DataError as e:
         if store.NOT_FOUND in str(e):
             raise ShardProblem(str(e)) from None
         raise StoreFailed(str(e)) from None
@@ -214,7 +215,7 @@ def _decode(reader: mds.ShardReader, shard: str, field_name: str, result: SplitC
     for i in range(reader.info.samples):
         try:
             sample = reader.sample(i)
-        except StreamError as e:
+        except DataError as e:
             result.problems.append(Problem(result.name, shard, i, str(e), REFETCH))
             return None
         for column, value in sample.items():

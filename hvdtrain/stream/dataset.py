@@ -19,7 +19,10 @@ from typing import Any
 
 import numpy as np
 
-from hvdtrain.stream import cache, mds, store, verify
+from hvdtrain.data.errors import DataError
+from hvdtrain.datasets import cachedir
+from hvdtrain.datasets.openfiles import MAX_OPEN
+from hvdtrain.stream import mds, store, verify
 from hvdtrain.stream.errors import StreamError
 from hvdtrain.stream.fetcher import Fetcher
 from hvdtrain.stream.nodecache import NodeCache
@@ -32,9 +35,9 @@ class StreamingDataset:
 
     `fields`: the columns `take()` returns (default: every column that decodes to an array); `block_shards`: shards
     per shuffle block (`order`; None: `order.auto_block_shards`, NOTE [automatic blocks] in order.py); `cache_dir`:
-    the node's cache root (default `cache.default_root()`); `max_open`: shards kept memory-mapped per process (the
+    the node's cache root (default `cachedir.default_root()`); `max_open`: shards kept memory-mapped per process (the
     least recently used is unmapped beyond it: each mapping holds a file descriptor; default two blocks, at most
-    `mds.MAX_OPEN`); `ranged`: the share of the dataset's bytes a node may read by range for a cold
+    `openfiles.MAX_OPEN`); `ranged`: the share of the dataset's bytes a node may read by range for a cold
     start's first batches (NOTE [first batches by range] in ranged.py; 0: never; default
     `$HVDTRAIN_STREAM_RANGED`, else 1.5%). Safe to read from several threads (tf.data's)."""
 
@@ -62,11 +65,11 @@ class StreamingDataset:
         self.order = BlockShuffle.of(sizes.tolist(), block_shards)
         self._index_digest = hashlib.sha256(text.encode()).hexdigest()
         self.node = NodeCache(
-            cache.dataset_dir(Path(cache_dir) if cache_dir else cache.default_root(), self.source),
+            cachedir.dataset_dir(Path(cache_dir) if cache_dir else cachedir.default_root(), self.source),
             [self._cache_name(s) for s in range(self.num_shards)], [s.raw.bytes for s in self.index.shards],
             self.order, limit=cache_limit, ahead=block_shards if ahead is None else ahead)
         self.cache_dir = self.node.dir
-        self.max_open = max_open or min(max(8, 2 * block_shards + 2), mds.MAX_OPEN)
+        self.max_open = max_open or min(max(8, 2 * block_shards + 2), MAX_OPEN)
         self.fetch_threads = fetch_threads
         self._readers: OrderedDict[int, mds.ShardReader] = OrderedDict()
         self._lock = threading.Lock()
@@ -81,7 +84,7 @@ class StreamingDataset:
     def _index_text(self) -> str:
         try:
             data = self.store.get(mds.INDEX)
-        except StreamError as e:
+        except DataError as e:
             if self.store.local_dir is not None and not (self.store.local_dir / mds.INDEX).exists():
                 raise StreamError(f"{self.store.url(mds.INDEX)} does not exist: not an MDS dataset (write one with "
                                   "`hvdtrain data convert SRC DST`)") from None
@@ -220,7 +223,7 @@ class StreamingDataset:
         remote, url = info.remote_file, self.shard_name(s)
         try:
             data = self.store.get(remote.basename)
-        except StreamError:
+        except DataError:
             if self.store.local_dir is not None and not (self.store.local_dir / remote.basename).exists():
                 raise StreamError(f"{url}: listed in {self.store.url(mds.INDEX)} but missing") from None
             raise

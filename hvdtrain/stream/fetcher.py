@@ -25,17 +25,30 @@ per rank in B6.) Before any of that, while the node's first batches of a plan ar
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
-from hvdtrain.stream import cache
-from hvdtrain.stream.errors import StreamError
+from hvdtrain.data.errors import DataError
+from hvdtrain.datasets import cachedir
 
 if TYPE_CHECKING:
-    from hvdtrain.stream.dataset import StreamingDataset
+    from hvdtrain.stream.nodecache import NodeCache
+    from hvdtrain.stream.ranged import RangedReads
+
+
+class FetchSource(Protocol):
+    """What a Fetcher reads from its dataset (a StreamingDataset)."""
+
+    fetch_threads: int
+    node: NodeCache
+    _ranged: RangedReads
+
+    def _in_place(self, s: int) -> bool: ...
+    def fetch_raw(self, s: int) -> bytes | memoryview: ...
+    def shard_name(self, s: int) -> str: ...
 
 
 class Fetcher:
-    def __init__(self, dataset: StreamingDataset) -> None:
+    def __init__(self, dataset: FetchSource) -> None:
         self.ds = dataset
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -79,7 +92,7 @@ class Fetcher:
                 self.ds.node.ensure(s, lambda s=s: self.ds.fetch_raw(s), wait=False,
                                     what=f"fetching {self.ds.shard_name(s)} ahead")
                 self.fetched += 1
-            except cache.Busy:
+            except cachedir.Busy:
                 continue  # another thread or process is fetching it (or no room is left for it after all)
-            except (StreamError, OSError):
+            except (DataError, OSError):
                 continue  # the reader fetches it again when it needs it, and reports the error

@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from hvdtrain.data.errors import DataError
 from hvdtrain.stream import check, labels, mds, store
-from hvdtrain.stream.errors import StreamError
 from hvdtrain.stream.splits import find_splits, human_bytes
 
 LABEL_SHARDS = 8
@@ -58,7 +58,7 @@ def _labels(name: str, where: str, index: mds.Index, missing: list[str], field: 
                 values = labels.shard_labels(reader, field)
             finally:
                 reader.close()
-        except StreamError as e:
+        except DataError as e:
             return {**out, "note": f"not read: {e} (`hvdtrain data verify` checks every shard)"}
         fetched += nbytes
         ints = labels.integer_labels(values)

@@ -16,7 +16,6 @@ import hashlib
 import json
 import mmap
 import os
-import resource
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,17 +24,13 @@ from typing import Any
 import numpy as np
 
 from hvdtrain.atomic import atomic_write
+from hvdtrain.data.errors import DataError
 from hvdtrain.stream import encodings
 from hvdtrain.stream.encodings import Encoding, EncodingError
 from hvdtrain.stream.errors import StreamError
 
 INDEX = "index.json"
 COMPRESSIONS = ("zstd",)
-# Shards or arrays kept mapped per process (each mapping holds a file descriptor). A uniform shuffle touches up to a
-# batch's worth of shards per batch: with too few maps every batch re-opens most of them (64 shards, batches of 64:
-# 10.6 ms per batch with 16 maps, 1.1 ms with 256), so take as many as a quarter of the descriptor limit allows.
-_NOFILE = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-MAX_OPEN = 512 if _NOFILE == resource.RLIM_INFINITY else max(16, min(512, _NOFILE // 4))
 
 
 @dataclass(frozen=True)
@@ -118,7 +113,7 @@ def _shard_info(entry: Any, where: str) -> ShardInfo:
     except EncodingError as e:
         raise StreamError(f"{where}: {e}") from None
     except (KeyError, TypeError, AttributeError, ValueError) as e:
-        if isinstance(e, StreamError):
+        if isinstance(e, DataError):
             raise
         raise StreamError(f"{where}: malformed shard entry ({type(e).__name__}: {e})") from None
 

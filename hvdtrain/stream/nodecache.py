@@ -46,7 +46,8 @@ from typing import Any
 
 import numpy as np
 
-from hvdtrain.stream import cache, readers
+from hvdtrain.datasets import cachedir
+from hvdtrain.stream import readers
 from hvdtrain.stream.errors import StreamError
 from hvdtrain.stream.order import BlockShuffle
 
@@ -228,16 +229,16 @@ class NodeCache:
         return self.dir / self.names[s]
 
     def ensure(self, s: int, fetch: Callable[[], bytes | memoryview], *, wait: bool = True, what: str) -> Path:
-        """Shard `s`'s local file, produced by `fetch()` unless present (`wait=False`: `cache.Busy` when another
+        """Shard `s`'s local file, produced by `fetch()` unless present (`wait=False`: `cachedir.Busy` when another
         process is producing it)."""
         room = self._room if self.limit is not None else None
         try:
-            path, _ = cache.ensure(self.path(s), fetch=fetch, room=room, timeout=600.0 if wait else 0.0, what=what)
-        except cache.CacheFull as e:
+            path, _ = cachedir.ensure(self.path(s), fetch=fetch, room=room, timeout=600.0 if wait else 0.0, what=what)
+        except cachedir.CacheFull as e:
             raise self._full(e, what) from None
         return path
 
-    def _full(self, e: cache.CacheFull, what: str) -> cache.CacheFull:
+    def _full(self, e: cachedir.CacheFull, what: str) -> cachedir.CacheFull:
         """A full disk under the shards: how much room there is, and a --cache-limit that fits it."""
         held = sum(size for _, size, _ in self.usage())
         room = held + (e.free or 0)  # what the shards could use: the free bytes and their own
@@ -247,11 +248,11 @@ class NodeCache:
         if e.free is not None and room * 0.9 >= need:
             fix = (f"pass --cache-limit below what the disk can give the shards (e.g. --cache-limit "
                    f"{human(room * 0.9).replace(' ', '')}; it must still hold {human(need)}, the shards the readers "
-                   f"need at once), free space on that disk, or set {cache.ENV_DIR} to a directory on a bigger disk")
+                   f"need at once), free space on that disk, or set {cachedir.ENV_DIR} to a directory on a bigger disk")
         else:  # no limit that fits the disk would hold the readers' shards
-            fix = (f"the readers need {human(need)} at once: free space on that disk, or set {cache.ENV_DIR} to a "
+            fix = (f"the readers need {human(need)} at once: free space on that disk, or set {cachedir.ENV_DIR} to a "
                    "directory on a bigger disk")
-        full = cache.CacheFull(
+        full = cachedir.CacheFull(
             f"the cache directory {self.dir} is full ({free} free on its disk, {human(held)} of shards in it) while "
             f"{what}, with {now}: {fix}")
         full.directory, full.free = self.dir, e.free
@@ -284,7 +285,7 @@ class NodeCache:
 
     def _evict_lock(self) -> contextlib.AbstractContextManager[None]:
         self.dir.mkdir(parents=True, exist_ok=True)
-        return cache.file_lock(self.dir / EVICT_LOCK, 600.0, "making room in the data cache")
+        return cachedir.file_lock(self.dir / EVICT_LOCK, 600.0, "making room in the data cache")
 
     def _victims(self, files: list[tuple[str, int, float]], others: Sequence[Reader], *,
                  windows: bool) -> list[tuple[float, str, int]]:

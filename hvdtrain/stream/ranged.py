@@ -52,18 +52,35 @@ import os
 import threading
 import time
 import zlib
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import numpy as np
 
-from hvdtrain.stream import cache, mds
+from hvdtrain.data.errors import DataError
+from hvdtrain.datasets import cachedir
+from hvdtrain.stream import mds
 from hvdtrain.stream.errors import StreamError
 from hvdtrain.stream.store import env_number
 
 if TYPE_CHECKING:
-    from hvdtrain.stream.dataset import StreamingDataset
+    from hvdtrain.stream.nodecache import NodeCache
+    from hvdtrain.stream.store import Store
+
+
+class RangedSource(Protocol):
+    """What RangedReads reads from its dataset (a StreamingDataset)."""
+
+    index: mds.Index
+    node: NodeCache
+    fields: tuple[str, ...]
+    store: Store
+    _lock: threading.Lock
+    _readers: OrderedDict[int, mds.ShardReader]
+
+    def shard_name(self, s: int) -> str: ...
 
 T = TypeVar("T")
 LEDGER = ".ranged"  # starts with a dot: not a shard (NodeCache.usage skips it)
@@ -141,11 +158,11 @@ class RangedReads:
             elif stop.wait(POLL_S):
                 return
 
-    def budget(self, ds: StreamingDataset) -> int:
+    def budget(self, ds: RangedSource) -> int:
         """Bytes the node may read by range per planned epoch: `share` of the dataset, at least `MIN_BYTES`."""
         return max(int(self.share * sum(s.remote_file.bytes for s in ds.index.shards)), MIN_BYTES)
 
-    def read(self, ds: StreamingDataset, wanted: dict[int, np.ndarray],
+    def read(self, ds: RangedSource, wanted: dict[int, np.ndarray],
              local: Callable[[int], bool]) -> dict[int, dict[str, np.ndarray]]:
         """`{shard: rows}` of shards not `local` -> their rows' fields read by range, or {} when this batch is not
         read by range (not among the first `takes` of a plan, nothing missing, no budget left, the range read
@@ -160,7 +177,7 @@ class RangedReads:
             if self.left <= 0:
                 self.release()
 
-    def _read(self, ds: StreamingDataset, wanted: dict[int, np.ndarray],
+    def _read(self, ds: RangedSource, wanted: dict[int, np.ndarray],
               local: Callable[[int], bool]) -> dict[int, dict[str, np.ndarray]]:
         if not wanted:
             return {}
@@ -185,7 +202,7 @@ class RangedReads:
             self.bytes += nbytes
         return out
 
-    def _fetch(self, ds: StreamingDataset, wanted: dict[int, np.ndarray],
+    def _fetch(self, ds: RangedSource, wanted: dict[int, np.ndarray],
                local: Callable[[int], bool]) -> dict[str, list[memoryview]] | None:
         """The rows' bytes by object name, each checked to be one row long; None (counted) when the whole shards
         were local first or the range read failed."""
@@ -202,7 +219,7 @@ class RangedReads:
                 parts = [] if got is None else got[info.raw.basename]
                 if got is not None and (len(parts) != len(rows) or any(len(p) != info.fixed_stride for p in parts)):
                     raise StreamError(f"{ds.shard_name(s)}: a range read returned other parts than asked for")
-        except (StreamError, OSError, RuntimeError, ValueError):  # no ranges there, a fault, a timeout: whole shards
+        except (DataError, OSError, RuntimeError, ValueError):  # no ranges there, a fault, a timeout: whole shards
             with self.lock:
                 self.left, self.failed = 0, self.failed + 1
             return None
@@ -211,7 +228,7 @@ class RangedReads:
                 self.left, self.lost = 0, self.lost + 1
         return got
 
-    def _note(self, ds: StreamingDataset, s: int, sums: dict[int, int]) -> None:
+    def _note(self, ds: RangedSource, s: int, sums: dict[int, int]) -> None:
         """Keep the CRCs of shard `s`'s rows read by range until it is mapped; if another thread mapped it
         meanwhile (its `_reader` found nothing to check), check them now."""
         with ds._lock:
@@ -221,7 +238,7 @@ class RangedReads:
             if reader is not None:
                 self.check(ds, s, reader)
 
-    def check(self, ds: StreamingDataset, s: int, reader: mds.ShardReader) -> None:
+    def check(self, ds: RangedSource, s: int, reader: mds.ShardReader) -> None:
         """Compare the rows of shard `s` read by range with the whole shard now mapped (StreamError if one
         differs; the rows stay unchecked, so every later opening of the shard fails the same way). Call with the
         dataset's lock held (the reader stays mapped)."""
@@ -275,7 +292,7 @@ def claim(directory: Path, plan: str, nbytes: int, budget: int) -> bool:
     (a ledger of another plan starts again at 0); whether they did. A busy or unwritable ledger: False."""
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        with cache.file_lock(directory / f"{LEDGER}.lock", 5.0, "counting range reads"):
+        with cachedir.file_lock(directory / f"{LEDGER}.lock", 5.0, "counting range reads"):
             path = directory / LEDGER
             spent = 0
             with contextlib.suppress(FileNotFoundError, ValueError):
@@ -287,7 +304,7 @@ def claim(directory: Path, plan: str, nbytes: int, budget: int) -> bool:
             part.write_text(f"{plan} {spent + nbytes}")
             os.replace(part, path)
             return True
-    except (OSError, cache.Busy):
+    except (OSError, cachedir.Busy):
         return False
 
 

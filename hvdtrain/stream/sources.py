@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from hvdtrain.data.errors import DataError
 from hvdtrain.stream import encodings
 from hvdtrain.stream.errors import StreamError
 
@@ -60,7 +61,7 @@ def scan(dirs: dict[str, Path], image_size: tuple[int, int] | None) -> Source:
 
 def _scan_arrays(dirs: dict[str, Path]) -> Source:
     """Every shard's x header and labels checked (x's data is not read); one x dtype and sample shape in all."""
-    from hvdtrain.train.npyfiles import shard_files
+    from hvdtrain.datasets.npyfiles import shard_files
 
     items: dict[str, list[Any]] = {}
     counts: dict[str, int] = {}
@@ -100,7 +101,7 @@ def _where(src: ShardSrc, key: str) -> tuple[Path, str]:
 
 def _x_header(src: ShardSrc) -> tuple[tuple[int, ...], np.dtype]:
     """x's shape and dtype from its .npy header (its data is not read); StreamError when MDS cannot store it."""
-    from hvdtrain.train.npyfiles import UNREADABLE, unreadable
+    from hvdtrain.datasets.npyfiles import UNREADABLE, unreadable
 
     path, name = _where(src, "x")
     try:
@@ -111,7 +112,7 @@ def _x_header(src: ShardSrc) -> tuple[tuple[int, ...], np.dtype]:
             with _npz(path, "x") as npz, npz.zip.open("x.npy") as f:
                 shape, dtype = _npy_header(f)
     except UNREADABLE as e:
-        if isinstance(e, StreamError):
+        if isinstance(e, DataError):
             raise
         raise unreadable(name, e) from None
     if len(shape) < 2 or 0 in shape[1:]:
@@ -146,7 +147,7 @@ def _check_labels(src: ShardSrc, samples: int, y: np.ndarray) -> None:
 
 def _npz(path: Path, key: str) -> Any:
     """The open .npz archive `path`, which holds `key`; StreamError otherwise."""
-    from hvdtrain.train.npyfiles import np_load
+    from hvdtrain.datasets.npyfiles import np_load
 
     data = np_load(path)
     if not isinstance(data, np.lib.npyio.NpzFile):
@@ -159,7 +160,7 @@ def _npz(path: Path, key: str) -> Any:
 
 
 def load_array(src: ShardSrc, key: str) -> np.ndarray:
-    from hvdtrain.train.npyfiles import UNREADABLE, np_load, unreadable
+    from hvdtrain.datasets.npyfiles import UNREADABLE, np_load, unreadable
 
     path, name = _where(src, key)
     if isinstance(src, tuple):

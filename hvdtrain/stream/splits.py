@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from hvdtrain.data.errors import DataError
 from hvdtrain.stream import mds, store
 from hvdtrain.stream.errors import StreamError
 
@@ -36,7 +37,7 @@ def _find_url(url: str) -> tuple[str, str, dict[str, tuple[str, mds.Index, list[
     def index_of(source: str) -> mds.Index | None:
         try:
             text = store.open_store(source).get(mds.INDEX)
-        except StreamError as e:
+        except DataError as e:
             if store.NOT_FOUND in str(e):
                 return None
             raise

@@ -29,6 +29,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+from hvdtrain.data.errors import DataError
 from hvdtrain.stream.errors import StreamError
 
 REMOTE_SCHEMES = ("s3", "gs", "http", "https")
@@ -167,7 +168,7 @@ class RemoteStore(Store):
             try:
                 got = obstore.get_ranges(self._store(), name, starts=list(starts), lengths=list(lengths),
                                          coalesce=COALESCE)
-            except StreamError:
+            except DataError:
                 raise
             except Exception as e:  # obstore's own error types
                 raise StreamError(f"{self.url(name)}: range read failed ({_first_line(e)})") from None
@@ -219,7 +220,7 @@ class RemoteStore(Store):
             except (PermissionDeniedError, UnauthenticatedError) as e:
                 raise StreamError(f"{url}: access denied ({_first_line(e)}); check the credentials "
                                   "(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or the bucket's policy)") from None
-            except StreamError:
+            except DataError:
                 raise
             except Exception as e:  # obstore raises GenericError (and others) for transient failures
                 now = time.monotonic()

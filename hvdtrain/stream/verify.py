@@ -7,7 +7,7 @@ as data (a uint8 image shard) or surface later as a NaN. So before a process map
 it checks that a marker for it exists in the node's cache (`<dataset cache>-verified/<name>`, named like the cache
 file: the shard's index entry, size and mtime, so a rewritten shard is checked again); if not, it hashes the whole
 file with the fastest of the index's hashes this machine can compute and writes the marker only when it matches, through
-`cache.ensure` (NOTE [cache files]: one process per node hashes a shard, the others wait for the marker).
+`cachedir.ensure` (NOTE [cache files]: one process per node hashes a shard, the others wait for the marker).
 Corruption is a StreamError naming the shard (exit 2 in the recipes). A shard whose index entry has no computable
 hash (Mosaic's MDSWriter writes none by default) cannot be checked: `unverifiable` says so once per dataset. Cost:
 one read of each shard per node, hashed on one core at ~1.8 GB/s (sha1) or ~20 GB/s (xxh64).
@@ -18,7 +18,8 @@ from __future__ import annotations
 import mmap
 from pathlib import Path
 
-from hvdtrain.stream import cache, mds
+from hvdtrain.datasets import cachedir
+from hvdtrain.stream import mds
 from hvdtrain.stream.errors import StreamError
 
 FASTEST_FIRST = ("xxh3_64", "xxh64", "xxh128", "xxh32", "sha1", "sha256", "md5")  # measured on one core: xxh64
@@ -38,7 +39,7 @@ def verify_once(path: Path, info: mds.FileInfo, marker: Path, where: str) -> boo
         return False
 
     one = fastest(info)
-    _, produced = cache.ensure(marker, lambda _: _check(path, one, where), what=f"verifying {where}")
+    _, produced = cachedir.ensure(marker, lambda _: _check(path, one, where), what=f"verifying {where}")
     return produced
 
 

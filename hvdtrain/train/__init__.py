@@ -1,8 +1,9 @@
-"""What the training recipes share: atomic self-verifying checkpoints (checkpoint), LR scaling/warmup/steps (lr),
-averaged metrics and summary.json (metrics), bundled/synthetic/shard datasets (datasets), a dataclass config
-parsed from argv (config) and a log-friendly progress bar (progress).
+"""What the training recipes share that is not Horovod: `--dataset` opened as train/val splits (datasets, streamed),
+atomic self-verifying checkpoints (checkpoint), LR scaling/warmup/steps (lr), averaged metrics and summary.json
+(metrics, report), a dataclass config parsed from argv (config), mixed precision (precision), NaN/Inf stops
+(divergence), a recipe's exit codes (entry), a log-friendly progress bar (progress), and the PyTorch and Keras
+training loops' helpers (torchkit, keraskit; layout makes Keras's N×H×W×C batches in the producers).
 
-Nothing here imports Horovod, and only `progress` imports anything beyond numpy at module level (tqdm; sklearn
-is imported when digits are loaded): functions take rank/size/values, or a reduction function, as arguments, so
-they are testable in one process.
+Nothing here calls Horovod (report only reads its version): functions take rank/size/values, or a reduction function, as arguments, so they are
+testable in one process.
 """

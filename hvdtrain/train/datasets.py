@@ -7,68 +7,16 @@
 - a directory of shards: `*.npz` files holding arrays `x` (samples) and `y` (integer labels), and/or pairs of
   `NAME_x.npy` + `NAME_y.npy`. With `train/` and `val/` subdirectories those are the split; otherwise the
   shards are concatenated and split like digits. Memory-mapped and read per batch, never loaded whole
-  (hvdtrain/train/npyshards.py); a bad shard is named in the error.
+  (hvdtrain/datasets/npyshards.py); a bad shard is named in the error.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
-from hvdtrain.stream.errors import StreamError
-
-DIGITS = "digits"
-SYNTHETIC = "synthetic"
-
-
-class DatasetError(StreamError):
-    """A dataset argument or file is not usable; the message names the file and what was expected."""
-
-
-@dataclass(frozen=True)
-class ArrayDataset:
-    """Samples `x` (float32, N × sample_shape) and labels `y` (int64, N); indexable like a torch Dataset."""
-
-    x: np.ndarray
-    y: np.ndarray
-
-    def __len__(self) -> int:
-        return len(self.y)
-
-    def __getitem__(self, index: int) -> tuple[np.ndarray, np.ndarray]:
-        return self.x[index], self.y[index]
-
-    def take(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """A whole batch at once (fancy indexing: one copy, no per-sample Python loop)."""
-        return self.x[indices], self.y[indices]
-
-    @property
-    def sample_shape(self) -> tuple[int, ...]:
-        return tuple(self.x.shape[1:])
-
-    @property
-    def order(self) -> None:
-        """The sampler's uniform shuffle (a streamed split has shuffle blocks instead)."""
-        return None
-
-
-def take(ds: ArrayDataset, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """`ds.take(indices)`: a ShmLoader's `fetch` for an in-memory or a streamed split."""
-    return ds.take(indices)
-
-
-@dataclass(frozen=True)
-class Splits:
-    train: ArrayDataset
-    val: ArrayDataset
-    num_classes: int
-    name: str
-
-    @property
-    def sample_shape(self) -> tuple[int, ...]:
-        return self.train.sample_shape
+from hvdtrain.data.errors import DataError
+from hvdtrain.datasets import npyshards
+from hvdtrain.datasets.arrays import DIGITS, SYNTHETIC, DatasetError, Splits, digits, synthetic
 
 
 def load(
@@ -89,14 +37,14 @@ def load(
         return digits(val_fraction=val_fraction, split_seed=split_seed, num_classes=num_classes)
     if source == SYNTHETIC:
         return synthetic(synthetic_shape, synthetic_samples, num_classes=num_classes or 10, seed=seed)
-    from hvdtrain.stream import StreamError, store
+    from hvdtrain.stream import store
     from hvdtrain.train import streamed
 
     stream_args = dict(num_classes=num_classes, x_field=x_field, y_field=y_field, check_finite=check_finite,
                        block_shards=shuffle_block, cache_limit=cache_limit)
     try:
         remote = store.is_url(source)
-    except StreamError as e:
+    except DataError as e:
         raise DatasetError(str(e)) from None
     if remote:
         return streamed.load_splits(source, **stream_args)  # type: ignore[arg-type]
@@ -113,131 +61,8 @@ def load(
                      check_finite=check_finite)
 
 
-def digits(*, val_fraction: float = 0.2, split_seed: int = 0, num_classes: int | None = None) -> Splits:
-    from sklearn.datasets import load_digits
-
-    bunch = load_digits()
-    x = (bunch.images.astype(np.float32) / 16.0)[:, None, :, :]  # N × 1 × 8 × 8 in [0, 1]
-    y = bunch.target.astype(np.int64)
-    if num_classes is not None:
-        check_labels(y, "digits labels", num_classes)
-    train, val = _split(x, y, val_fraction, split_seed)
-    return Splits(train=train, val=val, num_classes=num_classes or 10, name=DIGITS)
-
-
-def synthetic(shape: tuple[int, ...], num_samples: int, *, num_classes: int = 10, seed: int = 0) -> Splits:
-    if not shape or any(not isinstance(d, int) or d < 1 for d in shape):
-        raise DatasetError(f"synthetic_shape must be positive ints, e.g. 3,32,32; got {shape!r}")
-    if num_samples < 1:
-        raise DatasetError(f"synthetic_samples must be >= 1, got {num_samples!r}")
-    if num_classes < 2:
-        raise DatasetError(f"num_classes must be >= 2, got {num_classes!r}")
-    rng = np.random.default_rng(seed)
-    n_val = max(1, num_samples // 8)
-
-    def make(n: int) -> ArrayDataset:
-        return ArrayDataset(rng.standard_normal((n, *shape), dtype=np.float32),
-                            rng.integers(0, num_classes, size=n, dtype=np.int64))
-
-    return Splits(train=make(num_samples), val=make(n_val), num_classes=num_classes, name=SYNTHETIC)
-
-
-# ---- shard directories ------------------------------------------------------------------------------------
-
 def shard_dir(path: Path, *, val_fraction: float = 0.2, split_seed: int = 0, num_classes: int | None = None,
               check_finite: bool = True) -> Splits:
-    """A directory of .npy/.npz shards, memory-mapped and read per batch (hvdtrain/train/npyshards.py)."""
-    from hvdtrain.train import npyshards
-
+    """A directory of .npy/.npz shards, memory-mapped and read per batch (hvdtrain/datasets/npyshards.py)."""
     return npyshards.load_dir(path, val_fraction=val_fraction, split_seed=split_seed, num_classes=num_classes,
                               check_finite=check_finite)
-
-
-def check_labels(y: np.ndarray, name: str, num_classes: int | None) -> None:
-    """Labels are class ids 0..num_classes-1 (only >= 0 when num_classes is None); the first bad one is named."""
-    if not len(y):
-        return
-    lo = int(np.argmin(y))
-    if y[lo] < 0:
-        raise DatasetError(f"{name}[{lo}]: label {int(y[lo])} is negative; labels are class ids 0..K-1")
-    hi = int(np.argmax(y))
-    if num_classes is not None and y[hi] >= num_classes:
-        raise DatasetError(f"{name}[{hi}]: label {int(y[hi])} is out of range for --num-classes {num_classes} "
-                           f"(labels must be 0..{num_classes - 1}); fix the label or declare more classes")
-
-
-class LabelStats:
-    """Labels seen one shard at a time, for `num_classes`: the largest label (the first shard holding it, its index
-    there) and the distinct labels."""
-
-    def __init__(self) -> None:
-        self.top: tuple[int, int, str] | None = None  # (label, index in its shard, the shard's name)
-        self.distinct = np.empty(0, np.int64)
-
-    def add(self, y: np.ndarray, name: str) -> None:
-        if not len(y):
-            return
-        at = int(np.argmax(y))
-        if self.top is None or int(y[at]) > self.top[0]:
-            self.top = (int(y[at]), at, name)
-        self.distinct = np.union1d(self.distinct, np.unique(y).astype(np.int64))
-
-    def num_classes(self, dataset: str) -> int:
-        """The largest label + 1 (at least 2), unless most class ids below it never occur: then a stray label (one
-        1 000 000 among 0..9) would silently build a 1 000 001-class model, so it is an error naming that label. A
-        stray label close to the real ones (20 among 0..9) passes: only a declared --num-classes checks every
-        label."""
-        if self.top is None:
-            raise DatasetError(f"{dataset}: no labels in any shard")
-        top, at, name = self.top
-        distinct = len(self.distinct)
-        if top + 1 > 2 * distinct:
-            raise DatasetError(
-                f"{name}[{at}]: label {top} would make a {top + 1}-class model, but only {distinct} distinct labels "
-                f"occur in {dataset}; fix the label, or if the classes are right declare their number with "
-                f"--num-classes N (every label must be < N)")
-        return max(top + 1, 2)
-
-
-FINITE_BLOCK_VALUES = 1 << 24  # values per block of the NaN/Inf scan: 16 MiB of booleans at most
-
-
-def check_samples(x: np.ndarray, name: str, file_dtype: np.dtype | None = None,
-                  rows: np.ndarray | None = None) -> None:
-    """No NaN/Inf in floating-point samples (x as trained on: float32, where a float64 1e39 is inf); scans blocks of
-    FINITE_BLOCK_VALUES values (little extra memory). `file_dtype`: the dtype x had in the file, if different;
-    `rows`: each sample's index in `name` (x is a batch read from it), for the error."""
-    if not np.issubdtype(x.dtype, np.inexact) or not len(x):
-        return
-    block = max(1, FINITE_BLOCK_VALUES // max(1, int(np.prod(x.shape[1:], dtype=np.int64))))
-    for start in range(0, len(x), block):
-        finite = np.isfinite(x[start:start + block])
-        if finite.all():
-            continue
-        where = np.argwhere(~finite)[0]
-        index, inner = start + int(where[0]), tuple(int(i) for i in where[1:])
-        value = x[index][inner]
-        cast = ""
-        if file_dtype is not None and file_dtype != x.dtype and np.isinf(value):
-            cast = f" (as float32; the file holds {file_dtype}: a value beyond float32's range is inf)"
-        shown = index if rows is None else int(rows[index])
-        raise DatasetError(f"{name}[{shown}]: sample holds {value} at position {inner}{cast}; fix the data, or "
-                           f"pass --no-check-finite to train on it anyway")
-
-
-def split_indices(n: int, val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """Fixed split of n samples: a permutation from `seed` (not the training seed); the last `val_fraction` is val.
-    Returns the (sorted) train and val indices."""
-    if not 0 < val_fraction < 1:
-        raise DatasetError(f"val_fraction must be in (0, 1), got {val_fraction!r}")
-    n_val = max(1, round(n * val_fraction))
-    if n_val >= n:
-        raise DatasetError(f"only {n} samples: too few to hold out {val_fraction:.0%} for validation")
-    order = np.random.default_rng(seed).permutation(n)
-    return np.sort(order[:-n_val]), np.sort(order[-n_val:])
-
-
-def _split(x: np.ndarray, y: np.ndarray, val_fraction: float, seed: int) -> tuple[ArrayDataset, ArrayDataset]:
-    tr, va = split_indices(len(y), val_fraction, seed)
-    return ArrayDataset(np.ascontiguousarray(x[tr], dtype=np.float32), y[tr]), \
-        ArrayDataset(np.ascontiguousarray(x[va], dtype=np.float32), y[va])

@@ -9,11 +9,12 @@ from pathlib import Path
 from typing import NoReturn
 
 from hvdtrain import exitcodes, records
+from hvdtrain.data.errors import DataError
 from hvdtrain.data.lifecycle import WorkerError
+from hvdtrain.rundir import RunDirBusy
 from hvdtrain.stream.errors import StreamError
 from hvdtrain.train.checkpoint import CheckpointMismatch
 from hvdtrain.train.divergence import TrainingDiverged
-from hvdtrain.train.rundir import RunDirBusy
 
 
 def exit_with(main: Callable[[], int], script: str) -> NoReturn:
@@ -31,15 +32,15 @@ rank that stops only because another one failed (HorovodInternalError) says so i
         error_line(script, e.message)
         records.note_exception(StreamError(e.message), records.directory())  # the data's fault, not a traceback
         code = exitcodes.INVALID_INPUT
-    except (StreamError, RunDirBusy, TrainingDiverged, CheckpointMismatch) as e:
+    except (DataError, RunDirBusy, TrainingDiverged, CheckpointMismatch) as e:
         error_line(script, str(e))
         records.note_exception(e, records.directory())  # the rank's record names this error, not SystemExit
         code = exitcodes.DIVERGED if isinstance(e, TrainingDiverged) else exitcodes.INVALID_INPUT
     except Exception as e:
         if type(e).__name__ != "HorovodInternalError":  # horovod.common.exceptions, not imported here
             raise
-        # Another rank failed and Horovod shut down under this one: a victim (hvdtrain/failures.py), whose traceback
-        # would bury the cause; one line, and the record still names HorovodInternalError.
+        # Another rank failed and Horovod shut down under this one: a victim (hvdtrain/launch/failures.py), whose
+        # traceback would bury the cause; one line, and the record still names HorovodInternalError.
         error_line(script, f"stopped: Horovod shut down under this rank (HorovodInternalError), because another rank "
                            f"failed or left; its error is the cause ({str(e).split('. ')[0]})")
         records.note_exception(e, records.directory())

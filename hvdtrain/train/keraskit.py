@@ -25,7 +25,7 @@ import numpy as np
 
 from hvdtrain import tfkeras
 from hvdtrain.data import ShardSampler, ShmLoader, WorkerError, to_tf_dataset
-from hvdtrain.stream.errors import StreamError
+from hvdtrain.data.errors import DataError
 from hvdtrain.train import checkpoint, divergence
 from hvdtrain.train.layout import channels_last_shape, take_channels_last
 from hvdtrain.train.metrics import History
@@ -249,7 +249,7 @@ def _watched(batches: Iterable[T]) -> Iterator[T]:
         if e.bad_data:
             _DATA_ERRORS.append(e)
         raise
-    except StreamError as e:
+    except DataError as e:
         _DATA_ERRORS.append(e)
         raise
 

@@ -80,10 +80,11 @@ def dataset_info(source: str, splits: Any) -> dict[str, Any]:
 def dataset_kind(source: str) -> str:
     """digits, synthetic, mds (an MDS dataset root, a directory or a URL: streamed) or shards (a directory of
     .npz/.npy shards), as hvdtrain.train.datasets.load tells them apart."""
+    from hvdtrain.datasets import arrays
     from hvdtrain.stream import store
-    from hvdtrain.train import datasets, streamed
+    from hvdtrain.train import streamed
 
-    if source in (datasets.DIGITS, datasets.SYNTHETIC):
+    if source in (arrays.DIGITS, arrays.SYNTHETIC):
         return source
     return "mds" if store.is_url(source) or streamed.is_mds_root(Path(source)) else "shards"
 

@@ -16,9 +16,10 @@ from pathlib import Path
 
 import numpy as np
 
-from hvdtrain.stream import StreamError, StreamingDataset, store
+from hvdtrain.data.errors import DataError
+from hvdtrain.datasets import arrays
+from hvdtrain.stream import StreamingDataset, store
 from hvdtrain.stream.order import BlockShuffle
-from hvdtrain.train import datasets
 
 
 def is_mds_root(path: Path) -> bool:
@@ -79,13 +80,13 @@ class StreamSplit:
 
     def _check(self, idx: np.ndarray, x: np.ndarray, y: np.ndarray) -> None:
         if y.dtype.kind not in "iu" or y.shape[1:] not in ((), (1,)):
-            raise datasets.DatasetError(f"{self.data.source}: field {self.y_field!r} holds {y.dtype} of shape "
+            raise arrays.DatasetError(f"{self.data.source}: field {self.y_field!r} holds {y.dtype} of shape "
                                         f"{y.shape[1:]} per sample; labels must be one integer per sample")
         labels = y.reshape(len(idx))
         bad = np.flatnonzero((labels < 0) | (labels >= self.num_classes))
         if bad.size:
             where = self._where(int(idx[bad[0]]))
-            raise datasets.DatasetError(f"{where} field {self.y_field!r}: label {labels[bad[0]]} is out of range for "
+            raise arrays.DatasetError(f"{where} field {self.y_field!r}: label {labels[bad[0]]} is out of range for "
                                         f"--num-classes {self.num_classes} (labels must be 0..{self.num_classes - 1})")
         if self.check_finite:
             flat = x.reshape(len(idx), -1)
@@ -93,7 +94,7 @@ class StreamSplit:
             if not finite.all():
                 row = int(np.flatnonzero(~finite)[0])
                 pos = int(np.flatnonzero(~np.isfinite(flat[row]))[0])
-                raise datasets.DatasetError(f"{self._where(int(idx[row]))} field {self.x_field!r}: value "
+                raise arrays.DatasetError(f"{self._where(int(idx[row]))} field {self.x_field!r}: value "
                                             f"{flat[row, pos]} at position {pos} (NaN/Inf samples cannot be trained "
                                             "on; fix the data or pass --no-check-finite)")
 
@@ -104,11 +105,11 @@ class StreamSplit:
 
 def load_splits(root: str | Path, *, num_classes: int | None, x_field: str = "x", y_field: str = "y",
                 check_finite: bool = True, block_shards: int | None = None,
-                cache_limit: int | None = None) -> datasets.Splits:
+                cache_limit: int | None = None) -> arrays.Splits:
     """The train/ and val/ splits under `root` (a directory or a URL; Mosaic's layout), or DatasetError saying what
     is missing."""
     if not store.is_url(root) and (Path(root) / "index.json").is_file() and not (Path(root) / "train").is_dir():
-        raise datasets.DatasetError(f"{root} is one MDS split; a dataset root holds train/ and val/ splits (each with "
+        raise arrays.DatasetError(f"{root} is one MDS split; a dataset root holds train/ and val/ splits (each with "
                                     "its index.json), as `hvdtrain data convert SRC DST --val-fraction 0.1` writes "
                                     "them (holding out 10% of the samples for val/)")
     root = store.normalise(root)
@@ -117,20 +118,20 @@ def load_splits(root: str | Path, *, num_classes: int | None, x_field: str = "x"
         try:
             splits[name] = StreamingDataset(store.join(root, name), fields=(x_field, y_field),
                                             block_shards=block_shards, cache_limit=cache_limit)
-        except StreamError as e:
-            raise datasets.DatasetError(_split_error(root, name, e)) from None
+        except DataError as e:
+            raise arrays.DatasetError(_split_error(root, name, e)) from None
     classes = num_classes or splits["train"].meta.get("num_classes")
     if classes is None:
-        raise datasets.DatasetError(f"{root}: the number of classes is not in its index (the 'hvdtrain' metadata "
+        raise arrays.DatasetError(f"{root}: the number of classes is not in its index (the 'hvdtrain' metadata "
                                     "`hvdtrain data convert` writes): pass --num-classes N")
     if not isinstance(classes, int) or classes < 2:
-        raise datasets.DatasetError(f"{root}: its index says num_classes={classes!r}; training needs 2 or more "
+        raise arrays.DatasetError(f"{root}: its index says num_classes={classes!r}; training needs 2 or more "
                                     "classes (labels 0..N-1): fix the labels, or pass --num-classes N")
     train, val = (StreamSplit(splits[n], x_field, y_field, classes, check_finite) for n in ("train", "val"))
-    return datasets.Splits(train=train, val=val, num_classes=classes, name=root)  # type: ignore[arg-type]
+    return arrays.Splits(train=train, val=val, num_classes=classes, name=root)  # type: ignore[arg-type]
 
 
-def _split_error(root: str, name: str, e: StreamError) -> str:
+def _split_error(root: str, name: str, e: DataError) -> str:
     """The message for a split that cannot be opened: a missing split says which and how to get one (a missing val/:
     `hvdtrain data convert ... --val-fraction`); any other error (a missing bucket, a bad index) as it is."""
     index = store.join(store.join(root, name), "index.json")

@@ -21,7 +21,8 @@ from torch import nn
 
 from hvdtrain.data.idle import GpuIdleMeter
 from hvdtrain.data.stall import StallMeter
-from hvdtrain.train import checkpoint, datasets
+from hvdtrain.datasets import arrays
+from hvdtrain.train import checkpoint
 from hvdtrain.train.config import RecipeConfig
 from hvdtrain.train.lr import LRSchedule
 from hvdtrain.train.metrics import History, MetricSums, write_summary
@@ -135,7 +136,7 @@ def pin_device(local_rank: int, local_size: int, threads: int | None) -> torch.d
     return torch.device("cpu")
 
 
-def model_name(cfg: TorchConfig, splits: datasets.Splits) -> str:
+def model_name(cfg: TorchConfig, splits: arrays.Splits) -> str:
     """--model, or for auto: cnn for digits, resnet for synthetic, else cnn for C,H,W samples and mlp for others."""
     if cfg.model != "auto":
         return cfg.model
@@ -168,7 +169,7 @@ def forward_backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor, chunks:
     return losses
 
 
-def val_batches(ds: datasets.ArrayDataset, rank: int, size: int, batch_size: int,
+def val_batches(ds: arrays.ArrayDataset, rank: int, size: int, batch_size: int,
                 device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """This rank's share of the validation set, each sample counted once over all ranks.
 
@@ -197,7 +198,7 @@ def average_buffers(model: nn.Module, average: Callable[[torch.Tensor, str], tor
 
 
 @torch.no_grad()
-def validation_sums(model: nn.Module, ds: datasets.ArrayDataset, rank: int, size: int, device: torch.device,
+def validation_sums(model: nn.Module, ds: arrays.ArrayDataset, rank: int, size: int, device: torch.device,
                     precision: Precision | None = None, channels_last: bool = False) -> MetricSums:
     """Loss and accuracy sums over this rank's share of the validation set (the caller reduces them), in the
     training's precision and layout."""

@@ -1,7 +1,7 @@
 """`hvdtrain doctor --hosts a:1,b:1` / `--hostfile FILE`: can a job start on these hosts? Checked before any job.
 
 For each host, one ssh call (BatchMode, ConnectTimeout, StrictHostKeyChecking=accept-new, and a subprocess
-timeout) runs this machine's own interpreter path with hvdtrain.probe (mode `versions`): the host's Python,
+timeout) runs this machine's own interpreter path with hvdtrain.doctor.probe (mode `versions`): the host's Python,
 Horovod and torch versions and its IPv4 network interfaces. From the answers:
 
     <host>: ssh      reachable, or why not (refused, timed out, key rejected, host key changed, ...)
@@ -25,11 +25,11 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from hvdtrain import probe as host_probe
-from hvdtrain.doctor import Check
-from hvdtrain.hosts import Host, HostError, parse_hostfile, parse_hosts
-from hvdtrain.probe import Facts
-from hvdtrain.ssh import CALL_TIMEOUT_S, SSH_UNREACHABLE, is_local, local_addresses, ssh_argv, ssh_failure
+from hvdtrain.doctor import probe as host_probe
+from hvdtrain.doctor.local import Check
+from hvdtrain.doctor.probe import Facts
+from hvdtrain.doctor.ssh import CALL_TIMEOUT_S, SSH_UNREACHABLE, is_local, local_addresses, ssh_argv, ssh_failure
+from hvdtrain.job.hosts import Host, HostError, parse_hostfile, parse_hosts
 from hvdtrain.textfile import fix_for, read_text
 
 
@@ -46,7 +46,7 @@ class Probe:
 
 
 def load_hosts(hosts: str | None, hostfile: str | None) -> list[Host]:
-    """The hosts named by `--hosts a:1,b:1` or `--hostfile FILE`, parsed by hvdtrain.hosts (HostError if bad)."""
+    """The hosts named by `--hosts a:1,b:1` or `--hostfile FILE`, parsed by hvdtrain.job.hosts (HostError if bad)."""
     if hostfile is not None:
         try:
             text = read_text(hostfile)

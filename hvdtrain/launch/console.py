@@ -33,8 +33,8 @@ import time
 from pathlib import Path
 from typing import IO
 
-from hvdtrain.failures import FailureTracker
-from hvdtrain.jobspec import Logs
+from hvdtrain.job.model import Logs
+from hvdtrain.launch.failures import FailureTracker
 
 # Gloo: `[0]<stdout>:text`; MPI (--tag-output): `[1,0]<stdout>:text`. Both become `[0]<stdout>:text`.
 RANK_LINE = re.compile(r"^\[(?:\d+,)?(\d+)\]<(stdout|stderr|stddiag)>:(.*)$", re.DOTALL)

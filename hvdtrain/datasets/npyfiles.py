@@ -1,4 +1,4 @@
-"""The files of a `.npy`/`.npz` shard directory and the errors for unreadable ones (hvdtrain/train/npyshards.py reads
+"""The files of a `.npy`/`.npz` shard directory and the errors for unreadable ones (hvdtrain/datasets/npyshards.py reads
 them, hvdtrain/stream/convert.py converts them)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import BinaryIO
 
 import numpy as np
 
-from hvdtrain.train.datasets import DatasetError
+from hvdtrain.datasets.arrays import DatasetError
 
 # What numpy and zipfile raise for a file that is not (intact) numpy data: a truncated or corrupt .npy header,
 # a bad zip, a bad CRC-32, a corrupt deflate stream, object arrays (which would need pickle).

@@ -1,8 +1,8 @@
 """`hvdtrain doctor`: what this machine can run, and how to fix what it cannot.
 
 Each check is a plain function returning a `Check`; `run_checks` collects them and `format_report` renders them.
-Horovod is probed in a subprocess (hvdtrain.probe) so that a broken build (an extension that fails to load, a torch
-ABI mismatch) is reported as a failed check instead of crashing the doctor.
+Horovod is probed in a subprocess (hvdtrain.doctor.probe) so that a broken build (an extension that fails to load, a
+torch ABI mismatch) is reported as a failed check instead of crashing the doctor.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from hvdtrain import probe
-from hvdtrain.probe import Facts
+from hvdtrain.doctor import probe
+from hvdtrain.doctor.probe import Facts
 
 SUPPORTED_PYTHONS = ((3, 11), (3, 12))  # pyproject.toml's requires-python
 SETUP_FIX = "run scripts/setup.sh from the hvdtrain checkout (it rebuilds Horovod when torch or TF changed)"
@@ -166,7 +166,7 @@ def format_report(checks: list[Check]) -> str:
 
 def doctor(require: set[str], as_json: bool = False, more: Callable[[], list[Check]] | None = None) -> int:
     """Print the report; exit status 0 when every required check passed, 1 otherwise. `more` adds checks
-    (`--hosts`: hvdtrain.doctor_hosts)."""
+    (`--hosts`: hvdtrain.doctor.remote)."""
     checks = run_checks(require) + (more() if more else [])
     if as_json:
         print(json.dumps([asdict(c) for c in checks], indent=2))

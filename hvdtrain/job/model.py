@@ -24,8 +24,8 @@ from pydantic import (
     field_validator,
 )
 
-from hvdtrain.flags import Flag, flag_field
-from hvdtrain.hosts import hosts_arg, parse_hosts
+from hvdtrain.job.flags import Flag, flag_field
+from hvdtrain.job.hosts import hosts_arg, parse_hosts
 
 LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -39,7 +39,7 @@ NonNegInt = Annotated[int, Field(ge=0)]
 
 
 def _numbers_to_str(value: Any) -> Any:
-    """args and env values are strings. A spec's YAML gives them as written (hvdtrain.spec.as_written); a spec built
+    """args and env values are strings. A spec's YAML gives them as written (hvdtrain.job.load.as_written); a spec built
     in Python may hold numbers: take them as str()."""
     if value is None:
         raise ValueError("the value is empty (YAML reads nothing after the colon or dash, `~` and `null` as no "

@@ -2,11 +2,11 @@
 
 Shards: `*.npz` files holding `x` (samples, N × ...) and `y` (integer labels, N), and/or `NAME_x.npy` +
 `NAME_y.npy` pairs. With `train/` and `val/` subdirectories those are the split; otherwise the shards are
-concatenated and split by a fixed permutation (`datasets.split_indices`: index arrays, not copies).
+concatenated and split by a fixed permutation (`arrays.split_indices`: index arrays, not copies).
 
 At load only headers and labels are read: each array's .npy header (shape, dtype, where its data starts, whether the
 file holds all of it), and every label, streamed shard by shard through a map (class ids, the number of classes). An
-`.npz` archive is read through once per node, into the node cache (NOTE [cache files] in hvdtrain/stream/cache.py,
+`.npz` archive is read through once per node, into the node cache (NOTE [cache files] in hvdtrain/datasets/cachedir.py,
 under a name that includes the archive's path, size and mtime, so a rewritten archive is read again): a member
 stored uncompressed (`np.savez`) is CRC-32-checked and then mapped in place, at its offset inside the archive; a
 deflated one (`np.savez_compressed`) is decompressed into a `.npy` file there, which is mapped.
@@ -32,10 +32,9 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from hvdtrain.stream import cache
-from hvdtrain.stream.mds import MAX_OPEN
-from hvdtrain.train.datasets import DatasetError, LabelStats, Splits, check_labels, check_samples, split_indices
-from hvdtrain.train.npyfiles import (
+from hvdtrain.datasets import cachedir
+from hvdtrain.datasets.arrays import DatasetError, LabelStats, Splits, check_labels, check_samples, split_indices
+from hvdtrain.datasets.npyfiles import (
     UNREADABLE,
     ArrayRef,
     MappedArray,
@@ -46,6 +45,7 @@ from hvdtrain.train.npyfiles import (
     shard_files,
     unreadable,
 )
+from hvdtrain.datasets.openfiles import MAX_OPEN
 
 READ_CHUNK = 1 << 20  # bytes per read when an archive member is read through
 VERIFY_TIMEOUT_S = 3600.0  # how long a rank waits for another process of its node to read an archive through
@@ -104,18 +104,18 @@ def _member_ref(path: Path, zf: zipfile.ZipFile, info: zipfile.ZipInfo, key: str
     key_text = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{info.filename}|{info.header_offset}|{info.CRC}"
     base = f"{path.name}.{key}.{hashlib.sha256(key_text.encode()).hexdigest()[:16]}"
     if info.compress_type == zipfile.ZIP_STORED:
-        cache.ensure(cache_dir / f"{base}.crc-ok", lambda f: _read_through(path, info.filename, name, None),
+        cachedir.ensure(cache_dir / f"{base}.crc-ok", lambda f: _read_through(path, info.filename, name, None),
                      timeout=VERIFY_TIMEOUT_S, what=f"checking {name}")
         start = _data_offset(path, info, name)
         return ArrayRef(str(path), start, start + header, shape, dtype, fortran, name)
-    copy, _ = cache.ensure(cache_dir / f"{base}.npy", lambda f: _read_through(path, info.filename, name, f),
+    copy, _ = cachedir.ensure(cache_dir / f"{base}.npy", lambda f: _read_through(path, info.filename, name, f),
                            timeout=VERIFY_TIMEOUT_S, what=f"decompressing {name}")
     return ArrayRef(str(copy), 0, header, shape, dtype, fortran, name)
 
 
 def _read_through(path: Path, member: str, name: str, out: BinaryIO | None) -> None:
     """Read archive member `member` to its end (zipfile checks its CRC-32 there), writing it to `out` if given.
-    Reading errors are DatasetErrors naming it; writing errors stay OSErrors (cache.ensure names the cache)."""
+    Reading errors are DatasetErrors naming it; writing errors stay OSErrors (cachedir.ensure names the cache)."""
     try:
         zf = zipfile.ZipFile(path)
     except UNREADABLE as e:
@@ -259,7 +259,7 @@ class ShardSet:
 
 class NpyShardSplit:
     """One split of a shard directory: `take(indices) -> (x float32, y int64)`, `len()`, `sample_shape`, `order`
-    (None: the sampler's uniform shuffle). `part` "train"/"val": that side of `datasets.split_indices` over the
+    (None: the sampler's uniform shuffle). `part` "train"/"val": that side of `arrays.split_indices` over the
     whole ShardSet (computed again, not pickled, in each process that reads); None: every sample."""
 
     def __init__(self, shards: ShardSet, *, part: str | None = None, val_fraction: float = 0.2, split_seed: int = 0,
@@ -312,7 +312,7 @@ def load_dir(path: Path, *, val_fraction: float = 0.2, split_seed: int = 0, num_
     """The splits of shard directory `path` (see the module docstring); DatasetError naming a bad file."""
     train_dir, val_dir = path / "train", path / "val"
     split_dirs = train_dir.is_dir() and val_dir.is_dir()
-    cache_dir = cache.dataset_dir(cache.default_root(), str(path.resolve()))
+    cache_dir = cachedir.dataset_dir(cachedir.default_root(), str(path.resolve()))
     stats = LabelStats()  # every shard's labels, for the inference across all of them
     sets = []
     for directory in (train_dir, val_dir) if split_dirs else (path,):

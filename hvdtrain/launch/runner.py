@@ -23,16 +23,17 @@ from pathlib import Path
 
 import psutil
 
-from hvdtrain import exitcodes, probe, records
-from hvdtrain.console import OutputRouter, pump
-from hvdtrain.failures import FailureTracker
-from hvdtrain.jobspec import Logs, Ssh
-from hvdtrain.lifeline import DONE, die_with_parent
-from hvdtrain.plan import RANK_MODULE, LaunchPlan
+from hvdtrain import exitcodes, records
+from hvdtrain.doctor import probe
+from hvdtrain.job.model import Logs, Ssh
+from hvdtrain.job.plan import RANK_MODULE, LaunchPlan
+from hvdtrain.launch.console import OutputRouter, pump
+from hvdtrain.launch.failures import FailureTracker
+from hvdtrain.launch.lifeline import DONE, die_with_parent
 
 GRACE_S = 20.0  # horovodrun itself gives ranks 5 s after SIGTERM, then 5 s more before SIGKILL
 POLL_S = 0.5
-GUARD_MODULE = "hvdtrain.lifeline"  # `python -m hvdtrain.lifeline PGID`: see NOTE [no orphans]
+GUARD_MODULE = "hvdtrain.launch.lifeline"  # `python -m hvdtrain.launch.lifeline PGID`: see NOTE [no orphans]
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # each stops the whole job; exit 128 + N
 RECORDS_TMP = "hvdtrain-records-"  # the ranks' records without logs.dir: a temporary directory
 SNAPSHOT_S = 2.0  # a process-tree walk costs ~10 ms of CPU: not every poll, the ranks need the cores
@@ -43,7 +44,7 @@ class LaunchError(RuntimeError):
 
 
 def default_controller(python: str, *, save: bool = True) -> str:
-    """Gloo when `python`'s Horovod has it (it also runs elastic jobs), else MPI (hvdtrain.probe; `save=False`
+    """Gloo when `python`'s Horovod has it (it also runs elastic jobs), else MPI (hvdtrain.doctor.probe; `save=False`
     writes no cache)."""
     build = probe.horovod_build(python, save=save)
     built = build.controllers()
@@ -103,11 +104,11 @@ def find_horovodrun() -> str:
 #    and (b) rely first on horovodrun's own teardown: on SIGINT/SIGTERM it tells each middleman to terminate its
 #    children (5 s grace, then SIGKILL); if horovodrun dies, each middleman sees its pipe close and does the same.
 #  - If hvdtrain itself dies (SIGKILL included), the job ends too: see NOTE [no orphans] in hvdtrain/rank.py
-#    (horovodrun's PR_SET_PDEATHSIG, the guard process of hvdtrain.lifeline, the ranks' supervisors).
+#    (horovodrun's PR_SET_PDEATHSIG, the guard process of hvdtrain.launch.lifeline, the ranks' supervisors).
 #  - The signal handlers are installed before horovodrun starts: a signal that comes first means nothing is started.
 #    A handler only records the signal and forwards it to horovodrun's group; the main loop does the rest (and
-#    prints what is happening: NOTE [console] in hvdtrain/console.py). SIGHUP (the terminal closed) is forwarded as
-#    SIGTERM (horovodrun has no SIGHUP handler) and exits 129.
+#    prints what is happening: NOTE [console] in hvdtrain/launch/console.py). SIGHUP (the terminal closed) is
+#    forwarded as SIGTERM (horovodrun has no SIGHUP handler) and exits 129.
 #  - After a forwarded signal we wait GRACE_S; a second signal, or the grace running out, SIGKILLs the group and
 #    every descendant in the snapshot (psutil checks create times, so a recycled pid is never hit).
 #  - However horovodrun ends, `_Job.sweep` terminates snapshot members still alive, and the output reader thread is
@@ -149,7 +150,7 @@ class _Job:
         return proc
 
     def _start_guard(self) -> None:
-        """The watcher that stops horovodrun's group if this process dies (hvdtrain.lifeline.guard)."""
+        """The watcher that stops horovodrun's group if this process dies (hvdtrain.launch.lifeline.guard)."""
         try:
             self.guard = subprocess.Popen([sys.executable, "-m", GUARD_MODULE, str(self.proc.pid)],
                                           stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, start_new_session=True)
@@ -326,7 +327,7 @@ def _supervise(plan: LaunchPlan, job: _Job, timeout_s: float | None, ssh: Ssh, w
 
 def _find_lost_hosts(failures: FailureTracker, plan: LaunchPlan, ssh: Ssh) -> None:
     """Gloo does not say which peer it timed out on: ask ssh which of the job's remote hosts is gone (bounded)."""
-    from hvdtrain.ssh import is_local, local_addresses, unreachable_hosts
+    from hvdtrain.doctor.ssh import is_local, local_addresses, unreachable_hosts
 
     here = local_addresses()
     remote = sorted({h for h in plan.rank_hosts if not is_local(h, here)})

@@ -5,7 +5,7 @@
 - `output_gone(fds)`: whether the reader of our stdout/stderr pipe (or socket) has closed its end: horovodrun's
   forwarding thread locally, sshd for a rank on another host (sshd closes the command's pipes when the ssh client's
   connection ends, but sends no signal to a command that has no terminal).
-- `python -m hvdtrain.lifeline PGID` (`guard`): a watcher in a session of its own that stops process group PGID
+- `python -m hvdtrain.launch.lifeline PGID` (`guard`): a watcher in a session of its own that stops process group PGID
   (horovodrun's) when its stdin, a pipe from the launcher, closes without the launcher saying "done" first.
 
 Standard library only: `python -m hvdtrain.rank` imports this before every rank starts.
@@ -130,7 +130,7 @@ def guard(pgid: int, fd: int = 0) -> int:
 
 if __name__ == "__main__":
     if len(sys.argv) != 2 or not sys.argv[1].isdigit():
-        print("usage: python -m hvdtrain.lifeline PGID  (stdin: a pipe from the launcher)", file=sys.stderr)
+        print("usage: python -m hvdtrain.launch.lifeline PGID  (stdin: a pipe from the launcher)", file=sys.stderr)
         sys.exit(2)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     sys.exit(guard(int(sys.argv[1])))

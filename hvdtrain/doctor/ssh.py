@@ -12,7 +12,7 @@ import subprocess
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from hvdtrain.hosts import is_loopback
+from hvdtrain.job.hosts import is_loopback
 
 CONNECT_TIMEOUT_S = 5
 CALL_TIMEOUT_S = 40  # ssh connect + the remote interpreter's start on a busy host

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from hvdtrain.stream.errors import StreamError
+from hvdtrain.data.errors import DataError
 
 ENV_DIR = "HVDTRAIN_DATA_CACHE"
 
@@ -41,14 +41,14 @@ def dataset_dir(root: Path, source: str) -> Path:
     return root / f"{tail or 'dataset'}-{hashlib.sha256(source.encode()).hexdigest()[:12]}"
 
 
-class CacheFull(StreamError):
+class CacheFull(DataError):
     """The disk of the cache directory is full (ENOSPC, EDQUOT): `directory`, and the bytes still `free` there."""
 
     directory: Path
     free: int | None
 
 
-class Busy(StreamError):
+class Busy(DataError):
     """Another process holds the lock (and `file_lock` was told not to wait, or waited its whole timeout)."""
 
 
@@ -105,13 +105,13 @@ def ensure(path: Path, produce: Callable[[BinaryIO], None] | None = None, *, tim
     except BaseException as e:
         with contextlib.suppress(OSError):
             part.unlink()
-        if isinstance(e, OSError) and not isinstance(e, StreamError):
+        if isinstance(e, OSError) and not isinstance(e, DataError):
             raise _cache_error(e, path, what) from None
         raise
     return path, True
 
 
-def _cache_error(e: OSError, path: Path, what: str) -> StreamError:
+def _cache_error(e: OSError, path: Path, what: str) -> DataError:
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
         free = free_bytes(path.parent)
         left = "" if free is None else f"; {free:,} bytes free"
@@ -119,7 +119,7 @@ def _cache_error(e: OSError, path: Path, what: str) -> StreamError:
                          f"there, or set {ENV_DIR} to a directory on a bigger disk")
         full.directory, full.free = path.parent, free
         return full
-    return StreamError(f"cannot use the cache directory {path.parent} while {what}: {e.strerror or e} "
+    return DataError(f"cannot use the cache directory {path.parent} while {what}: {e.strerror or e} "
                        f"({e.filename or path}); set {ENV_DIR} to a writable local directory")
 
 

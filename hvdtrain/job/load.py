@@ -18,9 +18,9 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from hvdtrain import textfile
-from hvdtrain.flags import extra_args_problems, modeled_flags
-from hvdtrain.hosts import MAX_SLOTS, Host, HostError, check_np, parse_hostfile, parse_hosts
-from hvdtrain.jobspec import JobSpec
+from hvdtrain.job.flags import extra_args_problems, modeled_flags
+from hvdtrain.job.hosts import MAX_SLOTS, Host, HostError, check_np, parse_hostfile, parse_hosts
+from hvdtrain.job.model import JobSpec
 
 KeyPath = tuple[str | int, ...]
 _NO_VALUE = object()

@@ -15,9 +15,9 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from hvdtrain.flags import model_flags
-from hvdtrain.hosts import is_loopback, parse_hosts, rank_hosts
-from hvdtrain.jobspec import JobSpec
+from hvdtrain.job.flags import model_flags
+from hvdtrain.job.hosts import is_loopback, parse_hosts, rank_hosts
+from hvdtrain.job.model import JobSpec
 
 CONTROLLERS = ("gloo", "mpi")
 RANK_MODULE = "hvdtrain.rank"
@@ -49,7 +49,7 @@ class LaunchPlan:
 
 
 def _flag_args(model: BaseModel, **values: Any) -> list[str]:
-    """The flags of `model`'s keys, in declaration order (hvdtrain.flags); `values` replace keys' values."""
+    """The flags of `model`'s keys, in declaration order (hvdtrain.job.flags); `values` replace keys' values."""
     args: list[str] = []
     for key, flag in model_flags(type(model)).items():
         args += flag.args(values[key] if key in values else getattr(model, key))

@@ -1,0 +1,171 @@
+"""The package's layers, checked: no import circles between modules and no import from a lower layer to a higher one.
+
+Imports are read from the source (ast), function-level and `if TYPE_CHECKING:` imports included: a circle hidden in
+a function is still a circle. The layers (docs: the Layout section of the README):
+
+    launcher side:  shared leaves < job < doctor < launch;  job < render
+    rank side:      shared leaves < data < datasets < stream < train
+    entry points (cli, rank, rank_main) may import anything; nothing imports them.
+
+A new module must be placed in this table (the test fails for an unplaced one), so the layering is a decision.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parent.parent / "hvdtrain"
+
+LEAVES = {"hvdtrain", "hvdtrain.atomic", "hvdtrain.exitcodes", "hvdtrain.records", "hvdtrain.rundir",
+          "hvdtrain.textfile", "hvdtrain.tfkeras"}
+ENTRIES = {"hvdtrain.cli", "hvdtrain.rank", "hvdtrain.rank_main"}
+# package -> the packages it may import (besides itself and the shared leaves)
+BELOW = {
+    "job": set(),
+    "doctor": {"job"},
+    "launch": {"job", "doctor"},
+    "render": {"job"},
+    "data": set(),
+    "datasets": {"data"},
+    "stream": {"data", "datasets"},
+    "train": {"data", "datasets", "stream"},
+}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PKG.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in sorted(PKG.rglob("*.py"))}
+
+
+def imports_of(name: str) -> set[str]:
+    """The package's modules that `name` imports anywhere in its source (`from pkg import mod` counts as mod;
+    `from pkg import name` as pkg/__init__)."""
+    path = MODULES[name]
+    pkg = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = pkg.split(".")[: len(pkg.split(".")) - (node.level - 1)]
+                base = ".".join(up + ([node.module] if node.module else []))
+            found |= {f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names}
+    return {m for m in found if m in MODULES and m != name}
+
+
+GRAPH = {name: imports_of(name) for name in MODULES}
+
+
+def layer(name: str) -> str:
+    """'leaf', 'entry' or the subpackage's name; '?' for a module placed nowhere."""
+    if name in LEAVES:
+        return "leaf"
+    if name in ENTRIES:
+        return "entry"
+    parts = name.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in BELOW) else "?"
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of two or more modules (Tarjan), iteratively."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    found: list[list[str]] = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on.add(root)
+        while work:
+            v, it = work[-1]
+            w = next(it, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on.add(w)
+                    work.append((w, iter(sorted(graph[w]))))
+                elif w in on:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    x = stack.pop()
+                    on.discard(x)
+                    comp.append(x)
+                    if x == v:
+                        break
+                if len(comp) > 1:
+                    found.append(sorted(comp))
+    return found
+
+
+def test_every_module_has_a_place_in_the_layers():
+    unplaced = sorted(m for m in MODULES if layer(m) == "?")
+    assert not unplaced, f"place these modules in LEAVES, ENTRIES or a package of BELOW: {unplaced}"
+
+
+def test_no_import_circles():
+    assert circles(GRAPH) == []
+
+
+def test_no_import_goes_up_a_layer():
+    wrong = []
+    for name, targets in GRAPH.items():
+        here = layer(name)
+        if here == "entry":
+            continue
+        allowed = {"leaf", here} | BELOW.get(here, set())
+        wrong += [f"{name} imports {t}" for t in sorted(targets) if layer(t) not in allowed]
+    assert not wrong, "imports against the layers (see this module's docstring):\n" + "\n".join(wrong)
+
+
+@pytest.mark.parametrize("graph, expected", [
+    ({"a": {"b"}, "b": {"a"}, "c": set()}, [["a", "b"]]),
+    ({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}, [["a", "b", "c"]]),
+    ({"a": {"b"}, "b": set()}, []),
+])
+def test_the_circle_finder_finds_circles(graph, expected):
+    assert circles(graph) == expected
+
+
+def test_the_import_reader_sees_function_level_and_type_checking_imports():
+    assert "hvdtrain.stream.store" in GRAPH["hvdtrain.train.datasets"]  # imported inside load()
+    assert "hvdtrain.doctor.probe" in GRAPH["hvdtrain.launch.runner"]  # `from hvdtrain.doctor import probe`
+
+
+def layout_block() -> dict[str, set[str]]:
+    """The README's Layout block: folder -> the .py files its lines name."""
+    text = (PKG.parent / "README.md").read_text()
+    block = text.split("## Layout", 1)[1].split("```", 2)[1]
+    named: dict[str, set[str]] = {}
+    folder = ""
+    for line in block.splitlines():
+        if line[:1].strip():
+            folder = line.split()[0]
+        named.setdefault(folder, set()).update(re.findall(r"\b(\w+)\.py\b", line))
+    return named
+
+
+def test_the_readme_layout_names_every_module():
+    named = layout_block()
+    missing = [str(p.relative_to(PKG.parent)) for p in MODULES.values()
+               if p.name != "__init__.py" and p.stem not in named.get(str(p.parent.relative_to(PKG.parent)) + "/", ())]
+    assert not missing, f"README's Layout section does not name: {missing}"
