@@ -35,14 +35,14 @@ import socket
 import warnings
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
 from hvdtrain.data import ring, shm
 from hvdtrain.data.boot import producer_main
 from hvdtrain.data.channel import Channel
-from hvdtrain.data.epoch import EpochIterator, Key
+from hvdtrain.data.epoch import EpochIterator, EpochLink, Key
 from hvdtrain.data.lending import Lender
 from hvdtrain.data.lifecycle import (
     LoaderError,
@@ -173,9 +173,10 @@ class ShmLoader:
         # The current iteration's messages received ahead of their turn: its EpochIterator's `stash`, kept here so
         # that the next iteration gives their slots back even if that iterator is gone.
         self._unclaimed: dict[Key, EpochMessage] = {}
-        # Per worker: layout number -> that layout, made ready to read (protocol.Batch).
+        # Per worker, state the EpochIterators use (EpochLink) that outlives them: layout number -> that layout,
+        # made ready to read (protocol.Batch); its ring's `sent` count at our last socket read (NOTE [ring]).
         self._layouts: list[dict[int, shm.Reader]] = [{} for _ in range(num_workers)]
-        self._seen = [0] * num_workers  # per worker: its ring's `sent` count at our last socket read (NOTE [ring])
+        self._seen = [0] * num_workers
         self._res = Resources()
         self._finalizer = weakref.finalize(self, _shut_down, self._res, self._lender)
         self._closed = False
@@ -277,7 +278,7 @@ class ShmLoader:
         self._last_epoch = self.epoch
         if not adopt:
             self._gen += 1
-        it = EpochIterator(self, self._gen, skip)
+        it = EpochIterator(self._link(self._gen), self._gen, skip)
         with self._lender:
             for msg in self._unclaimed.values():  # received by the previous iteration, never yielded
                 if isinstance(msg, Batch):
@@ -288,6 +289,22 @@ class ShmLoader:
                 for w in range(self.num_workers):
                     self._send(w, StartEpoch(self._gen, self.epoch, state))
         return it
+
+    def _link(self, gen: int) -> EpochLink:
+        """What the EpochIterator of iteration `gen` may use of this loader (epoch.py never imports loader.py)."""
+        return EpochLink(
+            rank=self.rank, num_workers=self.num_workers, ordered=self.ordered, timeout=self.timeout,
+            poll_s=self.poll_s, batches_per_epoch=self.batches_per_epoch, conns=self._res.conns,
+            rings=self._res.rings, segments=self._res.segments, watch=self._watch, layouts=self._layouts,
+            seen=self._seen, lender=self._lender, current=lambda: not self._closed and self._gen == gen,
+            epoch=lambda: self.epoch, consumed=lambda: self._consumed, count_consumed=self._count_consumed,
+            finished=self._finished, give_back=self._give_back, grow=self._grow, fail_dead=self._fail_dead)
+
+    def _finished(self, ended: bool) -> None:
+        """An iteration stopped: at its cap, or `ended` (every EpochDone in): NOTE [epoch ahead] (a)."""
+        self._completed_epoch = self.epoch
+        if ended:
+            self._start_ahead()
 
     def _start_ahead(self) -> None:
         """Have the workers start the epoch the next `iter()` is expected to ask for, from its beginning, so that its
@@ -366,7 +383,7 @@ class ShmLoader:
         self._res.segments[slot] = shm.create_segment(max(nbytes, 1))
         self._give_back(slot)
 
-    def _fail_dead(self, w: int, when: str) -> None:
+    def _fail_dead(self, w: int, when: str) -> NoReturn:
         proc = self._res.procs[w]
         proc.join(timeout=1.0)
         msg = (f"data worker {w} (pid {proc.pid}) of rank {self.rank} died with {describe_exit(proc.exitcode)} "

@@ -21,12 +21,14 @@ by it, dropped, and its slot given back. Batch, EpochDone and WorkerFailed are t
 files them under (worker, seq), so a worker's stream is read in order however they arrive.
 Slot ownership and back-pressure: workers.py and NOTE [batch lifetime] in lending.py; how a worker ends: NOTE
 [shutdown] in lifecycle.py.
+
+The one thing a worker asks of a dataset beyond `len()` and indexing, optionally: `PlansEpochs` (at the end).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, TypeGuard, runtime_checkable
 
 from hvdtrain.data.shm import Layout
 
@@ -110,3 +112,26 @@ class WorkerFailed:
 ToWorker = FreeSlot | StartEpoch | Stop
 FromWorker = Batch | GrowSlot | EpochDone | WorkerFailed
 EpochMessage = Batch | EpochDone | WorkerFailed
+
+
+# ---- worker -> dataset ----------------------------------------------------------------------------------------
+
+
+@runtime_checkable
+class PlansEpochs(Protocol):
+    """A dataset that wants to know each epoch's order before it is read (a streamed one fetches shards ahead of
+    it: `hvdtrain.stream.StreamingDataset.plan_epoch`).
+
+    Each producer of a shuffled dataset-mode ShmLoader calls `plan_epoch(seed, epoch, last=..., leads=...)` at the
+    start of every epoch it makes, before its first read (workers.py): the coming reads follow the loader's `order`
+    for (`seed`, `epoch`). `last`: the job's last epoch (the loader's `epochs=`): fetch nothing of a next one ahead;
+    `leads`: this producer makes the rank's first batch of the epoch. A dataset without it is simply read."""
+
+    def plan_epoch(self, seed: int, epoch: int, last: bool = False, leads: bool = True) -> None: ...
+
+
+def plans_epochs(dataset: Any) -> TypeGuard[PlansEpochs]:
+    """Whether `dataset` has a callable `plan_epoch` (PlansEpochs). Looked up as any attribute, unlike
+    `isinstance(dataset, PlansEpochs)` on Python 3.12, which does not ask `__getattr__`: a wrapper that forwards
+    its attributes to a streamed dataset plans as that dataset would."""
+    return callable(getattr(dataset, "plan_epoch", None))

@@ -37,6 +37,7 @@ from hvdtrain.data.protocol import (
     StartEpoch,
     Stop,
     WorkerFailed,
+    plans_epochs,
 )
 from hvdtrain.data.ring import Ring
 from hvdtrain.data.sharding import ShardSampler
@@ -235,10 +236,9 @@ class _Worker:
         if state is not None:
             sampler.load_state_dict(state)
         mine = sampler.batches()[cfg.local_id::cfg.workers_per_rank]  # 0 makes the rank's next batch
-        plan = getattr(cfg.dataset, "plan_epoch", None)
-        if callable(plan) and sampler.shuffle:  # a streamed dataset fetches ahead (hvdtrain.stream.fetcher)
+        if plans_epochs(cfg.dataset) and sampler.shuffle:  # a streamed dataset fetches ahead (hvdtrain.stream.fetcher)
             last = cfg.epochs is not None and sampler.epoch >= cfg.epochs - 1  # the job's last: fetch no more
-            plan(sampler.seed, sampler.epoch, last=last, leads=cfg.local_id == 0 and len(mine) > 0)
+            cfg.dataset.plan_epoch(sampler.seed, sampler.epoch, last=last, leads=cfg.local_id == 0 and len(mine) > 0)
         collate = cfg.collate or default_collate
         for idx in mine:
             if cfg.fetch is not None:
