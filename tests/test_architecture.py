@@ -72,7 +72,7 @@ def layer(name: str) -> str:
     if name in ENTRIES:
         return "entry"
     parts = name.split(".")
-    return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in BELOW) else "?"
+    return parts[1] if len(parts) >= 2 and parts[1] in BELOW else "?"
 
 
 def circles(graph: dict[str, set[str]]) -> list[list[str]]:

@@ -41,14 +41,19 @@ def dataset_dir(root: Path, source: str) -> Path:
     return root / f"{tail or 'dataset'}-{hashlib.sha256(source.encode()).hexdigest()[:12]}"
 
 
-class CacheFull(DataError):
+class CacheError(DataError):
+    """The cache directory cannot be used (not writable, not a directory, full, busy); the message names it and
+    says how to fix it (HVDTRAIN_DATA_CACHE)."""
+
+
+class CacheFull(CacheError):
     """The disk of the cache directory is full (ENOSPC, EDQUOT): `directory`, and the bytes still `free` there."""
 
     directory: Path
     free: int | None
 
 
-class Busy(DataError):
+class Busy(CacheError):
     """Another process holds the lock (and `file_lock` was told not to wait, or waited its whole timeout)."""
 
 
@@ -111,7 +116,7 @@ def ensure(path: Path, produce: Callable[[BinaryIO], None] | None = None, *, tim
     return path, True
 
 
-def _cache_error(e: OSError, path: Path, what: str) -> DataError:
+def _cache_error(e: OSError, path: Path, what: str) -> CacheError:
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
         free = free_bytes(path.parent)
         left = "" if free is None else f"; {free:,} bytes free"
@@ -119,8 +124,8 @@ def _cache_error(e: OSError, path: Path, what: str) -> DataError:
                          f"there, or set {ENV_DIR} to a directory on a bigger disk")
         full.directory, full.free = path.parent, free
         return full
-    return DataError(f"cannot use the cache directory {path.parent} while {what}: {e.strerror or e} "
-                       f"({e.filename or path}); set {ENV_DIR} to a writable local directory")
+    return CacheError(f"cannot use the cache directory {path.parent} while {what}: {e.strerror or e} "
+                      f"({e.filename or path}); set {ENV_DIR} to a writable local directory")
 
 
 def free_bytes(directory: Path) -> int | None:

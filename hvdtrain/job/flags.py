@@ -1,8 +1,8 @@
 """Which spec key sets which horovodrun flag, declared once.
 
-A key that maps to a horovodrun flag is declared in `jobspec.py` with `flag_field(Flag(...), description)`: the
+A key that maps to a horovodrun flag is declared in `model.py` with `flag_field(Flag(...), description)`: the
 `Flag` lives in the field's metadata, leads its description (schema, error messages) and is listed in the JSON
-schema as `x-horovodrun-flags`. `plan.py` emits the flags from it and `spec.py` refuses `extra_args` that would set
+schema as `x-horovodrun-flags`. `plan.py` emits the flags from it and `load.py` refuses `extra_args` that would set
 one of them behind the spec's back, in any spelling horovodrun's argparse accepts (`--flag=value`, an alias, an
 abbreviation such as `--gloo-timeout`, `-Hhost:2`). Nothing here does I/O.
 """

@@ -1,7 +1,7 @@
 """Load a job spec: YAML text (+ `-o key.path=value` overrides) -> a validated `JobSpec`, or a `SpecError`.
 
 Every error names where the bad value came from (`file:line`, or the `-o` override), the key path, the value,
-what is allowed and how to fix it. The models live in `jobspec.py`. Reading files is the only I/O here; nothing
+what is allowed and how to fix it. The models live in `model.py`. Reading files is the only I/O here; nothing
 starts a process or touches the network.
 """
 

@@ -1,6 +1,6 @@
 """The job spec's typed models (pydantic v2): every key a job YAML may hold, with what it allows.
 
-`spec.py` loads YAML into these models and turns validation errors into `file:line` messages; `plan.py` turns a
+`load.py` loads YAML into these models and turns validation errors into `file:line` messages; `plan.py` turns a
 `JobSpec` into horovodrun's argv. Relative paths are resolved against the spec file's folder (the validation
 context's `base_dir`). Nothing here starts a process or touches the network.
 """

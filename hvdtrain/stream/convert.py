@@ -120,8 +120,8 @@ def convert(src: Path, dst: Path, *, shard_bytes: int = DEFAULT_SHARD_BYTES, com
             image_size: tuple[int, int] | None = None, val_fraction: float = 0.0, progress: bool = True,
             shuffle: bool = True, seed: int = 0) -> Summary:
     """Write `src` (see the module docstring) as an MDS dataset root in `dst`, which must not exist or be empty;
-    each split in a uniform shuffle drawn from `seed` unless `shuffle` is False. StreamError naming the file and what
-    is wrong for bad input, raised before anything is written where possible."""
+    each split in a uniform shuffle drawn from `seed` unless `shuffle` is False. A DataError (StreamError,
+    DatasetError) naming the file and what is wrong for bad input, raised before anything is written where possible."""
     src, dst = Path(src), Path(dst)
     try:
         if compression is not None:
