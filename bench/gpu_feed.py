@@ -42,7 +42,7 @@ import pytorch_train as recipe  # noqa: E402  (the recipe is a script beside its
 from hvdtrain.data import DevicePrefetcher, ShmLoader  # noqa: E402
 from hvdtrain.datasets import arrays  # noqa: E402
 from hvdtrain.train.precision import Precision, prepare_model  # noqa: E402
-from hvdtrain.train.torchkit import Meters, lr_schedule, pin_device, sgd  # noqa: E402
+from hvdtrain.train.torchkit import Meters, setup_process, sgd  # noqa: E402
 
 FEEDS = ("resident", "hvdtrain", "memcpy", "dataloader")
 
@@ -260,12 +260,15 @@ def main(argv: list[str] | None = None) -> int:
                         num_workers=args.num_workers, precision=args.precision, channels_last=args.channels_last,
                         compile=args.compile, resume=False, progress=False, tensorboard=False,
                         run_dir=str(REPO / "bench" / "out" / "gpu_feed"))
-    device = pin_device(hvd.local_rank(), hvd.local_size(), cfg.threads)
+    if torch.cuda.is_available():  # as the recipe's main() does: the local rank's GPU, hvdtrain's set-up
+        torch.cuda.set_device(hvd.local_rank())
+    device = torch.device("cuda", hvd.local_rank()) if torch.cuda.is_available() else torch.device("cpu")
+    setup_process(cfg.threads, hvd.local_size())
     splits = cfg.load_data()
     torch.manual_seed(cfg.seed)
     model = recipe.make_model("resnet", splits.sample_shape, splits.num_classes, cfg.model_width).to(device)
     net, precision = prepare_model(model, cfg.channels_last, cfg.compile), Precision(cfg.precision, device)
-    schedule = lr_schedule(cfg, hvd.size())
+    schedule = recipe.lr_schedule(cfg, cfg.base_lr * hvd.size() * cfg.backward_passes_per_step)  # the recipe's LR
     optimizer = hvd.DistributedOptimizer(sgd(cfg, model, schedule.lr_at(0)), named_parameters=model.named_parameters())
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     feeds = make_feeds(cfg, splits, device)

@@ -93,7 +93,7 @@ def recipe_side(args: argparse.Namespace, dataset: str, run_dir: Path) -> tuple[
     from hvdtrain.data import DevicePrefetcher, ShmLoader
     from hvdtrain.datasets import arrays
     from hvdtrain.train.precision import Precision
-    from hvdtrain.train.torchkit import Meters, epoch_seed, lr_schedule, model_name, pin_device, sgd
+    from hvdtrain.train.torchkit import Meters, epoch_seed, model_name, setup_process, sgd
 
     if str(RECIPES) not in sys.path:
         sys.path.insert(0, str(RECIPES))
@@ -105,12 +105,15 @@ def recipe_side(args: argparse.Namespace, dataset: str, run_dir: Path) -> tuple[
         synthetic_samples=args.batch_size * args.num_batches_per_iter * size, num_classes=args.num_classes,
         batch_size=args.batch_size, epochs=1 + args.num_iters, warmup_epochs=0.0, num_workers=args.num_workers,
         resume=False, progress=False, tensorboard=False, run_dir=str(run_dir))
-    device = pin_device(hvd.local_rank(), hvd.local_size(), cfg.threads)  # as the recipe's main() does
+    if torch.cuda.is_available():  # as the recipe's main() does: the local rank's GPU, hvdtrain's set-up
+        torch.cuda.set_device(hvd.local_rank())
+    device = torch.device("cuda", hvd.local_rank()) if torch.cuda.is_available() else torch.device("cpu")
+    setup_process(cfg.threads, hvd.local_size())
     splits = cfg.load_data()
     torch.manual_seed(cfg.seed)
     model = recipe.make_model(model_name(cfg, splits), splits.sample_shape, splits.num_classes,
                               cfg.model_width).to(device)
-    schedule = lr_schedule(cfg, size)
+    schedule = recipe.lr_schedule(cfg, cfg.base_lr * size * cfg.backward_passes_per_step)  # the recipe's LR
     optimizer = hvd.DistributedOptimizer(
         sgd(cfg, model, schedule.lr_at(0)), named_parameters=model.named_parameters(),
         compression=hvd.Compression.fp16 if cfg.fp16_allreduce else hvd.Compression.none,

@@ -2,7 +2,7 @@
 
     bash bench/b6/setup.sh                                  # the peers' venv, .venv-bench (once, ~3 min)
     .venv/bin/python bench/streaming_vs_peers.py            # as root: 4 GiB per variant, both variants (long)
-    .venv/bin/python bench/streaming_vs_peers.py --gib 1 --shard-mib 16   # what the README reports (~40 min)
+    .venv/bin/python bench/streaming_vs_peers.py --gib 1 --shard-mib 16   # docs/performance.md: B6 (~40 min)
     .venv/bin/python bench/streaming_vs_peers.py --render bench/out/streaming_vs_peers.json   # the tables again
 
 The same synthetic records (`bench/b6/_harness.py`: x incompressible bytes, y its index), ~100 KiB ("100k", like

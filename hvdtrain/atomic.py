@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import tempfile
+import secrets
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
@@ -12,13 +12,12 @@ from typing import BinaryIO
 TMP_MARK = ".tmp-"  # temp files are named .<name>.tmp-XXXX in the target's directory
 
 
-def atomic_write(path: Path | str, write: Callable[[BinaryIO], None]) -> Path:
+def atomic_write(path: Path | str, write: Callable[[BinaryIO], object]) -> Path:
     """Write a file atomically: temp file in the same directory, fsync, os.replace, fsync the directory."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}{TMP_MARK}")
+    fd, tmp = _create_temp(path)
     try:
-        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; give the file the usual permissions
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
@@ -32,10 +31,14 @@ def atomic_write(path: Path | str, write: Callable[[BinaryIO], None]) -> Path:
     return path
 
 
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
+def _create_temp(path: Path) -> tuple[int, str]:
+    """A new empty file next to `path`, made with mode 0666 so that the kernel applies the process's umask: the
+    file gets the usual permissions (mkstemp makes 0600, and reading the umask means setting it, process-wide)."""
+    for _ in range(100):
+        tmp = str(path.parent / f".{path.name}{TMP_MARK}{secrets.token_hex(4)}")
+        with contextlib.suppress(FileExistsError):
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666), tmp
+    raise FileExistsError(f"no free temporary name next to {path} after 100 tries")
 
 
 def _fsync_dir(directory: Path) -> None:

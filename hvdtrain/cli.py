@@ -15,7 +15,7 @@ example:
   hvdtrain data verify ./mds
   hvdtrain run jobs/digits.yaml
 
-`hvdtrain COMMAND --help` describes each command; the README has the rest.
+`hvdtrain COMMAND --help` describes each command; the README and its docs/ pages have the rest.
 """
 
 # Developer notes: this module parses argv, calls one function per command and maps errors to exit codes
@@ -27,10 +27,14 @@ import argparse
 import functools
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from hvdtrain import __version__, exitcodes
 from hvdtrain.data.errors import DataError
+
+if TYPE_CHECKING:
+    from hvdtrain.job.model import JobSpec
 
 REQUIRABLE = ("mpi", "nccl", "tensorflow")
 
@@ -66,7 +70,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     return doctor(args.require, as_json=args.json, more=more)
 
 
-def _load(args: argparse.Namespace):
+def _load(args: argparse.Namespace) -> JobSpec:
     from hvdtrain.job.load import load_spec_file
 
     return load_spec_file(args.job, args.override, check_files=True)
@@ -106,7 +110,9 @@ def check_run_dir(script_args: list[str]) -> None:
     from hvdtrain.rundir import busy_message, held_here, run_dir_arg
 
     run_dir = run_dir_arg(script_args)
-    holder = held_here(run_dir) if run_dir else None
+    if not run_dir:
+        return
+    holder = held_here(run_dir)
     if holder is not None:
         raise LaunchError(busy_message(run_dir, holder))
 
@@ -120,11 +126,11 @@ def _cmd_schema(args: argparse.Namespace) -> int:
     return 0
 
 
-def _convert_arg(name: str):
+def _convert_arg(name: str) -> Callable[[str], Any]:
     """An argparse `type` calling hvdtrain.stream.convert's parser `name` (imported when used: numpy is slow to
     import); its ValueError becomes argparse's error, exit 2."""
 
-    def parse(text: str):
+    def parse(text: str) -> Any:
         from hvdtrain.stream import convert
 
         try:
@@ -225,7 +231,7 @@ def _cmd_data_upload(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_data_parser(sub: argparse._SubParsersAction) -> None:
+def _add_data_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from pathlib import Path
 
     data = sub.add_parser("data", help="convert, verify, inspect and upload datasets of MDS shards (streamed "
@@ -367,8 +373,9 @@ def _main(argv: Sequence[str] | None) -> int:
     from hvdtrain.job.load import SpecError
     from hvdtrain.launch.runner import LaunchError
 
+    func: Callable[[argparse.Namespace], int] = args.func  # set_defaults(func=...) of each subcommand
     try:
-        return args.func(args)
+        return func(args)
     except (SpecError, HostError) as exc:
         print(exc, file=sys.stderr)
         return exitcodes.INVALID_INPUT

@@ -1,5 +1,5 @@
 """The exit codes of `hvdtrain` and of the recipes beyond 0 (done) and 1 (an unexpected error, with its traceback);
-the README lists them all."""
+docs/recipes.md (the recipes' 2, 3) and docs/jobs.md (`hvdtrain run`'s 124, 128+N) list them."""
 
 INVALID_INPUT = 2  # bad input (spec, hostfile, CLI, data, a busy run directory), reported before anything starts
 DIVERGED = 3  # training went NaN/Inf (hvdtrain.train.divergence)

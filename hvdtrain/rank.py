@@ -47,7 +47,7 @@ USAGE = "usage: python -m hvdtrain.rank SCRIPT [ARGS...]  (runs `python SCRIPT A
 MAIN_MODULE = "hvdtrain.rank_main"  # runs SCRIPT as `python SCRIPT` would and notes the exception that ends it
 
 
-def supervise(child: subprocess.Popen, watched: tuple[int, ...]) -> int | None:
+def supervise(child: subprocess.Popen[bytes], watched: tuple[int, ...]) -> int | None:
     """Wait for the rank; returns its returncode, or None when the job's output reader went away first."""
     while True:
         try:
@@ -58,7 +58,7 @@ def supervise(child: subprocess.Popen, watched: tuple[int, ...]) -> int | None:
             return None
 
 
-def end_orphan(child: subprocess.Popen) -> int:
+def end_orphan(child: subprocess.Popen[bytes]) -> int:
     """The job is gone: SIGTERM the rank, SIGKILL it after GRACE_S; its returncode."""
     child.terminate()
     try:
@@ -101,8 +101,8 @@ def main(argv: list[str]) -> NoReturn:
 
     for signum in FORWARDED:
         signal.signal(signum, forward)
-    for signum in pending:
-        forward(signum, None)
+    for early in pending:
+        forward(early, None)
     returncode = supervise(child, watched)
     if returncode is None:
         returncode = end_orphan(child)

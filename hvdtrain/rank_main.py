@@ -36,7 +36,7 @@ def _load(path: str) -> types.CodeType:
     return compile(source, path, "exec", dont_inherit=True)
 
 
-def _user_frames(exc: BaseException, script: str):
+def _user_frames(exc: BaseException, script: str) -> types.TracebackType | None:
     """The traceback from the script's first frame on (this module's frame dropped)."""
     tb = exc.__traceback__
     while tb is not None and tb.tb_frame.f_code.co_filename != script:

@@ -24,6 +24,7 @@ import traceback
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import Any
 
 ENV = "HVDTRAIN_RECORDS"
 TRACEBACK_CHARS = 8000  # the end of a long traceback is the part that names the error
@@ -50,7 +51,7 @@ class RankRecord:
         return self.signum is not None or self.code not in (0, None)
 
     @classmethod
-    def from_json(cls, data: Mapping) -> RankRecord:
+    def from_json(cls, data: Mapping[str, Any]) -> RankRecord:
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in names})
 
@@ -82,7 +83,7 @@ def _name(kind: str, pid: int, env: Mapping[str, str] = os.environ) -> str:
     return f"{kind}.{host}.{local}.{pid}.json"
 
 
-def _write_json(path: Path, data: dict) -> None:
+def _write_json(path: Path, data: dict[str, Any]) -> None:
     """Write atomically (a reader never sees half a record); a record that cannot be written is not an error."""
     tmp = path.with_name(f".{path.name}.tmp")
     try:

@@ -35,7 +35,8 @@ class RunDirLock:
     """An exclusive lock on a run directory, held until release() or until this process ends."""
 
     def __init__(self, path: Path, fd: int) -> None:
-        self.path, self._fd = path, fd
+        self.path = path
+        self._fd: int | None = fd  # None once released
 
     def release(self) -> None:
         if self._fd is not None:

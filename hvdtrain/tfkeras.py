@@ -1,4 +1,5 @@
-"""Import TensorFlow with Keras 2 (tf_keras) for Horovod, and refuse Keras 3 with a clear error.
+"""Import TensorFlow and check that tf.keras is a Keras 2 (tf_keras) Horovod can use; refuse Keras 3 with a clear
+error.
 
 Why: `horovod.tensorflow.keras` (0.28.1) was written for Keras 2. From TF 2.16 `tf.keras` is Keras 3 unless
 `TF_USE_LEGACY_KERAS=1` is set *before tensorflow is imported* and the `tf-keras` package (same minor version as
@@ -6,9 +7,11 @@ TF) is installed. Under Keras 3, `BroadcastGlobalVariablesCallback` crashes (Hor
 `hvd.DistributedOptimizer` wraps without error but does not average gradients: Keras 3's `train_step` bypasses
 the hooks it overrides, so the ranks silently drift apart. hvdtrain never lets a run reach that path:
 
-- `import_tensorflow()` sets `TF_USE_LEGACY_KERAS=1` (unless the user set it already), imports TF and checks
-  which Keras `tf.keras` is; Keras 3 raises `KerasVersionError` naming the fix.
-- `import_horovod_keras()` does that, then imports `horovod.tensorflow.keras`.
+- The process's entry point selects Keras 2 itself, visibly, before anything imports TensorFlow:
+  `os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")` (recipes/keras_train.py's main(), doctor's probe). This
+  module never sets it: it is process-wide configuration, the entry point's to make.
+- `import_tensorflow()` imports TF and checks which Keras `tf.keras` is; Keras 3 raises `KerasVersionError` naming
+  the fix (also when TensorFlow was imported before the variable was set: TF reads it once, at import).
 
 The Horovod that scripts/setup.sh builds guards itself too, for scripts that never import hvdtrain (its patch):
 every entry point of its Keras integration raises `UnsupportedKerasError` on a Keras 3 object, and its modules bind
@@ -28,6 +31,7 @@ from types import ModuleType
 from typing import Any
 
 LEGACY_ENV = "TF_USE_LEGACY_KERAS"
+LEGACY_VALUES = ("1", "true", "True")  # what TensorFlow reads as "use tf_keras"
 
 
 class KerasVersionError(RuntimeError):
@@ -74,7 +78,7 @@ def keras_verdict(info: KerasInfo, env_value: str | None) -> str | None:
     why = (f"tf.keras is {info.describe()}, but horovod.tensorflow.keras needs Keras 2: under Keras 3 "
            "hvd.DistributedOptimizer silently does not average gradients (the ranks drift apart) and "
            "BroadcastGlobalVariablesCallback fails (Horovod issue #4290)")
-    if env_value is not None and env_value not in ("1", "true", "True"):
+    if env_value is not None and env_value not in LEGACY_VALUES:
         why += f"; {LEGACY_ENV}={env_value!r} is set in the environment, which selects Keras 3"
     return f"{why}. Fix: {fix_text(info.tf_version)}"
 
@@ -102,42 +106,20 @@ def _dist_version(package: str) -> str:
         return "unknown"
 
 
-def prepare_env(set_legacy: bool = True) -> str | None:
-    """Set TF_USE_LEGACY_KERAS=1 unless already set (a user's explicit value is kept, and judged later).
-
-    TensorFlow reads the variable once, when `tf.keras` is first resolved (lazily, on first use; in practice: at
-    import, as Horovod and most code touch tf.keras right away). If that already happened with Keras 3 selected,
-    setting it now would change nothing: KerasVersionError.
-    """
-    if set_legacy:
-        os.environ.setdefault(LEGACY_ENV, "1")
-    value = os.environ.get(LEGACY_ENV)
-    tf = sys.modules.get("tensorflow")
-    if tf is not None:
-        verdict = keras_verdict(keras_info(tf), value)
-        if verdict:
-            raise KerasVersionError(f"tf.keras was used before hvdtrain.tfkeras could set {LEGACY_ENV}=1: "
-                                    f"{verdict} — import hvdtrain.tfkeras first")
-    return value
-
-
-def import_tensorflow(set_legacy: bool = True) -> Any:
-    """`import tensorflow` with Keras 2 as tf.keras; KerasVersionError (with the fix) on Keras 3."""
+def import_tensorflow() -> Any:
+    """`import tensorflow`, checked: tf.keras must be Keras 2, else KerasVersionError with the fix. Selecting
+    Keras 2 (TF_USE_LEGACY_KERAS=1 before TensorFlow is imported) is the caller's entry point's job."""
     if importlib.util.find_spec("tensorflow") is None:
         raise KerasVersionError("TensorFlow is not installed; fix: pip install tensorflow-cpu (or tensorflow) "
                                 "and the matching tf-keras, then rebuild Horovod with scripts/setup.sh")
-    value = prepare_env(set_legacy)
+    imported_before = "tensorflow" in sys.modules
     import tensorflow as tf
 
+    value = os.environ.get(LEGACY_ENV)
     verdict = keras_verdict(keras_info(tf), value)
+    if verdict and imported_before and value in LEGACY_VALUES:
+        raise KerasVersionError(f"TensorFlow was imported before {LEGACY_ENV}=1 was set (TensorFlow reads it once, "
+                                f"at import): {verdict} — set it before anything imports tensorflow")
     if verdict:
         raise KerasVersionError(verdict)
     return tf
-
-
-def import_horovod_keras(set_legacy: bool = True) -> tuple[Any, Any]:
-    """(tensorflow, horovod.tensorflow.keras), guarded against Keras 3."""
-    tf = import_tensorflow(set_legacy)
-    import horovod.tensorflow.keras as hvd
-
-    return tf, hvd

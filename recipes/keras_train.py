@@ -11,39 +11,43 @@ Other data:
     horovodrun -np 4 -H host1:2,host2:2 python recipes/keras_train.py --dataset /data/shards --epochs 30
 
 Keras 2 only: `horovod.tensorflow.keras` does not work with Keras 3 (TF >= 2.16's default `tf.keras`): its
-DistributedOptimizer silently stops averaging gradients. This script sets `TF_USE_LEGACY_KERAS=1` before TensorFlow
-is imported (so `tf.keras` is the `tf-keras` package, which must match TF's minor version) and stops with the fix
-if `tf.keras` is still Keras 3 (see hvdtrain/tfkeras.py). `--dataset`, resume and `--run-dir` work as in
+DistributedOptimizer silently stops averaging gradients. main() sets `TF_USE_LEGACY_KERAS=1` (unless set) before
+TensorFlow is imported (so `tf.keras` is the `tf-keras` package, which must match TF's minor version) and stops with
+the fix if `tf.keras` is still Keras 3 (see hvdtrain/tfkeras.py). `--dataset`, resume and `--run-dir` work as in
 recipes/pytorch_train.py (a directory, an MDS dataset root or its URL: the same loader, sharding and node cache
 as the PyTorch recipes); re-running the same command resumes from the newest intact checkpoint. `--help` lists all.
 
 What each rank does, in order (Horovod's six Keras steps, plus resume):
+ 0. Select Keras 2 (TF_USE_LEGACY_KERAS=1 unless set), import TensorFlow and horovod.tensorflow.keras.
  1. hvd.init(); pin one GPU per process (visible device = local rank, memory growth), or on CPU split the
     cores between the local ranks (tf.config.threading); rank 0 locks the run directory (a second job on it
     stops with exit 2, naming the holder).
- 2. Each rank's shard of the training set (hvdtrain's ShardSampler: the same steps on every rank) from the
-    loader's producer processes (ShmLoader: batches read, checked and moved to N×H×W×C there, an MDS dataset or
-    URL streamed with fetch ahead) through tf.data (to_tf_dataset), one loader epoch per Keras epoch; this
-    rank's share of the validation set read in the trainer, batch by batch.
- 3. LR = base LR × world size; wrap the optimizer in hvd.DistributedOptimizer.
+ 2. The model; LR = base LR × world size; wrap the optimizer in hvd.DistributedOptimizer.
+ 3. Resume: rank 0 loads the newest checkpoint; the epoch and history are broadcast, the weights and optimizer
+    state too (before fit, and by the callback after the first batch).
  4. Callbacks in Horovod's order: BroadcastGlobalVariablesCallback(0), MetricAverageCallback(),
     LearningRateScheduleCallback (the PyTorch recipe's warmup and milestones); a NaN/Inf check of the weights
     after each step (every rank stops at the same step, exit 3); then, on rank 0 only, checkpoints and TensorBoard.
- 5. Resume: rank 0 loads the newest checkpoint; the epoch is broadcast; the weights follow by the callback.
- 6. Rank 0 writes <run-dir>/summary.json; every rank checks that the weights are identical everywhere.
+    Then fit on each rank's shard of the training set (hvdtrain's ShardSampler: the same steps on every rank) from
+    the loader's producer processes (ShmLoader: batches read, checked and moved to N×H×W×C there, an MDS dataset
+    or URL streamed with fetch ahead) through tf.data (to_tf_dataset), one loader epoch per Keras epoch; this
+    rank's share of the validation set read in the trainer, batch by batch.
+ 5. Rank 0 writes <run-dir>/summary.json; every rank checks that the weights are identical everywhere.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from hvdtrain import rundir, tfkeras
-from hvdtrain.data import ShmLoader, expected_batches, sweep_stale_segments
-from hvdtrain.train import checkpoint, layout
+from hvdtrain.data import ShmLoader, expected_batches
+from hvdtrain.datasets import arrays
+from hvdtrain.train import layout
 from hvdtrain.train.config import RecipeConfig, parse_config
 from hvdtrain.train.entry import exit_with
 from hvdtrain.train.lr import LRSchedule, scaled_epochs
@@ -74,13 +78,28 @@ class Config(RecipeConfig):
         if not (self.base_lr > 0 and math.isfinite(self.base_lr)):
             raise ValueError(f"--base-lr must be a finite number > 0, got {self.base_lr}")
         try:  # the schedule checks its own values; say which flags they came from
-            LRSchedule(self.base_lr, warmup_epochs=self.warmup_epochs, milestones=self.lr_milestones,
-                       gamma=self.lr_gamma)
+            LRSchedule(peak_lr=self.base_lr, start_lr=self.base_lr, warmup_epochs=self.warmup_epochs,
+                       milestones=self.lr_milestones, gamma=self.lr_gamma)
         except ValueError as e:
-            raise ValueError(f"LR flags (--base-lr, --warmup-epochs, --lr-milestones, --lr-gamma): {e}") from None
+            raise ValueError(f"LR flags (--warmup-epochs, --lr-milestones, --lr-gamma): {e}") from None
 
 
-def lr_callbacks(hvd: Any, schedule: LRSchedule, steps: int) -> list[Any]:
+def import_tensorflow() -> Any:
+    """TensorFlow, its tf.keras checked to be Keras 2 (tf_keras); else stop with the fix (exit 1)."""
+    try:
+        return tfkeras.import_tensorflow()
+    except tfkeras.KerasVersionError as exc:
+        sys.exit(f"{Path(__file__).name}: error: {exc}")
+
+
+def lr_schedule(cfg: Config, lr: float) -> LRSchedule:
+    """Per step: a linear warmup over --warmup-epochs from the single-worker LR (lr / size) up to the scaled `lr`
+    (Goyal et al.; Horovod's LearningRateWarmupCallback), then × --lr-gamma from each --lr-milestones epoch."""
+    return LRSchedule(peak_lr=lr, start_lr=cfg.base_lr, warmup_epochs=cfg.warmup_epochs,
+                      milestones=cfg.lr_milestones, gamma=cfg.lr_gamma)
+
+
+def lr_callback(hvd: Any, schedule: LRSchedule, steps: int) -> Any:
     # Horovod: the LR of every step: scaled by the world size, ramped up linearly over the warmup epochs (Goyal et
     # al.), × gamma from each milestone on. One LearningRateScheduleCallback with the PyTorch recipe's schedule
     # (hvdtrain/train/lr.py), evaluated at each step's end as there: Horovod's own warmup callback plus a constant
@@ -93,118 +112,86 @@ def lr_callbacks(hvd: Any, schedule: LRSchedule, steps: int) -> list[Any]:
         epoch = int(at)
         return schedule.lr_for_step(epoch, min(round((at - epoch) * steps), steps - 1), steps) / peak
 
-    return [hvd.callbacks.LearningRateScheduleCallback(
-        initial_lr=peak, multiplier=multiplier, staircase=False, steps_per_epoch=steps, momentum_correction=False)]
+    return hvd.callbacks.LearningRateScheduleCallback(
+        initial_lr=peak, multiplier=multiplier, staircase=False, steps_per_epoch=steps, momentum_correction=False)
 
 
-def main(argv: list[str] | None = None) -> int:
-    cfg = parse_config(Config, argv, description=__doc__.split("\n\n")[0])
-    try:
-        # Horovod: Keras 2 for horovod.tensorflow.keras — TF_USE_LEGACY_KERAS=1 before TensorFlow is imported;
-        # stop with the fix on Keras 3 (where DistributedOptimizer would silently not average gradients).
-        tf, hvd = tfkeras.import_horovod_keras()
-    except tfkeras.KerasVersionError as exc:
-        sys.exit(f"{Path(__file__).name}: error: {exc}")
-    import horovod.tensorflow as hvd_tf  # broadcast_object / allgather_object
+# The helpers below run inside main(), after it imported TensorFlow with Keras 2 selected: they import keraskit
+# (which imports TensorFlow) there, not at the top of this file: importing the recipe, or --help, imports no
+# TensorFlow.
 
-    from hvdtrain.train import keraskit  # TensorFlow is imported (as above) by now
+def build_model(cfg: Config, splits: arrays.Splits) -> Any:
+    """The model for N×H×W×C batches, its weights seeded alike on every rank (rank 0's are broadcast anyway)."""
+    from hvdtrain.train import keraskit
 
-    # ---- 1. processes and devices
-    hvd.init()  # Horovod: join the job; rank/size come from horovodrun (or mpirun).
-    rank, size = hvd.rank(), hvd.size()
-    sweep_stale_segments()  # /dev/shm segments a crashed earlier run left (dead creator pid, older than 60 s)
-    # Horovod: pin one GPU per process (visible device = local rank); on CPU, split this host's cores between its
-    # ranks.
-    device = keraskit.pin_device(hvd.local_rank(), hvd.local_size(), cfg.threads)
-    run_dir = Path(cfg.run_dir).absolute()
-    # Horovod: rank 0 alone writes the run directory; it locks it for the job's life, and a broadcast tells every
-    # rank whether another job holds it (then all stop here with exit 2, before reading or writing anything).
-    run_lock = rundir.claim(run_dir, rank, lambda v: hvd_tf.broadcast_object(v, root_rank=0, name="run_dir.lock"))
+    keraskit.tf.keras.utils.set_random_seed(cfg.seed)
+    return keraskit.build_model(layout.channels_last_shape(splits.train.sample_shape), splits.num_classes, cfg.width)
 
-    # ---- 2. data
-    splits = cfg.load_data()
-    # Horovod: each rank reads only its shard (ShardSampler: strided over a per-epoch permutation that is the same
-    # on every rank; padded so that every rank runs the same number of steps — an uneven shard would leave one
-    # rank waiting in an allreduce). The loader that reads it is started in step 5, when there is training to do.
-    sample_shape = layout.channels_last_shape(splits.train.sample_shape)
-    steps = expected_batches(len(splits.train), size, cfg.batch_size)
 
-    # ---- 3. model, LR, optimizer
-    tf.keras.utils.set_random_seed(cfg.seed)
-    model = keraskit.build_model(sample_shape, splits.num_classes, cfg.width)
-    # Horovod: scale the LR by the number of workers (the effective batch is size × larger; Goyal et al.).
-    schedule = LRSchedule(cfg.base_lr, size, warmup_epochs=cfg.warmup_epochs, milestones=cfg.lr_milestones,
-                          gamma=cfg.lr_gamma)
-    lr = schedule.lr_at(0)
-    # Horovod: wrap the optimizer: gradients are averaged over all ranks by allreduce before they are applied.
-    opt = hvd.DistributedOptimizer(tf.keras.optimizers.SGD(learning_rate=lr, momentum=cfg.momentum),
-                                   compression=hvd.Compression.fp16 if cfg.fp16_allreduce else hvd.Compression.none)
-    model.compile(optimizer=opt, loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+def compile_model(model: Any, optimizer: Any) -> None:
+    """Compile with `optimizer`, and create its variables (momentum, iterations) now, before fit, the same way on every
+    rank: rank 0 must have them to restore into, and BroadcastGlobalVariablesCallback matches variables across ranks
+    by name (variables created here and ones created lazily inside fit are named differently: the broadcast would
+    hang)."""
+    from hvdtrain.train import keraskit
+
+    model.compile(optimizer=optimizer, loss=keraskit.tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=["accuracy"])
-    # Horovod: scale the epochs by the world size if asked (Horovod's Keras examples do).
-    epochs = scaled_epochs(cfg.epochs, size, cfg.scale_epochs_by_size)
-
-    # ---- 4. resume: rank 0 restores the newest intact checkpoint
-    # Create the optimizer's variables (momentum, iterations) the same way on every rank, before fit: rank 0 must
-    # have them to restore into, and BroadcastGlobalVariablesCallback matches variables across ranks by name
-    # (variables created here and ones created lazily inside fit are named differently: the broadcast would hang).
     model.optimizer.build(model.trainable_variables)
-    first, rows = 0, []
-    if rank == 0 and cfg.resume:
-        found = checkpoint.find_latest(run_dir / "checkpoints", keraskit.read_npz,
-                                       required_keys=("model", "optimizer", "history"),
-                                       warn=lambda msg: print(f"WARNING: {msg}", flush=True))
-        if found is not None:
-            model.set_weights(found.state["model"])
-            model.optimizer.set_weights(found.state["optimizer"])
-            first, rows = found.epoch, list(found.state["history"])
-            print(f"resuming from {found.path} (epoch {found.epoch} done)", flush=True)
-    # Horovod: every rank starts at rank 0's epoch and history, and with rank 0's weights and optimizer state.
-    # BroadcastGlobalVariablesCallback does the latter only after the first batch, whose averaged gradient would
-    # then include other ranks' gradients at their own (fresh) weights: on resume, broadcast before fit as well.
-    first = hvd_tf.broadcast_object(first, root_rank=0, name="resume.epoch")
-    history = History(hvd_tf.broadcast_object(rows, root_rank=0, name="resume.history"))
-    if first:
-        hvd_tf.broadcast_variables(model.variables + list(model.optimizer.variables), root_rank=0)
-    log(rank, f"{size} ranks on {device}  dataset {splits.name}: {len(splits.train)} train / {len(splits.val)} "
-              f"val  {tfkeras.keras_info(tf).describe()}  epochs {first + 1}..{epochs}  batch {cfg.batch_size}×{size} "
-              f"ranks  {steps} steps/epoch  peak lr {schedule.peak_lr:g}")
 
-    # ---- 5. callbacks in Horovod's order, then fit
-    samples = math.ceil(len(splits.train) / size) * size  # per epoch, over all ranks
-    recorder = keraskit.Recorder(history, samples, rank, epochs, cfg.stop_after_epoch)
-    callbacks = [
-        # Horovod: after the first batch, copy rank 0's weights and optimizer state to every rank (random init,
-        # or the checkpoint rank 0 resumed from).
-        hvd.callbacks.BroadcastGlobalVariablesCallback(0),
-        # Horovod: average the epoch's metrics (loss, accuracy, val_*) over all ranks before anything logs them.
-        hvd.callbacks.MetricAverageCallback(),
-        *lr_callbacks(hvd, schedule, steps),
-        # NaN/Inf in the weights after a step or in an epoch's averaged loss: every rank stops at the same step,
-        # before the epoch is recorded or checkpointed (NOTE [divergence checks] in hvdtrain/train/divergence.py).
-        *([keraskit.StopOnNonFinite(steps)] if cfg.check_finite else []),
-        recorder,
-    ]
-    if rank == 0:  # Horovod: checkpoints and TensorBoard on rank 0 only (every rank holds the same weights).
-        callbacks.append(keraskit.Checkpoint(run_dir / "checkpoints", cfg.keep_checkpoints, history))
-        if cfg.tensorboard:
-            callbacks.append(tf.keras.callbacks.TensorBoard(log_dir=str(run_dir / "tensorboard"), write_graph=False,
-                                                            profile_batch=0))
-    if first < epochs:
-        # Horovod: this rank's shard, built by producer processes into shared memory (an MDS dataset is read there,
-        # shuffle block by shuffle block: `order`) and moved to N×H×W×C there; each Keras epoch is one epoch of the
-        # loader (its set_epoch: the same shuffle on every rank); validation on this rank's share of the validation
-        # split, read here. Leaving the block stops the producers; bad data met in tf.data is re-raised as itself
-        # (exit 2 with its message).
-        with ShmLoader(splits.train, rank=rank, size=size, batch_size=cfg.batch_size, num_workers=cfg.num_workers,
-                       seed=cfg.seed, fetch=layout.take_channels_last, order=splits.train.order,
-                       epochs=epochs) as loader, \
-                keraskit.data_errors_reraised():
-            model.fit(keraskit.train_input(loader, first, epochs, sample_shape), steps_per_epoch=steps,
-                      epochs=epochs, initial_epoch=first, validation_data=keraskit.val_input(splits.val, rank, size),
-                      callbacks=callbacks, verbose=cfg.verbose if rank == 0 else 0)  # Horovod: output on rank 0 only
 
-    # ---- 6. the end
+def start_line(cfg: Config, size: int, where: str, splits: arrays.Splits, first: int, epochs: int, steps: int,
+               lr: float) -> str:
+    from hvdtrain.train import keraskit
+
+    return (f"{size} ranks on {where}  dataset {splits.name}: {len(splits.train)} train / {len(splits.val)} val  "
+            f"{tfkeras.keras_info(keraskit.tf).describe()}  epochs {first + 1}..{epochs}  batch {cfg.batch_size}×"
+            f"{size} ranks  {steps} steps/epoch  peak lr {lr:g}")
+
+
+def rank_0_callbacks(cfg: Config, run_dir: Path, history: History) -> list[Any]:
+    """Atomic checkpoints after each epoch (Keras's ModelCheckpoint writes in place: a crash mid-write would leave a
+    torn file to resume from) and, with --tensorboard, TensorBoard."""
+    from hvdtrain.train import keraskit
+
+    callbacks = [keraskit.Checkpoint(run_dir / "checkpoints", cfg.keep_checkpoints, history)]
+    if cfg.tensorboard:
+        callbacks.append(keraskit.tf.keras.callbacks.TensorBoard(log_dir=str(run_dir / "tensorboard"),
+                                                                 write_graph=False, profile_batch=0))
+    return callbacks
+
+
+def fit(cfg: Config, model: Any, splits: arrays.Splits, rank: int, size: int, first: int, epochs: int, steps: int,
+        callbacks: list[Any]) -> None:
+    """Keras epochs first..epochs-1 on this rank's shard of the training set, validating on its share of the
+    validation split."""
+    from hvdtrain.train import keraskit
+
+    # Horovod: each rank reads only its shard (ShardSampler: strided over a per-epoch permutation that is the same on
+    # every rank; padded so that every rank runs the same `steps`: an uneven shard would leave one rank waiting in an
+    # allreduce), built by producer processes into shared memory (an MDS dataset is read there, shuffle block by
+    # shuffle block: `order`) and moved to N×H×W×C there; each Keras epoch is one epoch of the loader (its
+    # set_epoch: the same shuffle on every rank). Leaving the block stops the producers; bad data met in tf.data is
+    # re-raised as itself (exit 2 with its message).
+    with ShmLoader(splits.train, rank=rank, size=size, batch_size=cfg.batch_size, num_workers=cfg.num_workers,
+                   seed=cfg.seed, fetch=layout.take_channels_last, order=splits.train.order,
+                   epochs=epochs) as loader, keraskit.data_errors_reraised():
+        train = keraskit.train_input(loader, first, epochs, layout.channels_last_shape(splits.train.sample_shape))
+        model.fit(train, steps_per_epoch=steps, epochs=epochs, initial_epoch=first,
+                  validation_data=keraskit.val_input(splits.val, rank, size), callbacks=callbacks,
+                  verbose=cfg.verbose if rank == 0 else 0)  # Horovod: output on rank 0 only
+
+
+def finish(cfg: Config, run_dir: Path, splits: arrays.Splits, model: Any, lr: float, first: int, epochs: int,
+           history: History, recorder: Any, run_lock: rundir.RunDirLock | None) -> None:
+    """Every rank: compare the weights; rank 0: summary.json, or nothing if this run trained nothing; then the run
+    directory is released."""
+    import horovod.tensorflow as hvd_tf
+    import horovod.tensorflow.keras as hvd
+
+    from hvdtrain.train import keraskit
+
+    tf, rank, size = keraskit.tf, hvd.rank(), hvd.size()
     # Horovod: every rank must end with identical weights; gather each rank's digest and compare.
     digests = hvd_tf.allgather_object(keraskit.weights_digest(model), name="final.digest")
     log(rank, same_weights(digests, size))
@@ -215,8 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         # Horovod: rank 0 writes the summary, with what the run was; its world: hvd.size() ranks, hvd.local_size()
         # on this host, on hvd.cross_size() hosts (the ranks whose local rank is 0, as this one's).
         keras = tfkeras.keras_info(tf)  # tf_keras (Keras 2), its version
-        config = run_config(cfg, splits, model=keraskit.model_info(model, cfg.width), epochs=epochs,
-                            peak_lr=schedule.peak_lr,
+        config = run_config(cfg, splits, model=keraskit.model_info(model, cfg.width), epochs=epochs, peak_lr=lr,
                             world={"size": size, "local_size": hvd.local_size(), "hosts": hvd.cross_size()},
                             versions=versions(tensorflow=tf.__version__, **{keras.package: keras.version}))
         summary = build_summary(
@@ -230,6 +216,67 @@ def main(argv: list[str] | None = None) -> int:
               f"\nsummary:    {path}", flush=True)
     if run_lock is not None:
         run_lock.release()
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_config(Config, argv, description=__doc__.split("\n\n")[0])
+    # Horovod: horovod.tensorflow.keras needs Keras 2, and TF >= 2.16's tf.keras is Keras 3 (where DistributedOptimizer
+    # silently does not average gradients) unless TF_USE_LEGACY_KERAS=1 is set before TensorFlow is imported.
+    os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+    tf = import_tensorflow()  # checks that tf.keras is Keras 2 (tf_keras); else stops with the fix
+    import horovod.tensorflow as hvd_tf  # broadcast_object / allgather_object
+    import horovod.tensorflow.keras as hvd
+
+    from hvdtrain.train import keraskit
+    # ---- 1. processes and devices
+    hvd.init()  # Horovod: join the job; rank/size come from horovodrun (or mpirun).
+    rank, size = hvd.rank(), hvd.size()
+    # Horovod: pin one GPU per process (visible device = the local rank's), its memory allocated as needed.
+    gpus = tf.config.list_physical_devices("GPU")
+    for gpu in gpus:
+        tf.config.experimental.set_memory_growth(gpu, True)
+    if gpus:
+        tf.config.set_visible_devices(gpus[hvd.local_rank()], "GPU")
+    where = keraskit.setup_process(cfg.threads, hvd.local_size())  # CPU threads per rank; stale /dev/shm swept
+    run_dir = Path(cfg.run_dir).absolute()
+    # Horovod: rank 0 alone writes the run directory and locks it; if another job holds it, every rank stops: exit 2.
+    run_lock = rundir.claim(run_dir, rank, lambda v: hvd_tf.broadcast_object(v, root_rank=0, name="run_dir.lock"))
+    # ---- 2. data (each rank's shard is read in fit, below), model, LR, optimizer
+    splits = cfg.load_data()
+    steps = expected_batches(len(splits.train), size, cfg.batch_size)  # per epoch, the same on every rank
+    model = build_model(cfg, splits)
+    # Horovod: scale the LR by the number of workers (the effective batch is hvd.size() × larger; Goyal et al.).
+    lr = cfg.base_lr * hvd.size()
+    schedule = lr_schedule(cfg, lr)  # warmup from lr / hvd.size() to lr, then the milestones
+    # Horovod: wrap the optimizer: gradients are averaged over all ranks by allreduce before they are applied.
+    opt = hvd.DistributedOptimizer(tf.keras.optimizers.SGD(learning_rate=schedule.lr_at(0), momentum=cfg.momentum),
+                                   compression=hvd.Compression.fp16 if cfg.fp16_allreduce else hvd.Compression.none)
+    compile_model(model, opt)
+    epochs = scaled_epochs(cfg.epochs, size, cfg.scale_epochs_by_size)  # Horovod: ceil(epochs / size) if asked
+    # ---- 3. resume: rank 0 restores the newest intact checkpoint; every rank starts from rank 0's
+    first, rows = keraskit.load_latest(run_dir / "checkpoints", model) if rank == 0 and cfg.resume else (0, [])
+    # Horovod: every rank starts at rank 0's epoch and history, and with its weights and optimizer state: before fit
+    # too (the callback below broadcasts after the first batch, which would average in gradients at other weights).
+    first = hvd_tf.broadcast_object(first, root_rank=0, name="resume.epoch")
+    history = History(hvd_tf.broadcast_object(rows, root_rank=0, name="resume.history"))
+    if first:
+        hvd_tf.broadcast_variables(model.variables + list(model.optimizer.variables), root_rank=0)
+    log(rank, start_line(cfg, size, where, splits, first, epochs, steps, lr))
+    # ---- 4. callbacks in Horovod's order, then fit on this rank's shard
+    samples = math.ceil(len(splits.train) / size) * size  # per epoch, over all ranks
+    recorder = keraskit.Recorder(history, samples, rank, epochs, cfg.stop_after_epoch)
+    callbacks = [
+        hvd.callbacks.BroadcastGlobalVariablesCallback(0),  # Horovod: rank 0's weights and optimizer state
+        hvd.callbacks.MetricAverageCallback(),  # Horovod: each epoch's metrics averaged over all ranks before any log
+        lr_callback(hvd, schedule, steps),  # Horovod: the LR of every step (warmup, milestones)
+        *([keraskit.StopOnNonFinite(steps)] if cfg.check_finite else []),  # NaN/Inf: every rank stops at one step
+        recorder,  # each epoch's (averaged) metrics, LR and timing into the history, on every rank
+        *(rank_0_callbacks(cfg, run_dir, history) if rank == 0 else []),  # Horovod: checkpoints on rank 0 only
+    ]
+    if first < epochs:
+        fit(cfg, model, splits, rank, size, first, epochs, steps, callbacks)
+    # ---- 5. the end: identical weights everywhere; rank 0 writes summary.json
+    finish(cfg, run_dir, splits, model, lr, first, epochs, history, recorder, run_lock)
     return 0
 
 

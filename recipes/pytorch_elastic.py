@@ -42,7 +42,7 @@ import json
 import math
 import os
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +54,7 @@ from torch import nn
 
 from hvdtrain import rundir
 from hvdtrain.atomic import atomic_write
-from hvdtrain.data import DevicePrefetcher, ShmLoader, StallMeter, sweep_stale_segments
+from hvdtrain.data import DevicePrefetcher, ShmLoader, StallMeter
 from hvdtrain.datasets import arrays
 from hvdtrain.train import divergence, torchkit
 from hvdtrain.train.config import parse_config
@@ -65,6 +65,9 @@ from hvdtrain.train.precision import Precision, prepare_model
 from hvdtrain.train.report import log, nothing_to_train, run_config, same_weights, versions, wait_share
 
 EVENTS_NAME = "elastic.jsonl"
+# What hvd.DistributedOptimizer returns: the torch optimizer's class extended with Horovod's synchronize() and
+# skip_synchronize(); horovod has no types, so this is Any to mypy.
+HvdOptimizer = Any
 
 
 @dataclass(frozen=True)
@@ -96,7 +99,7 @@ class Job:
     model: nn.Module
     net: nn.Module  # what the training step calls: model, or torch.compile(model) with --compile
     precision: Precision
-    optimizer: torch.optim.Optimizer
+    optimizer: HvdOptimizer
     schedule: LRSchedule
     loader: DevicePrefetcher
     run_dir: Path
@@ -112,6 +115,13 @@ def make_loader(cfg: Config, splits: arrays.Splits, rank: int, size: int, device
         splits.train, rank=rank, size=size, batch_size=cfg.batch_size * cfg.backward_passes_per_step,
         num_workers=cfg.num_workers, seed=cfg.seed, fetch=arrays.take, order=splits.train.order,
         epochs=cfg.epochs), device)
+
+
+def lr_schedule(cfg: Config, lr: float) -> LRSchedule:
+    """Per step: a linear warmup over --warmup-epochs from the single-worker LR (× backward passes: lr / size) up to
+    the scaled `lr` (Goyal et al.; Horovod's ImageNet example), then × --lr-gamma from each --lr-milestones epoch."""
+    return LRSchedule(peak_lr=lr, start_lr=cfg.base_lr * cfg.backward_passes_per_step,
+                      warmup_epochs=cfg.warmup_epochs, milestones=cfg.lr_milestones, gamma=cfg.lr_gamma)
 
 
 def allreduce_sum(values: np.ndarray) -> np.ndarray:
@@ -153,7 +163,8 @@ def on_reset(j: Job, state: hvd.elastic.TorchState) -> None:
               f"{state.epoch + 1}, {samples} samples in")
     j.rank, j.size = rank, size
     # Horovod: rescale the LR by the new number of workers, at the committed position's fractional epoch.
-    j.schedule = replace(j.schedule, size=size)
+    lr = j.cfg.base_lr * hvd.size() * j.cfg.backward_passes_per_step
+    j.schedule = lr_schedule(j.cfg, lr)
     for group in j.optimizer.param_groups:
         group["lr"] = j.schedule.lr_at(state.epoch + min(samples / max(len(j.splits.train), 1), 1.0))
     # Horovod: sync() broadcasts rank 0's last *saved* state, so record the reset and save (a commit without the
@@ -303,9 +314,11 @@ def main(argv: list[str] | None = None) -> int:
     # joins later would meet the others' collectives there)
     hvd.init()  # Horovod: join the job; rank/size come from horovodrun's elastic driver.
     rank, size = hvd.rank(), hvd.size()
-    sweep_stale_segments()  # /dev/shm segments a crashed earlier run left (dead creator pid, older than 60 s)
-    # Horovod: pin one GPU per process, chosen by local rank; on CPU, split this host's cores between its ranks.
-    device = torchkit.pin_device(hvd.local_rank(), hvd.local_size(), cfg.threads)
+    # Horovod: pin one GPU per process, chosen by its local rank (Horovod never sets CUDA_VISIBLE_DEVICES).
+    if torch.cuda.is_available():
+        torch.cuda.set_device(hvd.local_rank())
+    device = torch.device("cuda", hvd.local_rank()) if torch.cuda.is_available() else torch.device("cpu")
+    where = torchkit.setup_process(cfg.threads, hvd.local_size())  # CPU threads per rank; stale /dev/shm swept
     run_dir = Path(cfg.run_dir).absolute()
 
     # ---- 2.-3. data, model, LR, optimizer
@@ -313,17 +326,18 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(cfg.seed)
     model = make_model(torchkit.model_name(cfg, splits), splits.sample_shape, splits.num_classes,
                        cfg.model_width).to(device)
-    # Horovod: scale the LR by the number of workers (the reset callback rescales it when the world changes).
-    schedule = torchkit.lr_schedule(cfg, size)
+    # Horovod: scale the LR by the number of workers and the batches accumulated per allreduce (the effective batch);
+    # the reset callback rescales it when the world changes.
+    lr = cfg.base_lr * hvd.size() * cfg.backward_passes_per_step
+    schedule = lr_schedule(cfg, lr)  # warmup from lr / hvd.size() to lr, then the milestones
     # Horovod: wrap the optimizer: gradients are averaged over all ranks by allreduce inside step().
     optimizer = hvd.DistributedOptimizer(
         torchkit.sgd(cfg, model, schedule.lr_at(0)), named_parameters=model.named_parameters(),
         compression=hvd.Compression.fp16 if cfg.fp16_allreduce else hvd.Compression.none,
         backward_passes_per_step=cfg.backward_passes_per_step)
     # Rank 0 alone loads the newest checkpoint; the others get it from TorchState's sync in train().
-    first, rows = (0, [])
-    if rank == 0 and cfg.resume:
-        first, rows = torchkit.load_latest(run_dir / "checkpoints", model, optimizer)
+    resume = rank == 0 and cfg.resume
+    first, rows = torchkit.load_latest(run_dir / "checkpoints", model, optimizer) if resume else (0, [])
 
     # ---- 4. the elastic state
     # Horovod: everything every rank must agree on after a reset; rank 0's copy is broadcast by state.sync().
@@ -335,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
             loader=make_loader(cfg, splits, rank, size, device), run_dir=run_dir)
     # Horovod: called on the surviving ranks after every reset (not on new ones: they build all of this).
     state.register_reset_callbacks([lambda: on_reset(j, state)])
-    log(rank, f"{size} ranks (elastic) on {device.type} ({torch.get_num_threads()} threads each)  dataset "
+    log(rank, f"{size} ranks (elastic) on {where}  dataset "
               f"{splits.name}: {len(splits.train)} train / {len(splits.val)} val  model {type(model).__name__}  "
               f"epochs {f'{first + 1}..{cfg.epochs}' if first < cfg.epochs else 'all done'}  batch "
               f"{cfg.batch_size}×ranks  commit every {cfg.commit_every}")

@@ -39,6 +39,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import horovod.torch as hvd
 import numpy as np
@@ -47,9 +48,9 @@ from pytorch_models import make_model
 from torch import nn
 
 from hvdtrain import rundir
-from hvdtrain.data import DevicePrefetcher, ShmLoader, sweep_stale_segments
+from hvdtrain.data import DevicePrefetcher, ShmLoader
 from hvdtrain.datasets import arrays
-from hvdtrain.train import checkpoint, divergence
+from hvdtrain.train import checkpoint, divergence, torchkit
 from hvdtrain.train.config import parse_config
 from hvdtrain.train.entry import exit_with
 from hvdtrain.train.lr import LRSchedule, scaled_epochs
@@ -64,10 +65,8 @@ from hvdtrain.train.torchkit import (
     epoch_seed,
     forward_backward,
     load_latest,
-    lr_schedule,
     model_info,
     model_name,
-    pin_device,
     report_epoch,
     save_checkpoint,
     sgd,
@@ -77,6 +76,10 @@ from hvdtrain.train.torchkit import (
     write_run_summary,
 )
 
+# What hvd.DistributedOptimizer returns: the torch optimizer's class extended with Horovod's synchronize() and
+# skip_synchronize(); horovod has no types, so this is Any to mypy.
+HvdOptimizer = Any
+
 
 @dataclass(frozen=True)
 class Config(TorchConfig):
@@ -85,12 +88,42 @@ class Config(TorchConfig):
     run_dir: str = field(default="runs/pytorch", metadata={"help": "checkpoints, TensorBoard, summary.json"})
 
 
+def shard_loader(cfg: Config, splits: arrays.Splits, rank: int, size: int, epochs: int,
+                 device: torch.device) -> DevicePrefetcher:
+    """This rank's shard of the training set (ShardSampler inside: strided over a per-epoch permutation that is the
+    same on every rank; padded so that every rank runs the same number of steps — an uneven shard would leave one
+    rank waiting in an allreduce). Batches are built by producer processes into shared memory (an MDS dataset is read
+    there, shuffle block by shuffle block: `order`); the prefetcher overlaps host -> GPU copies with compute (a
+    zero-copy pass-through on CPU). A batch holds `backward_passes_per_step` chunks."""
+    return DevicePrefetcher(ShmLoader(
+        splits.train, rank=rank, size=size, batch_size=cfg.batch_size * cfg.backward_passes_per_step,
+        num_workers=cfg.num_workers, seed=cfg.seed, fetch=arrays.take, order=splits.train.order,
+        epochs=epochs), device)
+
+
+def build_model(cfg: Config, splits: arrays.Splits, device: torch.device) -> tuple[nn.Module, nn.Module, Precision]:
+    """(model, net, precision): the model on `device`, seeded alike on every rank (rank 0's weights are broadcast
+    anyway); `net` is what trains: channels-last weights with --channels-last, torch.compile(model) with --compile
+    (`model` is kept for checkpoints, validation and the digests: both share the parameters); --precision's autocast
+    (+ fp16 scaler)."""
+    torch.manual_seed(cfg.seed)
+    model = make_model(model_name(cfg, splits), splits.sample_shape, splits.num_classes, cfg.model_width).to(device)
+    return model, prepare_model(model, cfg.channels_last, cfg.compile), Precision(cfg.precision, device)
+
+
+def lr_schedule(cfg: Config, lr: float) -> LRSchedule:
+    """Per step: a linear warmup over --warmup-epochs from the single-worker LR (× backward passes: lr / size) up to
+    the scaled `lr` (Goyal et al.; Horovod's ImageNet example), then × --lr-gamma from each --lr-milestones epoch."""
+    return LRSchedule(peak_lr=lr, start_lr=cfg.base_lr * cfg.backward_passes_per_step,
+                      warmup_epochs=cfg.warmup_epochs, milestones=cfg.lr_milestones, gamma=cfg.lr_gamma)
+
+
 def allreduce_sum(values: np.ndarray) -> np.ndarray:
     # Horovod: sum a small vector of local metric sums over all ranks.
     return hvd.allreduce(torch.from_numpy(values), op=hvd.Sum).numpy()
 
 
-def train_epoch(cfg: Config, epoch: int, epochs: int, net: nn.Module, optimizer: torch.optim.Optimizer,
+def train_epoch(cfg: Config, epoch: int, epochs: int, net: nn.Module, optimizer: HvdOptimizer,
                 schedule: LRSchedule, loader: DevicePrefetcher, meters: Meters, precision: Precision
                 ) -> dict[str, float]:
     net.train()
@@ -132,118 +165,68 @@ def evaluate(cfg: Config, model: nn.Module, val_set: arrays.ArrayDataset, device
                            cfg.channels_last).reduce(allreduce_sum)
 
 
-def main(argv: list[str] | None = None) -> int:
-    cfg = parse_config(Config, argv, description=__doc__.split("\n\n")[0])
-    # ---- 1. processes and devices
-    hvd.init()  # Horovod: join the job; rank/size come from horovodrun (or mpirun).
-    rank, size = hvd.rank(), hvd.size()
-    sweep_stale_segments()  # /dev/shm segments a crashed earlier run left (dead creator pid, older than 60 s)
-    # Horovod: pin one GPU per process, chosen by local rank; on CPU, split this host's cores between its ranks.
-    device = pin_device(hvd.local_rank(), hvd.local_size(), cfg.threads)
-    run_dir = Path(cfg.run_dir).absolute()
-    ckpt_dir = run_dir / "checkpoints"
-    # Horovod: rank 0 alone writes the run directory; it locks it for the job's life, and a broadcast tells every
-    # rank whether another job holds it (then all stop here with exit 2, before reading or writing anything).
-    # The lock lasts until this process ends (RunDirLock closes its file only when released).
-    rundir.claim(run_dir, rank, lambda v: hvd.broadcast_object(v, root_rank=0, name="run_dir.lock"))
+def train_and_validate(cfg: Config, epoch: int, epochs: int, model: nn.Module, net: nn.Module,
+                       optimizer: HvdOptimizer, schedule: LRSchedule, precision: Precision,
+                       loader: DevicePrefetcher, meters: Meters, val_set: arrays.ArrayDataset, device: torch.device,
+                       history: History) -> tuple[dict[str, float], float, float]:
+    """One epoch: train, validate, check, record in `history`. Returns (the epoch's row, samples trained, seconds)."""
+    torch.manual_seed(epoch_seed(cfg.seed, epoch, hvd.rank()))
+    loader.set_epoch(epoch)  # a new shuffle each epoch, the same permutation on every rank
+    start, mark = time.perf_counter(), meters.mark()
+    train = train_epoch(cfg, epoch, epochs, net, optimizer, schedule, loader, meters, precision)
+    took = time.perf_counter() - start
+    val = evaluate(cfg, model, val_set, device, precision)
+    if cfg.check_finite:  # before anything records or checkpoints the epoch (NOTE [divergence checks])
+        divergence.check_epoch(epoch, {"train_loss": train["loss"], "val_loss": val["loss"]})
+    # the epoch's LR: its first step's and its last step's (they differ during the warmup)
+    row = history.record(epoch + 1, train_loss=train["loss"], train_accuracy=train["accuracy"],
+                         val_loss=val["loss"], val_accuracy=val["accuracy"],
+                         lr_first=schedule.lr_for_step(epoch, 0, len(loader)), lr=optimizer.param_groups[0]["lr"],
+                         samples_per_sec=train["samples"] / took, **meters.epoch_shares(mark))
+    return row, train["samples"], took
 
-    # ---- 2. data
-    splits = cfg.load_data()
-    # Horovod: scale the epochs by the world size if asked (Horovod's Keras example does).
-    epochs = scaled_epochs(cfg.epochs, size, cfg.scale_epochs_by_size)
-    # Horovod: each rank reads only its shard (ShardSampler inside: strided over a per-epoch permutation that is
-    # the same on every rank; padded so that every rank runs the same number of steps — an uneven shard would
-    # leave one rank waiting in an allreduce). Batches are built by producer processes into shared memory (an MDS
-    # dataset is read there, shuffle block by shuffle block: `order`); the prefetcher overlaps host -> GPU copies
-    # with compute (a zero-copy pass-through on CPU).
-    loader = DevicePrefetcher(ShmLoader(
-        splits.train, rank=rank, size=size, batch_size=cfg.batch_size * cfg.backward_passes_per_step,
-        num_workers=cfg.num_workers, seed=cfg.seed, fetch=arrays.take, order=splits.train.order,
-        epochs=epochs), device)
 
-    # ---- 3. model, LR, optimizer
-    torch.manual_seed(cfg.seed)
-    model = make_model(model_name(cfg, splits), splits.sample_shape, splits.num_classes, cfg.model_width).to(device)
-    # --channels-last lays the weights out NHWC; --compile trains through torch.compile (`net`; `model` is kept for
-    # checkpoints, validation and the digests: both share the parameters). --precision: autocast (+ fp16 scaler).
-    net, precision = prepare_model(model, cfg.channels_last, cfg.compile), Precision(cfg.precision, device)
-    # Horovod: scale the LR by the number of workers (and backward passes per step), warm it up (Goyal et al.).
-    schedule = lr_schedule(cfg, size)
-    # Horovod: wrap the optimizer: gradients are averaged over all ranks by allreduce inside step().
-    optimizer = hvd.DistributedOptimizer(
-        sgd(cfg, model, schedule.lr_at(0)), named_parameters=model.named_parameters(),
-        compression=hvd.Compression.fp16 if cfg.fp16_allreduce else hvd.Compression.none,
-        backward_passes_per_step=cfg.backward_passes_per_step)
+def start_line(cfg: Config, where: str, splits: arrays.Splits, model: nn.Module, first: int, epochs: int,
+               lr: float) -> str:
+    return (f"{hvd.size()} ranks on {where}  dataset {splits.name}: {len(splits.train)} train / {len(splits.val)} "
+            f"val  model {type(model).__name__}  epochs {f'{first + 1}..{epochs}' if first < epochs else 'all done'}"
+            f"  batch {cfg.batch_size}×{hvd.size()} ranks  peak lr {lr:g}  {cfg.precision}"
+            f"{'  channels-last' if cfg.channels_last else ''}{'  compiled' if cfg.compile else ''}")
 
-    # ---- 4. resume, then the same starting point on every rank
-    first, rows = load_latest(ckpt_dir, model, optimizer, precision) if rank == 0 and cfg.resume else (0, [])
-    # Horovod: every rank resumes at rank 0's epoch, with rank 0's history.
-    first = hvd.broadcast_object(first, root_rank=0, name="resume.epoch")
-    history = History(hvd.broadcast_object(rows, root_rank=0, name="resume.history"))
-    # Horovod: start every rank from rank 0's optimizer state (momentum buffers, LR) and weights. The optimizer
-    # state goes first: on a rank with an empty state, broadcast_optimizer_state initializes it with a
-    # zero-gradient step, which with weight decay moves the weights; broadcasting the weights last undoes that.
-    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    # Horovod: fp16's loss scale too (NOTE [fp16 with Horovod]): every rank skips the same overflowing steps.
-    precision.load_state_dict(hvd.broadcast_object(precision.state_dict(), root_rank=0, name="resume.precision"))
-    log(rank, f"{size} ranks on {device.type} ({torch.get_num_threads()} threads each)  dataset {splits.name}: "
-              f"{len(splits.train)} train / {len(splits.val)} val  model {type(model).__name__}  epochs "
-              f"{f'{first + 1}..{epochs}' if first < epochs else 'all done'}  batch {cfg.batch_size}×{size} "
-              f"ranks  peak lr {schedule.peak_lr:g}  {cfg.precision}{'  channels-last' if cfg.channels_last else ''}"
-              f"{'  compiled' if cfg.compile else ''}")
 
-    # ---- 5. train and validate
-    meters = Meters.on(device)  # the host's wait for data and, on a GPU, the GPU's idle gap, per step
-    writer = tensorboard_writer(rank == 0 and cfg.tensorboard, run_dir)  # Horovod: TensorBoard on rank 0 only.
-    done, samples, seconds = first, 0.0, 0.0
-    try:
-        for epoch in range(first, epochs):
-            torch.manual_seed(epoch_seed(cfg.seed, epoch, rank))
-            loader.set_epoch(epoch)  # a new shuffle each epoch, the same permutation on every rank
-            start, mark = time.perf_counter(), meters.mark()
-            train = train_epoch(cfg, epoch, epochs, net, optimizer, schedule, loader, meters, precision)
-            took = time.perf_counter() - start
-            val = evaluate(cfg, model, splits.val, device, precision)
-            if cfg.check_finite:  # before anything records or checkpoints the epoch (NOTE [divergence checks])
-                divergence.check_epoch(epoch, {"train_loss": train["loss"], "val_loss": val["loss"]})
-            done, samples, seconds = epoch + 1, samples + train["samples"], seconds + took
-            # the epoch's LR: its first step's and its last step's (they differ during the warmup)
-            row = history.record(done, train_loss=train["loss"], train_accuracy=train["accuracy"],
-                                 val_loss=val["loss"], val_accuracy=val["accuracy"],
-                                 lr_first=schedule.lr_for_step(epoch, 0, len(loader)),
-                                 lr=optimizer.param_groups[0]["lr"], samples_per_sec=train["samples"] / took,
-                                 **meters.epoch_shares(mark))
-            if rank == 0:  # Horovod: only rank 0 reports and writes checkpoints (all ranks hold the same weights).
-                report_epoch(row, epochs, writer)
-                save_checkpoint(cfg, ckpt_dir, done, model, optimizer, history, precision)
-            if cfg.stop_after_epoch is not None and cfg.stop_after_epoch <= done < epochs:
-                log(rank, f"stopping after epoch {done} as asked (--stop-after-epoch); run again without it to resume")
-                break
-    finally:
-        loader.close()  # stops the producer processes, frees the shared memory
-        if writer is not None:
-            writer.close()
+def stop_asked(cfg: Config, done: int, epochs: int) -> bool:
+    """--stop-after-epoch reached (with epochs left to train): say so."""
+    if cfg.stop_after_epoch is not None and cfg.stop_after_epoch <= done < epochs:
+        log(hvd.rank(), f"stopping after epoch {done} as asked (--stop-after-epoch); run again without it to resume")
+        return True
+    return False
 
-    # ---- 6. the end
+
+def finish(cfg: Config, run_dir: Path, first: int, done: int, epochs: int, model: nn.Module, lr: float,
+           splits: arrays.Splits, history: History, meters: Meters, samples: float, seconds: float,
+           writer: Any) -> None:
+    """Every rank: compare the weights; rank 0: summary.json (`samples` trained in `seconds` in this run), or nothing
+    if this run trained nothing."""
+    rank, size, ckpt_dir = hvd.rank(), hvd.size(), run_dir / "checkpoints"
     # Horovod: every rank must end with identical weights: gather each rank's digest and compare.
     digests = hvd.allgather_object(weights_digest(model), name="final.digest")
     log(rank, same_weights(digests, size))
     # Horovod: gather every rank's data-wait statistics for the summary.
     stall = combine_stall(hvd.allgather_object(meters.summary(), name="final.stall"))
     if rank != 0:
-        return 0
+        return
     if done == first:  # nothing trained in this run: keep the summary of the run that did the training
         print(nothing_to_train(epochs, ckpt_dir, run_dir), flush=True)
-        return 0
+        return
     # Horovod: rank 0 writes the summary, with what the run was; its world: hvd.size() ranks, hvd.local_size() on
     # this host, on hvd.cross_size() hosts (the ranks whose local rank is 0, as this one's).
     config = run_config(cfg, splits, model=model_info(model_name(cfg, splits), model, cfg.model_width),
-                        epochs=epochs, peak_lr=schedule.peak_lr,
+                        epochs=epochs, peak_lr=lr,
                         world={"size": size, "local_size": hvd.local_size(), "hosts": hvd.cross_size()},
                         versions=versions(torch=torch.__version__))
     summary = build_summary(epochs_completed=done, epochs_total=epochs, history=history,
-                            samples_per_sec=samples / seconds if seconds else math.nan, stall=stall, config=config,
+                            samples_per_sec=samples / seconds if seconds else math.nan,
+                            stall=stall, config=config,
                             extra={"world_size": size, "resumed_from_epoch": first, "weights_sha256_by_rank": digests})
     path = write_run_summary(run_dir, summary, meters.stall, cfg.stall_plot, size)
     newest, last = checkpoint.list_checkpoints(ckpt_dir), summary["val_accuracy"]
@@ -251,6 +234,68 @@ def main(argv: list[str] | None = None) -> int:
           f"checkpoint: {newest[-1][1] if newest else '(none)'}\nsummary:    {path}", flush=True)
     if writer is not None:
         print(f"tensorboard --logdir {run_dir / 'tensorboard'}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_config(Config, argv, description=__doc__.split("\n\n")[0])
+    # ---- 1. processes and devices
+    hvd.init()  # Horovod: join the job; rank/size come from horovodrun (or mpirun).
+    rank, size = hvd.rank(), hvd.size()
+    # Horovod: pin one GPU per process, chosen by its local rank (Horovod never sets CUDA_VISIBLE_DEVICES).
+    if torch.cuda.is_available():
+        torch.cuda.set_device(hvd.local_rank())
+    device = torch.device("cuda", hvd.local_rank()) if torch.cuda.is_available() else torch.device("cpu")
+    where = torchkit.setup_process(cfg.threads, hvd.local_size())  # CPU threads per rank; stale /dev/shm swept
+    run_dir = Path(cfg.run_dir).absolute()
+    ckpt_dir = run_dir / "checkpoints"
+    # Horovod: rank 0 alone writes the run directory and locks it; if another job holds it, every rank stops: exit 2.
+    rundir.claim(run_dir, rank, lambda v: hvd.broadcast_object(v, root_rank=0, name="run_dir.lock"))
+    # ---- 2. data: Horovod: each rank reads only its shard (with --scale-epochs-by-size, ceil(epochs / size)).
+    splits = cfg.load_data()
+    epochs = scaled_epochs(cfg.epochs, size, cfg.scale_epochs_by_size)
+    loader = shard_loader(cfg, splits, rank, size, epochs, device)
+    # ---- 3. model, LR, optimizer
+    model, net, precision = build_model(cfg, splits, device)
+    # Horovod: scale the LR by the number of workers and the batches accumulated per allreduce (the effective batch).
+    lr = cfg.base_lr * hvd.size() * cfg.backward_passes_per_step
+    schedule = lr_schedule(cfg, lr)  # warmup from lr / hvd.size() to lr, then the milestones
+    # Horovod: wrap the optimizer: gradients are averaged over all ranks by allreduce inside step().
+    optimizer = hvd.DistributedOptimizer(
+        sgd(cfg, model, schedule.lr_at(0)), named_parameters=model.named_parameters(),
+        compression=hvd.Compression.fp16 if cfg.fp16_allreduce else hvd.Compression.none,
+        backward_passes_per_step=cfg.backward_passes_per_step)
+    # ---- 4. resume on rank 0, then the same starting point on every rank
+    first, rows = load_latest(ckpt_dir, model, optimizer, precision) if rank == 0 and cfg.resume else (0, [])
+    # Horovod: every rank resumes at rank 0's epoch, with rank 0's history.
+    first = hvd.broadcast_object(first, root_rank=0, name="resume.epoch")
+    history = History(hvd.broadcast_object(rows, root_rank=0, name="resume.history"))
+    # Horovod: start every rank from rank 0's optimizer state (momentum buffers, LR), then its weights: on a rank with
+    # an empty state, broadcast_optimizer_state takes a zero-gradient step, which with weight decay moves the weights.
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    # Horovod: fp16's loss scale too (NOTE [fp16 with Horovod]): every rank skips the same overflowing steps.
+    precision.load_state_dict(hvd.broadcast_object(precision.state_dict(), root_rank=0, name="resume.precision"))
+    log(rank, start_line(cfg, where, splits, model, first, epochs, lr))
+    # ---- 5. train and validate; checkpoint each epoch on rank 0
+    meters = Meters.on(device)  # the host's wait for data and, on a GPU, the GPU's idle gap, per step
+    writer = tensorboard_writer(rank == 0 and cfg.tensorboard, run_dir)  # Horovod: TensorBoard on rank 0 only.
+    done, samples, seconds = first, 0.0, 0.0
+    try:
+        for epoch in range(first, epochs):
+            row, trained, took = train_and_validate(cfg, epoch, epochs, model, net, optimizer, schedule, precision,
+                                                    loader, meters, splits.val, device, history)
+            done, samples, seconds = epoch + 1, samples + trained, seconds + took
+            if rank == 0:  # Horovod: only rank 0 reports and writes checkpoints (all ranks hold the same weights).
+                report_epoch(row, epochs, writer)
+                save_checkpoint(cfg, ckpt_dir, done, model, optimizer, history, precision)
+            if stop_asked(cfg, done, epochs):
+                break
+    finally:
+        loader.close()  # stops the producer processes, frees the shared memory
+        if writer is not None:
+            writer.close()
+    # ---- 6. the end: identical weights everywhere; rank 0 writes summary.json
+    finish(cfg, run_dir, first, done, epochs, model, lr, splits, history, meters, samples, seconds, writer)
     return 0
 
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# scripts/test.sh — the README's test command: install what is missing (idempotent), lint, run every test.
+# scripts/test.sh — the README's test command: install what is missing (idempotent), lint, type-check, run every test.
 # Extra arguments go to pytest, e.g. `bash scripts/test.sh -k hosts -x`.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -7,5 +7,7 @@ cd "$ROOT"
 bash scripts/setup.sh
 echo "==> [lint] ruff"
 .venv/bin/ruff check hvdtrain recipes tests bench scripts
+echo "==> [types] mypy"
+.venv/bin/mypy  # what and how strictly: [tool.mypy] in pyproject.toml
 echo "==> [tests] pytest"
 exec .venv/bin/python -m pytest "$@"

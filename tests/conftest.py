@@ -65,9 +65,9 @@ def no_process_outlives_its_test(nothing_left_behind: harness.OrphanReaper) -> I
 
 @pytest.fixture(autouse=True)
 def legacy_keras_variable_restored() -> Iterator[None]:
-    """A test that imports hvdtrain.train.keraskit (TensorFlow, in this process) has hvdtrain.tfkeras set
-    TF_USE_LEGACY_KERAS=1 in os.environ; every later test's subprocess would inherit it (tests/test_tfkeras.py checks
-    what happens without it). Each test leaves the variable as it found it."""
+    """hvdtrain never sets TF_USE_LEGACY_KERAS (entry points do: tests/test_tfkeras.py checks both), but a test
+    that imports TensorFlow in this process sets it first, and every later test's subprocess would inherit it
+    (tests/test_tfkeras.py checks what happens without it). Each test leaves the variable as it found it."""
     name = "TF_USE_LEGACY_KERAS"
     saved = os.environ.get(name)
     yield

@@ -1,7 +1,7 @@
 """The package's layers, checked: no import circles between modules and no import from a lower layer to a higher one.
 
 Imports are read from the source (ast), function-level and `if TYPE_CHECKING:` imports included: a circle hidden in
-a function is still a circle. The layers (docs: the Layout section of the README):
+a function is still a circle. The layers (docs: docs/layout.md, which must name every module):
 
     launcher side:  shared leaves < job < doctor < launch;  job < render
     rank side:      shared leaves < data < datasets < stream < train
@@ -151,10 +151,14 @@ def test_the_import_reader_sees_function_level_and_type_checking_imports():
     assert "hvdtrain.doctor.probe" in GRAPH["hvdtrain.launch.runner"]  # `from hvdtrain.doctor import probe`
 
 
+LAYOUT = PKG.parent / "docs" / "layout.md"
+
+
 def layout_block() -> dict[str, set[str]]:
-    """The README's Layout block: folder -> the .py files its lines name."""
-    text = (PKG.parent / "README.md").read_text()
-    block = text.split("## Layout", 1)[1].split("```", 2)[1]
+    """docs/layout.md's block (the first fenced block after its `# Layout` title): folder -> the .py files its lines
+    name."""
+    text = LAYOUT.read_text()
+    block = text.split("# Layout\n", 1)[1].split("```", 2)[1]
     named: dict[str, set[str]] = {}
     folder = ""
     for line in block.splitlines():
@@ -164,8 +168,14 @@ def layout_block() -> dict[str, set[str]]:
     return named
 
 
-def test_the_readme_layout_names_every_module():
+def test_the_layout_page_names_every_module():
     named = layout_block()
     missing = [str(p.relative_to(PKG.parent)) for p in MODULES.values()
                if p.name != "__init__.py" and p.stem not in named.get(str(p.parent.relative_to(PKG.parent)) + "/", ())]
-    assert not missing, f"README's Layout section does not name: {missing}"
+    assert not missing, f"docs/layout.md does not name: {missing}"
+
+
+def test_the_layout_page_names_no_module_that_is_gone():
+    gone = sorted(f"{folder}{stem}.py" for folder, stems in layout_block().items() if folder.startswith("hvdtrain/")
+                  for stem in stems if not (PKG.parent / folder / f"{stem}.py").is_file())
+    assert not gone, f"docs/layout.md names modules that do not exist: {gone}"

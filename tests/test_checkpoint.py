@@ -70,6 +70,18 @@ def test_a_failed_write_leaves_the_previous_checkpoint_intact_and_no_temp_file(t
     assert (tmp_path / "ckpt-epoch0001.pt").read_bytes() == good
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_an_atomic_file_gets_the_permissions_the_umask_gives_and_leaves_the_umask_alone(tmp_path, umask):
+    old = os.umask(umask)
+    try:
+        path = atomic_write(tmp_path / "summary.json", lambda f: f.write(b"{}"))
+        assert os.umask(umask) == umask  # what the process had is what it still has
+    finally:
+        os.umask(old)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask
+    assert names(tmp_path) == ["summary.json"]
+
+
 def test_a_crash_before_the_rename_never_exposes_a_partial_checkpoint(tmp_path, monkeypatch):
     def killed(a, b):
         raise KeyboardInterrupt  # e.g. SIGINT between fsync and rename

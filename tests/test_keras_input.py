@@ -59,6 +59,17 @@ class Encoded:
         return np.broadcast_to(x, (len(idx), *SHAPE)).astype(np.float32), idx % 3
 
 
+@pytest.fixture
+def keraskit(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """hvdtrain.train.keraskit (TensorFlow with it), imported as the recipe's main() imports it: after selecting Keras 2
+    (TF_USE_LEGACY_KERAS=1 unless set; keraskit only checks it). monkeypatch restores the variable after the test."""
+    if "TF_USE_LEGACY_KERAS" not in os.environ:
+        monkeypatch.setenv("TF_USE_LEGACY_KERAS", "1")
+    from hvdtrain.train import keraskit
+
+    return keraskit
+
+
 def recording_model(tf: Any) -> Any:
     """A tiny model that records, per step, which samples it trained (train) or evaluated (val) on: x[:, 0, 0, 0]
     of an N×H×W×C batch (run eagerly)."""
@@ -107,10 +118,8 @@ def epoch_marks(tf: Any, model: Any) -> Any:
 
 
 @pytest.mark.parametrize(("rank", "first"), [(0, 0), (1, 0), (0, 2), (1, 2)])
-def test_each_keras_epoch_consumes_exactly_one_loader_epoch(rank: int, first: int) -> None:
+def test_each_keras_epoch_consumes_exactly_one_loader_epoch(keraskit: Any, rank: int, first: int) -> None:
     """11 samples, 2 ranks, batch 2: 6 samples per rank (one padded), 3 steps an epoch; epochs first..3."""
-    from hvdtrain.train import keraskit
-
     tf = keraskit.tf
     n, size, batch, epochs, seed = 11, 2, 2, 4, 7
     ds = Encoded(n)
@@ -137,11 +146,9 @@ def test_each_keras_epoch_consumes_exactly_one_loader_epoch(rank: int, first: in
         assert [len(v) for v in val] == [4, 2] and np.concatenate(val).tolist() == want_val.tolist()
 
 
-def test_bad_data_in_a_producer_ends_fit_as_the_producers_error() -> None:
+def test_bad_data_in_a_producer_ends_fit_as_the_producers_error(keraskit: Any) -> None:
     """TensorFlow wraps a generator's exception in its own error type; the recipe's helper re-raises the
     producer's WorkerError (bad_data=True, the message naming the sample), which exit_with turns into exit 2."""
-    from hvdtrain.train import keraskit
-
     tf = keraskit.tf
     ds = Encoded(40, bad_at=33)
     with ShmLoader(ds, rank=0, size=1, batch_size=4, num_workers=1, seed=0, shuffle=True,
@@ -154,9 +161,7 @@ def test_bad_data_in_a_producer_ends_fit_as_the_producers_error() -> None:
     assert len(model.seen["train"]) < 10  # stopped in the first epoch, at the batch holding sample 33
 
 
-def test_validation_reads_its_share_in_batches_and_names_bad_data() -> None:
-    from hvdtrain.train import keraskit
-
+def test_validation_reads_its_share_in_batches_and_names_bad_data(keraskit: Any) -> None:
     share = ShardSampler(9, 1, 2, shuffle=False).indices()  # 5 of 9 (one padded)
     got = [(tuple(x.shape), np.rint(x.numpy()[:, 0, 0, 0]).astype(int).tolist())
            for x, _ in keraskit.val_input(Encoded(9), 1, 2, batch_size=2)]

@@ -199,7 +199,7 @@ def test_the_lr_schedule_is_the_pytorch_recipes_epoch_by_epoch(straight):
     multiplier and start it an epoch late. Each epoch's LR is its last step's, 0.05 × 2 ranks at the peak."""
     from hvdtrain.train.lr import LRSchedule
 
-    schedule = LRSchedule(0.05, 2, warmup_epochs=1, milestones=(2,))
+    schedule = LRSchedule(peak_lr=0.05 * 2, start_lr=0.05, warmup_epochs=1, milestones=(2,))  # as the recipe: 2 ranks
     history = straight.summary()["history"]
     assert [row["lr"] for row in history] == pytest.approx([schedule.lr_for_step(e, 0, 1) for e in range(3)])
     assert [row["lr"] for row in history] == pytest.approx([0.1, 0.1, 0.01])

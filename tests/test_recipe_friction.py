@@ -110,7 +110,7 @@ def test_lr_text_shows_a_change_within_the_epoch_and_one_value_otherwise():
 def test_the_pytorch_epoch_line_shows_the_warmup_then_one_value(capsys):
     from hvdtrain.train import torchkit
 
-    schedule, steps = LRSchedule(0.05, 2, warmup_epochs=1, milestones=(2,)), 23
+    schedule, steps = LRSchedule(peak_lr=0.05 * 2, start_lr=0.05, warmup_epochs=1, milestones=(2,)), 23
     for epoch in range(3):
         row = {"epoch": epoch + 1, "train_loss": 1.0, "train_accuracy": 0.5, "val_loss": 1.0, "val_accuracy": 0.5,
                "lr_first": schedule.lr_for_step(epoch, 0, steps), "lr": schedule.lr_for_step(epoch, steps - 1, steps),

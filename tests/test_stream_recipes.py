@@ -142,7 +142,7 @@ def test_keras_recipe_names_a_bad_label_in_a_shard_with_exit_2(tmp_path: Path) -
 
 @pytest.mark.slow
 def test_shipped_s3_job_trains_the_digits_streamed_from_a_local_s3_server(tmp_path: Path) -> None:
-    """jobs/digits-s3.yaml as the README runs it: scripts/local_s3.py (moto's S3 server, the digits uploaded with
+    """jobs/digits-s3.yaml as docs/streaming.md runs it: scripts/local_s3.py (moto's S3 server, the digits uploaded with
     `hvdtrain data upload`), then `hvdtrain run` on the job: 2 ranks read the shards through a node cache smaller
     than the training split."""
     from tests.stores import free_port

@@ -3,6 +3,7 @@ fresh interpreters (TensorFlow reads TF_USE_LEGACY_KERAS once, at import)."""
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import os
 
@@ -60,26 +61,48 @@ def test_doctor_keras_check_ok_fail_and_missing():
     assert keras_check({"tensorflow": False}, {"tensorflow"}).required
 
 
+def environ_writes(path) -> list[str]:
+    """`os.environ[...] = `, `os.environ.setdefault/update/pop/...(...)` and `os.putenv(...)` in a module's source."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        targets = node.targets if isinstance(node, ast.Assign) else []
+        for t in targets:
+            if isinstance(t, ast.Subscript) and ast.unparse(t.value) == "os.environ":
+                found.append(f"{path.name}:{node.lineno}")
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            owner = ast.unparse(node.func.value)
+            if (owner == "os.environ" and node.func.attr != "get") or ast.unparse(node.func) == "os.putenv":
+                found.append(f"{path.name}:{node.lineno}")
+    return found
+
+
+def test_the_library_checks_the_keras_switch_but_never_sets_it():
+    """Selecting Keras 2 is process-wide configuration: the entry point does it (the recipe's main(), doctor's
+    probe), visibly; hvdtrain.tfkeras and the training helpers only read the environment."""
+    modules = [REPO / "hvdtrain" / "tfkeras.py", *sorted((REPO / "hvdtrain" / "train").glob("*.py"))]
+    assert [w for m in modules for w in environ_writes(m)] == []
+    recipe = (REPO / "recipes" / "keras_train.py").read_text()
+    assert 'os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")' in recipe
+
+
 # ---- the real guard and doctor, in fresh interpreters -------------------------------------------------------
 
 @needs_tf
 @pytest.mark.slow
-def test_guard_refuses_keras_3_when_told_not_to_set_the_variable():
-    result = run_bounded([str(BIN / "python"), str(GUARD), "no-set"], timeout=180, env=env_without_legacy(),
-                         cwd=REPO)
-    assert result.returncode == 1, result.describe()
-    assert "KerasVersionError: tf.keras is keras 3." in result.output, result.describe()
-    assert "pip install \"tf-keras==" in result.output and "OK " not in result.output
-
-
-@needs_tf
-@pytest.mark.slow
-def test_guard_refuses_when_tf_keras_was_used_first_with_keras_3():
-    result = run_bounded([str(BIN / "python"), str(GUARD), "import-first"], timeout=180,
-                         env=env_without_legacy(), cwd=REPO)
-    assert result.returncode == 1, result.describe()
-    assert "tf.keras was used before hvdtrain.tfkeras could set TF_USE_LEGACY_KERAS=1" in result.output
-    assert "import hvdtrain.tfkeras first" in result.output and "OK " not in result.output
+@pytest.mark.parametrize("mode,code,expected,absent", [
+    # the entry point did not select Keras 2: refused, with the pip line that installs tf-keras
+    ("no-set", 1, ["KerasVersionError: tf.keras is keras 3.", 'pip install "tf-keras=='], ["OK "]),
+    # TensorFlow imported before the variable was set: refused, saying so
+    ("import-first", 1, ["TensorFlow was imported before TF_USE_LEGACY_KERAS=1 was set", "tf.keras is keras 3.",
+                         "set it before anything imports tensorflow"], ["OK "]),
+    # the entry point selected it: accepted
+    ("default", 0, ["OK tf_keras 2."], []),
+])
+def test_the_guard_accepts_only_keras_2_selected_by_the_entry_point(mode, code, expected, absent):
+    result = run_bounded([str(BIN / "python"), str(GUARD), mode], timeout=180, env=env_without_legacy(), cwd=REPO)
+    assert result.returncode == code, result.describe()
+    assert all(e in result.output for e in expected), result.describe()
+    assert not any(a in result.output for a in absent), result.describe()
 
 
 @needs_tf

@@ -1,6 +1,6 @@
-"""The README's image-folder walkthrough, run as written (issue 37: a converted image folder trained at chance):
-its lines between the `walkthrough` markers go to bash unchanged but for two things a test must not share with
-other runs: /tmp/ becomes this test's folder and port 9000 a free one."""
+"""The image-folder walkthrough of docs/streaming.md (the README links it), run as written (issue 37: a converted
+image folder trained at chance): its lines between the `walkthrough` markers go to bash unchanged but for two
+things a test must not share with other runs: /tmp/ becomes this test's folder and port 9000 a free one."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from tests.harness import REPO, run_bounded
 BEGIN, END = "<!-- walkthrough: begin -->", "<!-- walkthrough: end -->"
 
 
-def walkthrough_lines(readme: str) -> list[str]:
+def walkthrough_lines(page: str) -> list[str]:
     """The lines of the bash blocks between the markers."""
-    section = readme.split(BEGIN, 1)[1].split(END, 1)[0]
+    section = page.split(BEGIN, 1)[1].split(END, 1)[0]
     blocks = re.findall(r"```bash\n(.*?)```", section, flags=re.S)
     return [line for block in blocks for line in block.splitlines()]
 
@@ -29,8 +29,8 @@ def free_port() -> int:
 
 
 @pytest.mark.slow
-def test_the_readme_walkthrough_trains_an_image_folder_from_a_directory_and_from_s3(tmp_path: Path) -> None:
-    lines = walkthrough_lines((REPO / "README.md").read_text())
+def test_the_walkthrough_trains_an_image_folder_from_a_directory_and_from_s3(tmp_path: Path) -> None:
+    lines = walkthrough_lines((REPO / "docs" / "streaming.md").read_text())
     assert any("data convert" in line for line in lines) and any("s3://" in line for line in lines), lines
     port = str(free_port())
     script = "\n".join(line.replace("/tmp/", f"{tmp_path}/").replace("9000", port) for line in lines)

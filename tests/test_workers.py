@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -111,6 +113,32 @@ def test_producers_start_with_single_threaded_math_unless_the_user_chose(monkeyp
     with ShmLoader(generator=fx.math_threads, rank=0, size=1, num_workers=1) as ld:
         assert [b.tolist() for b in ld] == [[1, 3]]
     assert "OPENBLAS_NUM_THREADS" not in os.environ and os.environ["OMP_NUM_THREADS"] == "3"
+
+
+def test_starting_producers_changes_nothing_in_the_trainer_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The producers configure themselves (NOTE [producer start] in boot.py): while a loader starts its workers,
+    another thread of the trainer never sees its environment or its `__main__` module change, and multiprocessing's
+    default start method is left unchosen."""
+    monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False)
+    main, env, changes = sys.modules["__main__"], dict(os.environ), []
+    start_method = multiprocessing.get_start_method(allow_none=True)  # None on a fresh interpreter
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            if sys.modules.get("__main__") is not main or os.environ != env:
+                changes.append((sys.modules.get("__main__"), dict(os.environ)))
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        with ShmLoader(generator=fx.math_threads, rank=0, size=1, num_workers=3) as ld:
+            assert [b.tolist()[0] for b in ld] == [1, 1, 1]
+    finally:
+        done.set()
+        watcher.join(timeout=10)
+    assert changes == []
+    assert multiprocessing.get_start_method(allow_none=True) == start_method  # multiprocessing's default not fixed
 
 
 def test_per_worker_seeding_differs_and_reproduces() -> None:
@@ -261,6 +289,7 @@ def test_a_silent_worker_times_out() -> None:
     ({"batch_size": 2, "prefetch": -1}, ["prefetch", "-1"]),
     ({"batch_size": 2, "timeout": 0}, ["timeout", "0"]),
     ({"batch_size": 2, "start_method": "fork"}, ["start_method", "fork"]),
+    ({"batch_size": 2, "start_method": "forkserver"}, ["start_method", "'spawn'", "re-run the training script"]),
     ({"batch_size": 2, "generator": fx.endless}, ["exactly one"]),
     ({}, ["batch_size", "required"]),
 ])
@@ -353,6 +382,48 @@ def test_workers_do_not_rerun_the_training_script(tmp_path: Path, import_main: s
     assert result.returncode == 0, result.describe()
     assert "BATCHES [[0, 1, 4], [9, 16, 25]]" in result.output, result.describe()
     assert result.output.count("MAIN-MODULE-RUN") == runs, result.describe()
+
+
+UNGUARDED_SCRIPT = r"""
+import numpy as np
+from hvdtrain.data import ShmLoader
+print("MAIN-MODULE-RUN", flush=True)
+
+def gen(w, n, e, s):
+    yield np.zeros(1)
+
+with ShmLoader(generator=gen, rank=0, size=1, num_workers=2, import_main=True) as ld:  # no __main__ guard
+    print("BATCHES", len(list(ld)), flush=True)
+"""
+
+
+def test_a_loader_started_outside_the_main_guard_is_refused_in_the_producers_run_of_the_script(tmp_path: Path) -> None:
+    """With import_main=True each producer runs the training script; one that starts a loader at module level
+    would start producers of its own (NOTE [producer start] (b) in boot.py): they stop with a clear error instead,
+    and the trainer reports their exit."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(UNGUARDED_SCRIPT)
+    result = harness.run_bounded([sys.executable, str(script)], timeout=90, cwd=tmp_path,
+                                 env={"PYTHONPATH": str(harness.REPO)})
+    assert result.returncode != 0 and "WorkerDiedError" in result.output, result.describe()
+    assert "ImportingMainError" in result.output and 'if __name__ == "__main__":' in result.output, result.describe()
+    assert result.output.count("MAIN-MODULE-RUN") <= 3, result.describe()  # the trainer and its 2 producers at most
+
+
+def test_producers_import_what_the_trainer_imports_from_its_sys_path(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A generator from a module found through a path the trainer added at run time (cloudpickle sends it by
+    name): the producers import it, as the trainer did (NOTE [producer start] (a))."""
+    (tmp_path / "extra_batches.py").write_text("import numpy as np\n\n\ndef gen(w, n, e, s):\n"
+                                               "    yield np.array([7, w])\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import extra_batches  # type: ignore[import-not-found]
+
+    try:
+        with ShmLoader(generator=extra_batches.gen, rank=0, size=1, num_workers=2) as ld:
+            assert [b.tolist() for b in ld] == [[7, 0], [7, 1]]
+    finally:
+        sys.modules.pop("extra_batches", None)
 
 
 def test_a_loader_leaves_stale_segments_alone_and_the_explicit_sweep_removes_them() -> None:

@@ -1,31 +1,192 @@
-"""The first code a producer process runs: the producer that makes the rank's first batch starts first.
+"""How a producer process starts: the trainer's side (`start_producer`, `ProducerProcess`) and the first code the
+producer runs (`main`, then `producer_main`). Standard library only at import: the producer imports this first.
+
+NOTE [producer start]
+A producer is its own program, `python -P -c BOOTSTRAP`, not a multiprocessing child, so that it is configured by
+its own entry point and nothing process-wide in the trainer changes (not its environment, `__main__`, or
+multiprocessing's default start method):
+(a) Its path. BOOTSTRAP reads the boot message from stdin and sets `sys.path` to the trainer's (its '' made the
+    trainer's working directory) before it imports hvdtrain, so the producer imports the trainer's hvdtrain and the
+    trainer's modules that cloudpickle names. `-P` keeps its own working directory off the path; the trainer's
+    interpreter flags (-O, -W, -X, ...) are passed on, as multiprocessing's spawn does.
+(b) The main module. A multiprocessing spawn child re-runs the training script as `__mp_main__` (torch, horovod:
+    seconds per producer, B5). Everything a producer runs arrives cloudpickled, objects defined in `__main__`
+    included, so it needs none; `import_main=True` runs it, as multiprocessing would (`spawn.prepare`), and a
+    loader that such a run starts at module level is refused (`ImportingMainError`).
+(c) Math threads. numpy's OpenBLAS starts one thread per core at import (half of a producer's start-up CPU on 2
+    cores), and N producers' pools would oversubscribe the cores the trainer needs. `main` sets OPENBLAS, OMP and
+    MKL to one thread (unless the user set them: the child inherits the trainer's environment) before it imports
+    anything that imports numpy, like torch's DataLoader workers' `torch.set_num_threads(1)`.
+(d) Liveness. The child holds the write end of a pipe and nothing else does; its read end, `sentinel`, reports EOF
+    when the child is gone (multiprocessing's sentinel, made the same way), for the loader's poll set.
+(e) Shared memory. The child uses the trainer's multiprocessing resource tracker (its fd, as spawn passes it):
+    attaching a segment registers it there, and a tracker of its own would be one more process per producer.
+(f) The boot message goes through the child's stdin, which it reads at once and then replaces with /dev/null.
 
 NOTE [first producer first]
-Spawned producers import numpy and hvdtrain (0.1-0.2 CPU-s each) before they can make a batch, and the trainer waits
-only for producer 0's at first: it makes the rank's first batch (the sampler's batches are dealt round robin from
-the resume point; workers.py `dataset_batches`), producer 1 the second, a step later. On a machine with few cores, N
-producers of every rank starting at once share the cores: the first batch came 0.1-0.3 s later in B6 (2 cores, 2
-ranks of 2 producers), and B5's (4 producers) took 0.26-0.27 s instead of 0.16-0.17 s. So the loader starts them
-all, but every producer other than producer 0 waits here, before importing anything beyond the standard library (the
-package's `__init__` is lazy), until producer 0 has sent its first batch (or ended its first epoch, or exited: it
-writes a byte to its end of a socket pair and closes it, and its death closes it too), or for `WAIT_S` at most. The
-trainer keeps no end of that pair, so nothing else can hold it open. Later epochs do not wait. The second batch of a
-rank can come later than it did, by one producer's start-up at most: a step the trainer is running anyway.
+The trainer waits only for producer 0 at first: it makes the rank's first batch (the sampler's batches are dealt
+round robin from the resume point; workers.py `dataset_batches`), producer 1 the second, a step later. N producers
+of every rank starting at once would share a small machine's cores and delay that first batch (B5 and B6 measure
+it). So the loader starts them all, but every producer other than producer 0 waits in `producer_main`, before
+importing anything beyond the standard library (the package's `__init__` is lazy), until producer 0 has sent its
+first batch, ended its first epoch or exited (it writes a byte to its end of a socket pair and closes it; its
+death closes it too), or for `WAIT_S` at most. The trainer keeps no end of that pair, so nothing else can hold it
+open. Later epochs do not wait. A rank's second batch can come later by one producer's start-up at most: a step
+the trainer is running anyway.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import pickle
 import select
 import signal
 import socket
+import subprocess
+import sys
+from typing import Any
 
 WAIT_S = 1.0  # the longest a producer waits for producer 0's first batch before it starts anyway
+SINGLE_THREADED = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")  # NOTE [producer start] (c)
+BOOTSTRAP = ("import pickle, sys; boot = pickle.load(sys.stdin.buffer); sys.path[:] = boot['sys_path']; "
+             "from hvdtrain.data.boot import main; main(boot)")  # NOTE [producer start] (a)
+_importing_main = False  # this process is a producer running the training script (NOTE [producer start] (b))
+
+
+class ImportingMainError(RuntimeError):
+    """A producer's run of the training script (`import_main=True`) tried to start producers of its own."""
+
+
+class ProducerProcess:
+    """A producer started by `start_producer`: the part of multiprocessing.Process the loader uses."""
+
+    def __init__(self, popen: subprocess.Popen[bytes], sentinel: int) -> None:
+        self._popen, self.sentinel, self.pid = popen, sentinel, popen.pid
+
+    @property
+    def exitcode(self) -> int | None:
+        """None while it runs; its exit status, or -N after signal N (as multiprocessing)."""
+        return self._popen.poll()
+
+    def is_alive(self) -> bool:
+        return self._popen.poll() is None
+
+    def join(self, timeout: float) -> None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._popen.wait(timeout=timeout)
+
+    def terminate(self) -> None:
+        if self._popen.poll() is None:
+            self._popen.terminate()
+
+    def kill(self) -> None:
+        if self._popen.poll() is None:
+            self._popen.kill()
+
+    def close(self) -> None:
+        """Close the sentinel (after the process has been joined)."""
+        if self.sentinel >= 0:
+            os.close(self.sentinel)
+            self.sentinel = -1
+
+
+def start_producer(name: str, payload: bytes, channel: socket.socket, started: socket.socket | None,
+                   wait_for: socket.socket | None, *, import_main: bool) -> ProducerProcess:
+    """Start one producer (NOTE [producer start]); `payload` is its cloudpickled WorkerConfig, `channel` its end
+    of the trainer's socket pair, `started`/`wait_for` the first-batch gate (NOTE [first producer first])."""
+    if _importing_main:
+        raise ImportingMainError(
+            "a data loader was started while a producer process ran the training script (import_main=True): put the "
+            "script's training code under `if __name__ == \"__main__\":`, or leave import_main off")
+    from multiprocessing import resource_tracker
+
+    sentinel, alive = os.pipe()
+    fds = {"channel": channel.fileno(), "alive": alive, "tracker": resource_tracker.getfd(),
+           "started": started.fileno() if started else None, "wait_for": wait_for.fileno() if wait_for else None}
+    # (a); the flags as multiprocessing's spawn passes them (a private helper of subprocess's, used by both):
+    flags = subprocess._args_from_interpreter_flags()  # type: ignore[attr-defined]  # not in typeshed
+    argv = [sys.executable, *flags, "-P", "-c", BOOTSTRAP, name]
+    try:
+        popen = subprocess.Popen(argv, stdin=subprocess.PIPE, pass_fds=[fd for fd in fds.values() if fd is not None])
+    except BaseException:
+        os.close(sentinel)
+        raise
+    finally:
+        os.close(alive)
+    proc = ProducerProcess(popen, sentinel)
+    boot = {"sys_path": [os.getcwd() if p == "" else p for p in sys.path], "sys_argv": sys.argv, "fds": fds,
+            "payload": payload, "main": _main_module() if import_main else {}}
+    try:
+        _send_boot(popen, boot)
+    except BaseException:
+        proc.kill()
+        proc.join(timeout=2.0)
+        proc.close()
+        raise
+    return proc
+
+
+def _main_module() -> dict[str, str]:
+    """How multiprocessing's spawn names the training script for its children (`spawn.prepare` reads this)."""
+    main = sys.modules.get("__main__")
+    name = getattr(getattr(main, "__spec__", None), "name", None)
+    if name is not None:
+        return {"init_main_from_name": name}
+    path = getattr(main, "__file__", None)
+    return {} if path is None else {"init_main_from_path": os.path.normpath(os.path.abspath(path))}
+
+
+def _send_boot(popen: subprocess.Popen[bytes], boot: dict[str, Any]) -> None:
+    """Write `boot` to the child's stdin and close it; a child that died at once is left to the loader's wait to
+    report (its sentinel)."""
+    if popen.stdin is None:  # stdin=PIPE makes one
+        raise RuntimeError("the producer was started without a stdin pipe")
+    try:
+        with contextlib.suppress(BrokenPipeError):
+            popen.stdin.write(pickle.dumps(boot))
+    finally:
+        with contextlib.suppress(BrokenPipeError):
+            popen.stdin.close()
+
+
+def main(boot: dict[str, Any]) -> None:
+    """The producer program (NOTE [producer start]): configure this process, then run the producer."""
+    global _importing_main
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the process group: the trainer stops us
+    for name in SINGLE_THREADED:  # (c): before anything imports numpy
+        os.environ.setdefault(name, "1")
+    fds = boot["fds"]
+    for fd in fds.values():
+        if fd is not None:
+            os.set_inheritable(fd, False)  # nothing this producer starts holds the trainer's channel or the pipe
+    devnull = os.open(os.devnull, os.O_RDONLY)  # (f)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    sys.argv[:] = boot["sys_argv"]
+    from multiprocessing import resource_tracker
+
+    tracker: Any = resource_tracker._resource_tracker  # (e): what multiprocessing's spawn_main does (private)
+    tracker._fd = fds["tracker"]
+    if boot["main"]:  # (b)
+        from multiprocessing import spawn
+
+        _importing_main = True
+        try:
+            spawn.prepare(boot["main"])
+        finally:
+            _importing_main = False
+
+    def sock(key: str) -> socket.socket | None:
+        return None if fds[key] is None else socket.socket(fileno=fds[key])
+
+    producer_main(socket.socket(fileno=fds["channel"]), boot["payload"], sock("started"), sock("wait_for"))
 
 
 def producer_main(sock: socket.socket, payload: bytes, started: socket.socket | None,
                   wait_for: socket.socket | None) -> None:
-    """Entry point of a producer process: `sock` is its end of the trainer's channel, `payload` its cloudpickled
-    WorkerConfig; producer 0 gets `started` (to signal its first batch), the others `wait_for` (its other end)."""
+    """Run a producer: `sock` is its end of the trainer's channel, `payload` its cloudpickled WorkerConfig;
+    producer 0 gets `started` (to signal its first batch), the others `wait_for` (its other end)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # as worker_main: the trainer stops us (NOTE [shutdown])
     if wait_for is not None:
         select.select([wait_for], [], [], WAIT_S)

@@ -209,7 +209,9 @@ class EpochIterator:
                 self._drain(w, key, woke=w in piped)  # death is reported
             for w in exited:
                 link.fail_dead(w, f"while the trainer waited for {_what(key)}")
-        key = key if key is not None else ready
+        if key is None:
+            assert ready is not None  # the loop above ends only when a message is ready
+            key = ready
         return key, self.stash.pop(key)
 
     def _ready(self) -> Key | None:

@@ -79,7 +79,7 @@ class Lender:
         if len(held) + 1 >= self.slots_per_worker:  # NOTE [batch lifetime] (c)
             self.copies += 1
             return shm.map_batch(lambda a: np.array(a, copy=True), batch), False
-        held[slot] = weakref.ref(base, lambda _ref, s=slot: self._released(s))
+        held[slot] = weakref.ref(base, lambda _ref: self._released(slot))
         return batch, True
 
     def tracks(self, slot: int) -> bool:

@@ -17,8 +17,8 @@ Who owns what, and how everything ends — normally, on an exception, on interpr
   config, attached and unlinked by the worker first thing, and released like a slot's.
 - Resources live in `Resources`, not in the loader, and `weakref.finalize(loader, resources.shutdown)` calls
   `shutdown` exactly once: from `close()`, from `__exit__`, when the loader is garbage-collected, or at interpreter
-  exit. `close()` is therefore idempotent. (At exit, multiprocessing's own atexit hook may run first and
-  terminate the daemon workers; shutdown copes with dead workers, and the segments are ours to unlink either way.)
+  exit. `close()` is therefore idempotent. Shutdown copes with workers already dead, and the segments are ours to
+  unlink either way.
 - shutdown: send Stop(), unlink and unmap our segments, join each worker for a grace period, then SIGTERM, then
   SIGKILL. A worker blocked in user code stops at its next socket check; one stuck for longer is killed.
 - A worker ignores SIGINT (Ctrl-C reaches the whole process group; the trainer handles it). It ends when it
@@ -37,19 +37,17 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import select
 import signal
-import sys
 import time
-import types
-from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from hvdtrain.data import shm
 from hvdtrain.data.protocol import Stop
 
 if TYPE_CHECKING:
+    from hvdtrain.data.boot import ProducerProcess
     from hvdtrain.data.channel import Channel
     from hvdtrain.data.ring import Ring
 
@@ -79,7 +77,7 @@ class Resources:
     """Everything that must be released: processes, sockets and segments (see NOTE [shutdown])."""
 
     def __init__(self) -> None:
-        self.procs: list[Any] = []
+        self.procs: list[ProducerProcess] = []
         self.conns: list[Channel] = []
         self.segments: dict[int, shm.Segment] = {}
         self.rings: list[Ring] = []  # one per worker when the ring is used (NOTE [ring] in ring.py)
@@ -115,6 +113,8 @@ class Resources:
                 proc.join(timeout=2.0)
         for conn in self.conns:
             conn.close()
+        for proc in self.procs:
+            proc.close()
 
 
 class Watch:
@@ -123,7 +123,7 @@ class Watch:
     `multiprocessing.connection.wait` and `Connection.poll` build a selector on every call (~10-40 µs), more than
     the rest of a small batch's hand-off; these are one system call each."""
 
-    def __init__(self, conns: list[Channel], procs: list[Any]) -> None:
+    def __init__(self, conns: list[Channel], procs: list[ProducerProcess]) -> None:
         self._all = select.poll()
         self._owner: dict[int, tuple[int, bool]] = {}  # fd -> (worker, is its process sentinel)
         for w, (conn, proc) in enumerate(zip(conns, procs, strict=True)):
@@ -133,7 +133,8 @@ class Watch:
 
     def wait(self, timeout: float) -> tuple[list[int], list[int]]:
         """Wait up to `timeout` s for any socket or process; (workers with socket events, workers that exited)."""
-        piped, exited = [], []
+        piped: list[int] = []
+        exited: list[int] = []
         for fd, _ in self._all.poll(max(0, math.ceil(timeout * 1000))):
             w, sentinel = self._owner[fd]
             (exited if sentinel else piped).append(w)
@@ -148,41 +149,3 @@ def describe_exit(code: int | None) -> str:
             return f"signal {signal.Signals(-code).name}"
         return f"signal {-code}"
     return f"exit code {code}"
-
-
-@contextlib.contextmanager
-def main_module_hidden() -> Iterator[None]:
-    """While starting a spawned worker, show multiprocessing a bare `__main__` so the child does not re-import the
-    training script (and with it torch, horovod, ...): everything a worker runs arrives cloudpickled, objects
-    defined in `__main__` included. Measured in bench/loader_bench.py (B5, --startup). Only our own Process objects are
-    started inside this block; the swap lasts for `Process.start()`."""
-    main = sys.modules.get("__main__")
-    sys.modules["__main__"] = types.ModuleType("__main__")
-    try:
-        yield
-    finally:
-        if main is not None:
-            sys.modules["__main__"] = main
-
-
-# Math libraries' thread pools: numpy's OpenBLAS starts one thread per core at import (half of a producer's start-up
-# CPU on this 2-core machine), and N producers' pools would oversubscribe the cores the trainer needs.
-SINGLE_THREADED = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
-
-
-@contextlib.contextmanager
-def single_threaded_math() -> Iterator[None]:
-    """While starting a spawned worker, its environment says one thread for the math libraries (like torch's
-    DataLoader workers' `torch.set_num_threads(1)`), unless the user set them: a producer copies arrays and
-    starts in half the CPU time. The trainer's own libraries were configured when it imported them. The variables
-    must be in the environment the child is exec'd with (its numpy is imported before any code of ours runs
-    there), so they are in the trainer's for the few milliseconds of `Process.start()`, like `main_module_hidden`;
-    not with 'forkserver' (its children inherit the server's environment)."""
-    added = [name for name in SINGLE_THREADED if name not in os.environ]
-    for name in added:
-        os.environ[name] = "1"
-    try:
-        yield
-    finally:
-        for name in added:
-            os.environ.pop(name, None)

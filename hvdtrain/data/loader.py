@@ -4,10 +4,9 @@ The producer side is workers.py, the messages between the two protocol.py, one p
 ordering the batches) epoch.py. Process and segment lifetimes, errors and shutdown: NOTE [shutdown] in lifecycle.py.
 
 NOTE [epoch ahead]
-An epoch's first batch used to cost the trainer a round trip at every `iter()`: StartEpoch to the workers, which
-only then built the epoch's shard and produced (about 1-3 ms on 2 busy cores; on the quickstart's 23-step epochs,
-most of its data wait). The order of the epoch that comes next is known, so the loader starts it before it is
-asked for:
+The order of the epoch that comes next is known, so the loader starts it before it is asked for: otherwise every
+`iter()` would begin with a round trip (StartEpoch to the workers, which only then build the epoch's shard and
+produce) that the trainer waits for on each epoch's first step.
 (a) When an iteration has received every worker's EpochDone (the loop ran to its end), the loader sends StartEpoch
     for the iteration it expects next — the next epoch from its first batch, or the same epoch again if the user's
     last iteration repeated its epoch without a resume — under a new generation, and remembers (generation, start
@@ -15,9 +14,9 @@ asked for:
     `iter()`. Not at construction: a resumed run asks for another epoch first, and a streamed dataset would fetch
     shards of an epoch nobody reads.
 (b) `iter()` takes that iteration over when its own start state is the one remembered (no load_state_dict(), the
-    epoch guessed): it reads that generation and sends nothing. Otherwise it starts a new generation as before: the
-    workers drop the early one at their next batch, and its batches are given back as they are read (a stale
-    generation), so a wrong guess costs at most `prefetch + 2` batches of work per worker, never a wrong batch.
+    epoch guessed): it reads that generation and sends nothing. Otherwise it starts a new generation: the workers
+    drop the early one at their next batch, and its batches are given back as they are read (a stale generation),
+    so a wrong guess costs at most `prefetch + 2` batches of work per worker, never a wrong batch.
 (c) Dataset mode only: a generator's epochs are user code that need not be repeatable, so they start when asked.
     A failure in an epoch started early is reported only if that epoch is taken over (the iteration that replaces
     a dropped one meets it again).
@@ -30,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import multiprocessing as mp
 import socket
 import warnings
 import weakref
@@ -40,7 +38,7 @@ from typing import Any, NoReturn
 import numpy as np
 
 from hvdtrain.data import ring, shm
-from hvdtrain.data.boot import producer_main
+from hvdtrain.data.boot import start_producer
 from hvdtrain.data.channel import Channel
 from hvdtrain.data.epoch import EpochIterator, EpochLink, Key
 from hvdtrain.data.lending import Lender
@@ -52,8 +50,6 @@ from hvdtrain.data.lifecycle import (
     WorkerDiedError,
     WorkerError,
     describe_exit,
-    main_module_hidden,
-    single_threaded_math,
 )
 from hvdtrain.data.protocol import Batch, EpochMessage, FreeSlot, StartEpoch, ToWorker
 from hvdtrain.data.sharding import ShardSampler, check_positive, check_rank, check_unconsumed
@@ -61,7 +57,7 @@ from hvdtrain.data.workers import WorkerConfig
 
 __all__ = ["LoaderError", "LoaderTimeoutError", "ShmLoader", "WorkerDiedError", "WorkerError"]  # errors: lifecycle.py
 
-START_METHODS = ("spawn", "forkserver")
+START_METHODS = ("spawn",)
 SLOT_BYTES = 1 << 20
 """Each slot's first segment, made before the workers start, so that a batch that fits never waits for a GrowSlot
 round trip (one each for every worker's every slot, 0.3-2 ms on 2 busy cores, paid in the first steps while the
@@ -88,8 +84,9 @@ def _check_args(dataset: Any, generator: Any, batch_size: int | None, num_worker
         if not isinstance(value, int | float) or not value > 0:
             raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
     if start_method not in START_METHODS:
-        raise ValueError(f"start_method must be one of {START_METHODS} ('fork' is unsafe once torch has started "
-                         f"threads), got {start_method!r}")
+        raise ValueError(f"start_method must be one of {START_METHODS} (producers start as fresh interpreters: "
+                         f"'fork' is unsafe once torch has started threads, and 'forkserver' would re-run the training "
+                         f"script in each producer), got {start_method!r}")
 
 
 class ShmLoader:
@@ -117,12 +114,12 @@ class ShmLoader:
     that would leave its worker none (the user keeps batches) is handed out as a private copy instead, so holding
     batches never aliases and never deadlocks (NOTE [batch lifetime] in lending.py). Workers start in the
     constructor and live until `close()` (idempotent; also on garbage collection and at interpreter exit; a
-    context manager). Workers are started with 'spawn' (default; 'forkserver' is accepted; bench B5 times both), never
-    'fork', which is unsafe once torch has started its threads. `dataset`, `collate`, `fetch` and `generator` are
-    sent to the workers with cloudpickle (lambdas, closures and `__main__` objects work; a big in-memory dataset is
-    copied once per worker), so workers do not re-import the training script (its torch/horovod imports) unless
-    `import_main=True`. The constructor creates and removes only its own segments; segments a crashed run left
-    in /dev/shm are removed by an explicit `sweep_stale_segments()` call at process start.
+    context manager). `dataset`, `collate`, `fetch` and `generator` are sent to the workers with cloudpickle
+    (lambdas, closures and `__main__` objects work; a big in-memory dataset is copied once per worker).
+    Each worker is a fresh interpreter ('spawn', the only `start_method`) that does not re-run the training script
+    (its torch/horovod imports) unless `import_main=True` (NOTE [producer start] in boot.py; bench B5 times both).
+    The constructor creates and removes only its own segments; segments a crashed run left in /dev/shm are removed
+    by an explicit `sweep_stale_segments()` call at process start.
     """
 
     def __init__(self, dataset: Any = None, *, rank: int, size: int, batch_size: int | None = None,
@@ -185,12 +182,12 @@ class ShmLoader:
                                                           "drop_last": drop_last, "batch_size": batch_size,
                                                           "even": even, "order": order}, epochs)
         try:
-            self._start(base, mp.get_context(start_method), import_main)
+            self._start(base, import_main)
         except BaseException:
             self.close()
             raise
 
-    def _start(self, base: WorkerConfig, ctx: Any, import_main: bool) -> None:
+    def _start(self, base: WorkerConfig, import_main: bool) -> None:
         import cloudpickle
 
         gate = socket.socketpair() if self.num_workers > 1 else None  # NOTE [first producer first] in boot.py
@@ -204,13 +201,9 @@ class ShmLoader:
                 mine, theirs = Channel.pair()
                 started = gate[0] if gate is not None and w == 0 else None  # producer 0 signals its first batch
                 wait_for = gate[1] if gate is not None and w > 0 else None  # the others wait for it
-                proc = ctx.Process(target=producer_main, args=(theirs.sock, payload, started, wait_for), daemon=True,
-                                   name=f"hvdtrain-data-r{self.rank}-w{w}")
                 self._res.conns.append(mine)
-                math_env = single_threaded_math() if ctx.get_start_method() == "spawn" else contextlib.nullcontext()
-                with contextlib.nullcontext() if import_main else main_module_hidden(), math_env:
-                    proc.start()
-                self._res.procs.append(proc)
+                self._res.procs.append(start_producer(f"hvdtrain-data-r{self.rank}-w{w}", payload, theirs.sock,
+                                                      started, wait_for, import_main=import_main))
                 theirs.close()
                 for slot in range(w * self._spw, (w + 1) * self._spw):  # slot memory up front: SLOT_BYTES
                     seg = self._res.segments[slot] = shm.create_segment(SLOT_BYTES)

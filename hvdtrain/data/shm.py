@@ -12,6 +12,7 @@ the worker, into the segment, and the trainer builds numpy views on the segment 
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 import secrets
 import time
@@ -32,6 +33,17 @@ class Segment(shared_memory.SharedMemory):
     lending.py): with a live export it drops its own reference and the last view unmaps."""
 
     _address: int | None = None
+    # SharedMemory's own state (CPython's multiprocessing/shared_memory.py), which its stub does not declare.
+    _buf: memoryview | None
+    _mmap: mmap.mmap | None
+    _fd: int
+
+    @property
+    def buf(self) -> memoryview:
+        """The mapped bytes (SharedMemory's `buf`, which is None once closed: using a closed segment is a bug)."""
+        if self._buf is None:
+            raise ValueError(f"shared memory segment {self.name} is closed")
+        return self._buf
 
     @property
     def address(self) -> int:

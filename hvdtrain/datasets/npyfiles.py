@@ -8,7 +8,7 @@ import zipfile
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import IO
 
 import numpy as np
 
@@ -64,7 +64,7 @@ def np_load(path: Path) -> np.ndarray | np.lib.npyio.NpzFile:
         raise unreadable(str(path), e) from None
 
 
-def read_npy_header(f: BinaryIO) -> tuple[tuple[int, ...], bool, np.dtype, int]:
+def read_npy_header(f: IO[bytes]) -> tuple[tuple[int, ...], bool, np.dtype, int]:
     """(shape, Fortran order, dtype, header length in bytes) of the .npy data starting at `f`'s position; ValueError
     for what numpy would not load without pickle."""
     start = f.tell()

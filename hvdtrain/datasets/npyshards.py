@@ -82,8 +82,11 @@ def _npz_refs(path: Path, cache_dir: Path) -> tuple[ArrayRef, ArrayRef]:
         if missing:
             raise DatasetError(f"{path}: missing array(s) {', '.join(missing)}; found {sorted(npz.files)}; "
                                f"a .npz shard must hold 'x' (samples) and 'y' (integer labels)")
-        names = set(npz.zip.namelist())
-        x, y = (_member_ref(path, npz.zip, npz.zip.getinfo(f"{k}.npy" if f"{k}.npy" in names else k), k, cache_dir)
+        zf = npz.zip
+        if zf is None:  # never: numpy sets it to None on close, and the archive is open inside `with npz`
+            raise DatasetError(f"{path}: the archive was closed while it was read")
+        names = set(zf.namelist())
+        x, y = (_member_ref(path, zf, zf.getinfo(f"{k}.npy" if f"{k}.npy" in names else k), k, cache_dir)
                 for k in ("x", "y"))
         return x, y
 
@@ -327,7 +330,8 @@ def load_dir(path: Path, *, val_fraction: float = 0.2, split_seed: int = 0, num_
                                f"{sets[0].sample_shape}")
         train, val = (NpyShardSplit(s, check_finite=check_finite) for s in sets)
     else:
-        split = dict(val_fraction=val_fraction, split_seed=split_seed, check_finite=check_finite)
-        train, val = (NpyShardSplit(sets[0], part=p, **split) for p in ("train", "val"))  # type: ignore[arg-type]
+        train, val = (NpyShardSplit(sets[0], part=p, val_fraction=val_fraction, split_seed=split_seed,
+                                    check_finite=check_finite) for p in ("train", "val"))
         train.rows()  # checks val_fraction against the sample count now, not in a producer
+    # NpyShardSplit is not an ArrayDataset: it has what a split is used for (take, len, sample_shape, order).
     return Splits(train=train, val=val, num_classes=classes, name=str(path))  # type: ignore[arg-type]

@@ -11,9 +11,10 @@ import json
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Set
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from hvdtrain.doctor import probe
 from hvdtrain.doctor.probe import Facts
@@ -43,7 +44,7 @@ def _first_line(argv: list[str]) -> str | None:
     return text.splitlines()[0] if text else None
 
 
-def framework_checks(build: Facts, require: set[str]) -> list[Check]:
+def framework_checks(build: Facts, require: Set[str]) -> list[Check]:
     checks = []
     for fw, label in (("torch", "PyTorch ops"), ("tensorflow", "TensorFlow ops")):
         err = build.errors.get(fw)
@@ -59,7 +60,7 @@ def framework_checks(build: Facts, require: set[str]) -> list[Check]:
     return checks
 
 
-def controller_checks(build: Facts, require: set[str]) -> list[Check]:
+def controller_checks(build: Facts, require: Set[str]) -> list[Check]:
     flags = build.controllers()
     gloo, mpi, nccl = flags.get("gloo", False), flags.get("mpi", False), flags.get("nccl", False)
     mpirun = _first_line(["mpirun", "--version"])
@@ -91,12 +92,14 @@ def torch_checks() -> list[Check]:
     return checks
 
 
-# Runs in a child interpreter the way the Keras recipe imports TensorFlow (hvdtrain.tfkeras sets
-# TF_USE_LEGACY_KERAS=1 unless the user set it): prints which Keras tf.keras is and hvdtrain's verdict on it.
+# Runs in a child interpreter the way the Keras recipe imports TensorFlow: the probe, a process entry point, selects
+# Keras 2 itself (TF_USE_LEGACY_KERAS=1 unless the user set it), as the Keras recipe's main() does; it prints which
+# Keras tf.keras is and hvdtrain's verdict on it.
 _KERAS_PROBE = r"""
 import importlib.util, json, os
 out = {"tensorflow": importlib.util.find_spec("tensorflow") is not None}
 if out["tensorflow"]:
+    os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
     from hvdtrain import tfkeras
     try:
         tf = tfkeras.import_tensorflow()
@@ -107,7 +110,7 @@ print(json.dumps(out))
 """
 
 
-def keras_check(probe: dict, require: set[str]) -> Check:
+def keras_check(probe: dict[str, Any], require: Set[str]) -> Check:
     """Keras as horovod.tensorflow.keras needs it: Keras 2 (tf_keras); Keras 3 fails with the fix."""
     if not probe.get("tensorflow"):
         return Check("Keras", False, "TensorFlow not installed", TF_FIX, required="tensorflow" in require)
@@ -118,19 +121,20 @@ def keras_check(probe: dict, require: set[str]) -> Check:
     return Check("Keras", False, detail, fix or TF_FIX)
 
 
-def probe_keras(python: str = sys.executable) -> dict:
+def probe_keras(python: str = sys.executable) -> dict[str, Any]:
     try:
         proc = subprocess.run([python, "-c", _KERAS_PROBE], capture_output=True, text=True,
                               timeout=probe.PROBE_TIMEOUT_S, check=False)
     except subprocess.TimeoutExpired:
         return {"tensorflow": True, "error": f"importing tensorflow took over {probe.PROBE_TIMEOUT_S} s"}
     try:
-        return json.loads(proc.stdout.strip().splitlines()[-1])
+        facts: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])  # _KERAS_PROBE prints a dict
+        return facts
     except (IndexError, json.JSONDecodeError):
         return {"tensorflow": True, "error": f"probe failed (exit {proc.returncode}): {proc.stderr.strip()[-500:]}"}
 
 
-def run_checks(require: set[str] = frozenset()) -> list[Check]:
+def run_checks(require: Set[str] = frozenset()) -> list[Check]:
     """All checks for this machine. `require` adds 'mpi', 'nccl' or 'tensorflow' to what must pass."""
     build = probe.run(sys.executable, "all")
     hvd_err = build.errors.get("horovod")
@@ -164,7 +168,7 @@ def format_report(checks: list[Check]) -> str:
     return "\n".join(lines)
 
 
-def doctor(require: set[str], as_json: bool = False, more: Callable[[], list[Check]] | None = None) -> int:
+def doctor(require: Set[str], as_json: bool = False, more: Callable[[], list[Check]] | None = None) -> int:
     """Print the report; exit status 0 when every required check passed, 1 otherwise. `more` adds checks
     (`--hosts`: hvdtrain.doctor.remote)."""
     checks = run_checks(require) + (more() if more else [])

@@ -21,7 +21,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -112,13 +112,13 @@ def version_checks(probe: Probe, here: Facts) -> list[Check]:
     return checks
 
 
-def common_interfaces(nics_by_host: dict[str, Sequence[str]]) -> list[str]:
+def common_interfaces(nics_by_host: Mapping[str, Sequence[str]]) -> list[str]:
     """Interface names present on every host (sorted); [] when there is none or no host."""
     sets = [set(nics) for nics in nics_by_host.values()]
     return sorted(set.intersection(*sets)) if sets else []
 
 
-def nic_checks(nics_by_host: dict[str, Sequence[str]], local_nics: Sequence[str]) -> list[Check]:
+def nic_checks(nics_by_host: Mapping[str, Sequence[str]], local_nics: Sequence[str]) -> list[Check]:
     """Common NIC (required) and, when there is one, whether this machine has it too (a warning if not)."""
     if not nics_by_host:
         return [Check("Common NIC", False, "no host answered", "fix the hosts' ssh first")]

@@ -141,7 +141,7 @@ def _entries(node: yaml.MappingNode) -> dict[str, yaml.Node]:
     return entries
 
 
-def parse_yaml(text: str, origin: str) -> tuple[dict, dict[KeyPath, int]]:
+def parse_yaml(text: str, origin: str) -> tuple[dict[str, Any], dict[KeyPath, int]]:
     """YAML text -> (mapping, key-path -> line). Syntax errors become a SpecError quoting the line."""
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
@@ -164,7 +164,7 @@ def parse_yaml(text: str, origin: str) -> tuple[dict, dict[KeyPath, int]]:
     return data, lines
 
 
-def apply_override(data: dict, override: str) -> KeyPath:
+def apply_override(data: dict[str, Any], override: str) -> KeyPath:
     """Set `key.path=value` (value parsed as YAML) in data, in place; returns the key path."""
     key, sep, raw = override.partition("=")
     path: KeyPath = tuple(int(p) if p.isdigit() else p for p in key.strip().split("."))
@@ -188,11 +188,11 @@ def apply_override(data: dict, override: str) -> KeyPath:
             node[part] = {}
         node = node[part]
     last = path[-1]
-    if isinstance(node, dict) or (isinstance(node, list) and isinstance(last, int) and last < len(node)):
-        node[last] = value
-    else:
+    settable = isinstance(node, dict) or (isinstance(node, list) and isinstance(last, int) and last < len(node))
+    if not settable:
         raise SpecError(f"-o {override}", [Issue(path, "cannot set this key", value=node,
                                                  fix="override the parent key as a whole")])
+    node[last] = value
     return path
 
 

@@ -165,8 +165,8 @@ class FailureTracker:
         down (the others then fail inside Horovod), that rank is named as the cause.
         """
         lost = self._lost_hosts()
-        if self.cause_record() is not None:
-            return [*lost, *self._record_report(log_dir)]
+        if (cause := self.cause_record()) is not None:
+            return [*lost, *self._record_report(cause, log_dir)]
         f = self.first
         if f is None:
             return lost
@@ -181,9 +181,8 @@ class FailureTracker:
                      f"rank {f.rank} {f.how()} first, after Horovod shut down"]
         return [*lost, *lines, *self._output(rank, log_dir)]
 
-    def _record_report(self, log_dir: str | None) -> list[str]:
+    def _record_report(self, cause: RankRecord, log_dir: str | None) -> list[str]:
         """The report from the ranks' records: the cause, with its exception when one ended it."""
-        cause = self.cause_record()
         who = (f"worker {cause.host}[{cause.local_rank}]" if self.elastic or cause.rank is None
                else f"rank {cause.rank} on host {self._host_name(cause.rank) or cause.host}")
         how = RankFailure(cause.rank, code=cause.code, signum=cause.signum).how()

@@ -116,19 +116,26 @@ def find_horovodrun() -> str:
 class _Job:
     def __init__(self, router: OutputRouter) -> None:
         self.router = router
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
         self.seen: dict[int, psutil.Process] = {}
         self.signals: list[int] = []  # every stop signal received, in order
         self.told = 0  # how many of them the console has been told about
         self.kill_at: float | None = None
         self.next_snapshot = time.monotonic() + POLL_S
-        self.guard: subprocess.Popen | None = None
+        self.guard: subprocess.Popen[bytes] | None = None
 
     @property
     def signum(self) -> int | None:
         return self.signals[-1] if self.signals else None
 
-    def start(self, plan: LaunchPlan, records_env: dict[str, str]) -> subprocess.Popen:
+    @property
+    def pid(self) -> int:
+        """horovodrun's pid, also its process group's id (only asked for once start() has set self.proc)."""
+        if self.proc is None:
+            raise RuntimeError("hvdtrain: the job's process is asked for before it was started")
+        return self.proc.pid
+
+    def start(self, plan: LaunchPlan, records_env: dict[str, str]) -> subprocess.Popen[bytes]:
         try:
             proc = subprocess.Popen(plan.argv, env={**os.environ, **plan.env, **records_env}, cwd=plan.cwd,
                                     stdin=subprocess.DEVNULL,
@@ -152,7 +159,7 @@ class _Job:
     def _start_guard(self) -> None:
         """The watcher that stops horovodrun's group if this process dies (hvdtrain.launch.lifeline.guard)."""
         try:
-            self.guard = subprocess.Popen([sys.executable, "-m", GUARD_MODULE, str(self.proc.pid)],
+            self.guard = subprocess.Popen([sys.executable, "-m", GUARD_MODULE, str(self.pid)],
                                           stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, start_new_session=True)
         except OSError as exc:
             self.kill_all()
@@ -162,6 +169,7 @@ class _Job:
         """The job ended under our supervision: tell the guard to stand down."""
         if self.guard is None:
             return
+        assert self.guard.stdin is not None  # started with stdin=PIPE
         with contextlib.suppress(OSError):
             self.guard.stdin.write(DONE)
             self.guard.stdin.close()
@@ -178,7 +186,7 @@ class _Job:
 
     def snapshot(self) -> None:
         with contextlib.suppress(psutil.Error):
-            for child in psutil.Process(self.proc.pid).children(recursive=True):
+            for child in psutil.Process(self.pid).children(recursive=True):
                 self.seen.setdefault(child.pid, child)
 
     def on_signal(self, signum: int, _frame: object) -> None:
@@ -190,7 +198,7 @@ class _Job:
 
     def _forward(self, signum: int) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGTERM if signum == signal.SIGHUP else signum)
+            os.killpg(self.pid, signal.SIGTERM if signum == signal.SIGHUP else signum)
 
     def tell(self, timed_out: bool, timeout_s: float | None, upto: int | None = None) -> None:
         """Say on the console what the signals received so far (the first `upto`) do, once each."""
@@ -208,7 +216,7 @@ class _Job:
     def kill_all(self) -> None:
         self.snapshot()
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
+            os.killpg(self.pid, signal.SIGKILL)
         for p in self.seen.values():
             with contextlib.suppress(psutil.Error):
                 p.kill()
@@ -224,7 +232,7 @@ class _Job:
                 p.kill()
         psutil.wait_procs(still, timeout=5)
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)  # anything left in horovodrun's own group
+            os.killpg(self.pid, signal.SIGKILL)  # anything left in horovodrun's own group
 
 
 def _alive(p: psutil.Process) -> bool:

@@ -9,9 +9,13 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hvdtrain import exitcodes
 from hvdtrain.render.common import DEFAULT_PYTHON, DEFAULT_REMOTE_DIR, DEFAULT_SSH_PORT, ClusterOptions, RenderError
+
+if TYPE_CHECKING:
+    from hvdtrain.render import K8sOptions, SlurmOptions
 
 
 def _common_args(p: argparse.ArgumentParser) -> None:
@@ -36,7 +40,7 @@ def _common_args(p: argparse.ArgumentParser) -> None:
                    help="when the spec sets none (default mpi)")
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add `render` with its `k8s` and `slurm` targets to hvdtrain's subcommands."""
     render = sub.add_parser("render", help="render a job spec as a Kubeflow MPIJob or an sbatch script")
     targets = render.add_subparsers(dest="target", required=True, metavar="TARGET")
@@ -61,7 +65,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_render)
 
 
-def _target_options(args: argparse.Namespace):
+def _target_options(args: argparse.Namespace) -> K8sOptions | SlurmOptions:
     from hvdtrain.render import K8sOptions, SlurmOptions
 
     if args.target == "k8s":

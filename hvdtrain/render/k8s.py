@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
 import yaml
 
@@ -59,14 +60,14 @@ def _env(spec: JobSpec) -> list[dict[str, str]]:
     return [{"name": name, "value": value} for name, value in spec.env.items()]
 
 
-def _container(name: str, image: str, pull: str, command: list[str], env: list[dict[str, str]]) -> dict:
-    container: dict = {"name": name, "image": image, "imagePullPolicy": pull, "command": command}
+def _container(name: str, image: str, pull: str, command: list[str], env: list[dict[str, str]]) -> dict[str, Any]:
+    container: dict[str, Any] = {"name": name, "image": image, "imagePullPolicy": pull, "command": command}
     if env:
         container["env"] = env
     return container
 
 
-def _launcher(spec: JobSpec, cluster: ClusterOptions, opts: K8sOptions) -> dict:
+def _launcher(spec: JobSpec, cluster: ClusterOptions, opts: K8sOptions) -> dict[str, Any]:
     argv, hosts_at = horovodrun_argv(spec, cluster, "horovodrun")
     argv[hosts_at - 1: hosts_at + 1] = ["--hostfile", OPERATOR_HOSTFILE]
     argv[0] = horovodrun_path(spec, cluster)
@@ -76,7 +77,7 @@ def _launcher(spec: JobSpec, cluster: ClusterOptions, opts: K8sOptions) -> dict:
     return {"replicas": 1, "restartPolicy": "Never", "template": {"spec": {"containers": [container]}}}
 
 
-def _worker(spec: JobSpec, lay: Layout, opts: K8sOptions) -> dict:
+def _worker(spec: JobSpec, lay: Layout, opts: K8sOptions) -> dict[str, Any]:
     container = _container("worker", opts.image, opts.image_pull_policy, [ENTRYPOINT, "sshd"], _env(spec))
     if lay.gpus_per_node:
         container["resources"] = {"limits": {"nvidia.com/gpu": lay.gpus_per_node}}
@@ -87,13 +88,13 @@ def _worker(spec: JobSpec, lay: Layout, opts: K8sOptions) -> dict:
     return {"replicas": lay.nodes, "restartPolicy": "Never", "template": {"spec": pod}}
 
 
-def mpijob(spec: JobSpec, cluster: ClusterOptions, opts: K8sOptions | None = None) -> dict:
+def mpijob(spec: JobSpec, cluster: ClusterOptions, opts: K8sOptions | None = None) -> dict[str, Any]:
     """The MPIJob object for a loaded spec (see `render_k8s` for the YAML text)."""
     opts = opts or K8sOptions()
     check_renderable(spec)
     _check(opts)
     lay = layout(spec, cluster)
-    metadata: dict = {"name": check_name(cluster.name), "labels": {"app.kubernetes.io/name": "hvdtrain"}}
+    metadata: dict[str, Any] = {"name": check_name(cluster.name), "labels": {"app.kubernetes.io/name": "hvdtrain"}}
     if opts.namespace:
         metadata["namespace"] = opts.namespace
     return {

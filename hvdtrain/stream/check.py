@@ -34,13 +34,13 @@ class BufferReader(mds.ShardReader):
     file; `where` (its URL or path) names it in errors."""
 
     def __init__(self, data: bytes | memoryview, info: mds.ShardInfo, where: str) -> None:  # no file to map
-        self.path, self.info = where, info  # type: ignore[assignment] (only ever formatted into messages)
+        self.path, self.info = where, info
         self._check_size(len(data))
-        self.map = data  # type: ignore[assignment] (a buffer: sliced and read with np.frombuffer, as the mmap is)
+        self.map = data  # sliced and read with np.frombuffer, as the mapping is
         self._read_layout()
 
     def close(self) -> None:
-        self.map = b""  # type: ignore[assignment]
+        self.map = b""
 
 
 class ShardProblem(StreamError):
@@ -65,7 +65,7 @@ class StoreFailed(StreamError):
     """The store did not give a shard for a reason that is not the shard's (see ShardProblem)."""
 
 
-def _get(source: store.Store, name: str) -> bytes:
+def _get(source: store.Store, name: str) -> bytes | memoryview:
     try:
         return source.get(name)
     except DataError as e:

@@ -183,10 +183,10 @@ class StreamingDataset:
         """Shard `s` memory-mapped (fetched or decompressed into the node cache first unless it is a raw shard on
         a filesystem); call with the lock held. Beyond `max_open` mapped shards the least recently used one is
         unmapped."""
-        reader = self._readers.get(s)
-        if reader is not None:
+        cached = self._readers.get(s)
+        if cached is not None:
             self._readers.move_to_end(s)
-            return reader
+            return cached
         if self._in_place(s):  # NOTE [local shards verified] in verify.py
             marker = self.node.dir.with_name(f"{self.node.dir.name}-verified") / self._cache_name(s)
             verify.verify_once(self.local_file(s), self.index.shards[s].raw, marker, self.shard_name(s))
@@ -213,8 +213,9 @@ class StreamingDataset:
 
     def local_file(self, s: int) -> Path:
         """Shard `s`'s raw file on this node: read in place (a raw shard on a filesystem) or in the node cache."""
-        if self._in_place(s):
-            return self.store.local_dir / self.index.shards[s].raw.basename  # type: ignore[operator]
+        local = self.store.local_dir
+        if local is not None and self._in_place(s):
+            return local / self.index.shards[s].raw.basename
         return self.node.ensure(s, lambda: self.fetch_raw(s), what=f"fetching {self.shard_name(s)}")
 
     def fetch_raw(self, s: int) -> bytes | memoryview:

@@ -24,6 +24,7 @@ per rank in B6.) Before any of that, while the node's first batches of a plan ar
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import TYPE_CHECKING, Protocol
 
@@ -89,7 +90,7 @@ class Fetcher:
             try:
                 if not self.ds.node.admits(s):
                     return  # no room without evicting what a reader needs sooner (the later shards: even less)
-                self.ds.node.ensure(s, lambda s=s: self.ds.fetch_raw(s), wait=False,
+                self.ds.node.ensure(s, functools.partial(self.ds.fetch_raw, s), wait=False,
                                     what=f"fetching {self.ds.shard_name(s)} ahead")
                 self.fetched += 1
             except cachedir.Busy:

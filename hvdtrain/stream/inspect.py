@@ -47,7 +47,8 @@ def _labels(name: str, where: str, index: mds.Index, missing: list[str], field: 
         return {**out, "note": note or "not read (--label-shards 0)"}
     source, present = store.open_store(where), [s for s in index.shards if s.remote_file.basename not in missing]
     picks = sorted({int(i) for i in np.linspace(0, len(present) - 1, min(len(present), most)).round()})
-    got, fetched = [], 0
+    got: list[np.ndarray] = []
+    fetched = 0
     for i in picks:
         if fetched >= LABEL_FETCH_BYTES and len(got) >= 2:
             break

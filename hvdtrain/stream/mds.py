@@ -59,7 +59,8 @@ class ShardInfo:
     def fixed_stride(self) -> int | None:
         """Bytes per sample when every column has a fixed size (then a batch is one fancy-indexing copy)."""
         sizes = [enc.size for _, enc in self.columns]
-        return None if None in sizes else sum(sizes)  # type: ignore[arg-type]
+        fixed = [size for size in sizes if size is not None]
+        return sum(fixed) if len(fixed) == len(sizes) else None
 
 
 @dataclass(frozen=True)
@@ -129,7 +130,7 @@ def _file_info(obj: Mapping[str, Any]) -> FileInfo:
 
 # ---- checksums ------------------------------------------------------------------------------------------------
 
-def digest(algo: str, data: bytes | memoryview) -> str | None:
+def digest(algo: str, data: bytes | memoryview | mmap.mmap) -> str | None:
     """The hex digest of `data` with one of MDS's hash names (None when this machine cannot compute it)."""
     if algo.startswith("xxh"):
         try:
@@ -144,7 +145,7 @@ def digest(algo: str, data: bytes | memoryview) -> str | None:
         return None
 
 
-def check_hashes(info: FileInfo, data: bytes | memoryview, where: str) -> None:
+def check_hashes(info: FileInfo, data: bytes | memoryview | mmap.mmap, where: str) -> None:
     """StreamError naming `where` when the data's size or any computable hash differs from the index."""
     if len(data) != info.bytes:
         raise StreamError(f"{where}: {len(data)} bytes, the index says {info.bytes} (truncated or replaced)")
@@ -168,6 +169,9 @@ class ShardReader:
     """A raw (uncompressed) shard file, memory-mapped read-only: samples are decoded from the page cache.
 
     Every value returned is a copy (nothing handed out views the mapping), so `close()` can always unmap it."""
+
+    path: Path | str  # named in errors only
+    map: mmap.mmap | bytes | memoryview  # the shard's bytes: the mapped file (a subclass may hold them in memory)
 
     def __init__(self, path: Path, info: ShardInfo) -> None:
         self.path, self.info = path, info
@@ -251,13 +255,14 @@ class ShardReader:
         del table
         return split_columns(self.info, picked, fields)
 
-    def row_bytes(self, row: int) -> bytes:
+    def row_bytes(self, row: int) -> bytes | memoryview:
         """Sample `row`'s bytes as stored (a copy)."""
         return self.map[int(self.offsets[row]):int(self.offsets[row + 1])]
 
     def close(self) -> None:
         """Unmap the file (nothing handed out views it)."""
-        self.map.close()
+        if isinstance(self.map, mmap.mmap):
+            self.map.close()
 
 
 def stacks(info: ShardInfo, fields: Sequence[str]) -> bool:
@@ -279,6 +284,8 @@ def split_columns(info: ShardInfo, picked: np.ndarray, fields: Sequence[str]) ->
         size = enc.size or 0
         if name in fields:
             shape = () if enc.kind == "scalar" else enc.shape
+            if enc.dtype is None or shape is None:  # never: a fixed-stride shard's columns all have a fixed size
+                raise StreamError(f"column {name!r} ({enc.text}) has no fixed dtype and shape")
             out[name] = picked[:, pos:pos + size].copy().view(enc.dtype).reshape(len(picked), *shape)
         pos += size
     return out

@@ -316,8 +316,10 @@ class NodeCache:
     def _make_room(self, nbytes: int, others: Sequence[Reader], *, windows: bool) -> bool:
         """Delete files (outside every reader's window, else outside the block each is in), the furthest needed
         first, until `nbytes` more fit under the limit; whether they do."""
+        if self.limit is None:  # never: room is made only under a limit (ensure)
+            return True
         files = self.usage()
-        over = sum(size for _, size, _ in files) + nbytes - self.limit  # type: ignore[operator]
+        over = sum(size for _, size, _ in files) + nbytes - self.limit
         for _, name, size in self._victims(files, others, windows=windows):
             if over <= 0:
                 break

@@ -257,7 +257,7 @@ class RangedReads:
         return {"share": self.share, "takes": self.takes, "eligible": self.eligible}  # the rest is per process
 
     def __setstate__(self, state: dict[str, object]) -> None:
-        self.__init__(state["share"], state["takes"])  # type: ignore[misc, arg-type]
+        self.__init__(state["share"], state["takes"])  # type: ignore[misc]  # __init__ again, with the pickled arguments
         self.eligible = bool(state["eligible"])
 
 

@@ -201,7 +201,10 @@ def _scan_images(dirs: dict[str, Path], image_size: tuple[int, int] | None) -> S
         if not items[split]:
             raise StreamError(f"{root}: no .npz/.npy shards and no images found; expected array shards or "
                               f"class directories of {'/'.join(IMAGE_SUFFIXES)} files ({root}/CLASS/*.png)")
-    height, width = image_size or first[1]  # type: ignore[index]
+    hw = image_size or (first[1] if first is not None else None)
+    if hw is None:  # never: a split without images was refused above
+        raise StreamError(f"{', '.join(map(str, dirs.values()))}: no images found")
+    height, width = hw
     # x_scale: readers train on x * x_scale (pixels 0..255 -> 0..1); array datasets are trained on as stored.
     meta = {"num_classes": len(classes), "x_shape": [3, height, width], "classes": classes, "x_scale": 1 / 255}
     source = Source("images", items, {k: len(v) for k, v in items.items()}, f"ndarray:uint8:3,{height},{width}",

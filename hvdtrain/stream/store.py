@@ -27,10 +27,15 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from hvdtrain.data.errors import DataError
 from hvdtrain.stream.errors import StreamError
+
+if TYPE_CHECKING:
+    from datetime import timedelta
+
+    from obstore.store import ClientConfig, RetryConfig
 
 REMOTE_SCHEMES = ("s3", "gs", "http", "https")
 ENV_RETRY = "HVDTRAIN_STREAM_RETRY_S"
@@ -139,11 +144,11 @@ class RemoteStore(Store):
         if self._client is None:
             from obstore.store import from_url
 
-            options: dict[str, Any] = {"connect_timeout": "5s", "timeout": "120s"}
+            options: ClientConfig = {"connect_timeout": "5s", "timeout": "120s"}
             if _http_allowed(self.source):  # passing client_options makes obstore ignore AWS_ALLOW_HTTP
                 options["allow_http"] = True
             # Few retries inside obstore: the deadline and the error message are ours (get()).
-            retry = {"max_retries": 1, "retry_timeout": _timedelta(5.0)}
+            retry: RetryConfig = {"max_retries": 1, "retry_timeout": _timedelta(5.0)}
             try:
                 self._client = from_url(self.source, client_options=options, retry_config=retry)
             except Exception as e:  # obstore's configuration errors are its own types
@@ -255,7 +260,7 @@ def open_store(source: str) -> Store:
     return RemoteStore(source) if is_url(source) else LocalStore(source)
 
 
-def _timedelta(seconds: float) -> Any:
+def _timedelta(seconds: float) -> timedelta:
     from datetime import timedelta
 
     return timedelta(seconds=seconds)

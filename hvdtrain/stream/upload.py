@@ -13,6 +13,7 @@ from pathlib import Path
 
 from hvdtrain.stream import inspect, mds, store
 from hvdtrain.stream.errors import StreamError
+from hvdtrain.stream.splits import human_bytes
 
 
 @dataclass(frozen=True)
@@ -62,5 +63,5 @@ def upload(src: Path, url: str, *, progress: bool = True) -> Uploaded:
 
 
 def render(result: Uploaded) -> str:
-    return (f"uploaded {result.files} files ({inspect.human_bytes(result.bytes)}) to {result.url}; train on it with "
+    return (f"uploaded {result.files} files ({human_bytes(result.bytes)}) to {result.url}; train on it with "
             f"--dataset {result.url}")

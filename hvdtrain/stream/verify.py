@@ -63,7 +63,7 @@ def _check(path: Path, info: mds.FileInfo, where: str) -> None:
                 mds.check_hashes(info, b"", where)
                 return
             with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-                mds.check_hashes(info, data, where)  # type: ignore[arg-type] (a buffer, hashed in place)
+                mds.check_hashes(info, data, where)  # the mapping, hashed in place
     except OSError as e:  # not a cache error: the shard itself is unreadable
         raise StreamError(f"{where}: cannot read it to verify it ({e.strerror or e})") from None
 

@@ -119,7 +119,7 @@ class _HashingWriter(io.RawIOBase):
 def _write_enveloped(f: BinaryIO, write_payload: Callable[[BinaryIO], None]) -> None:
     f.write(b"\0" * _HEADER.size)
     hashing = _HashingWriter(f)
-    write_payload(hashing)  # type: ignore[arg-type]
+    write_payload(hashing)  # type: ignore[arg-type]  # a file the payload writers only write() to
     f.seek(0)
     f.write(_HEADER.pack(MAGIC, hashing.length, hashing.sha.digest()))
     f.seek(0, os.SEEK_END)

@@ -13,9 +13,12 @@ import types
 import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-C = TypeVar("C")
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+C = TypeVar("C", bound="DataclassInstance")
 
 
 def parse_config(cls: type[C], argv: Sequence[str] | None = None, *, description: str | None = None) -> C:
@@ -32,14 +35,14 @@ def parse_config(cls: type[C], argv: Sequence[str] | None = None, *, description
         parser.error(str(e))
 
 
-def config_parser(cls: type, *, description: str | None = None) -> argparse.ArgumentParser:
+def config_parser(cls: type[DataclassInstance], *, description: str | None = None) -> argparse.ArgumentParser:
     """The parser for `cls`'s fields; each option's help ends with its default (`default_text`)."""
     parser = argparse.ArgumentParser(description=description)
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
         kind, optional = _unwrap(hints[f.name], f.name)
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        default = _default(f)
         help_text = with_default(f.metadata.get("help", ""), default)
         if kind is bool:
             parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
@@ -49,6 +52,15 @@ def config_parser(cls: type, *, description: str | None = None) -> argparse.Argu
                             choices=f.metadata.get("choices"), help=help_text,
                             metavar=f.metadata.get("metavar"))
     return parser
+
+
+def _default(f: dataclasses.Field[Any]) -> Any:
+    """A field's default: its `default`, or what its `default_factory` makes."""
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    raise TypeError(f"config field {f.name!r} has no default (every option needs one)")
 
 
 def default_text(default: Any) -> str:

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from hvdtrain.data.errors import DataError
@@ -40,14 +41,14 @@ def load(
     from hvdtrain.stream import store
     from hvdtrain.train import streamed
 
-    stream_args = dict(num_classes=num_classes, x_field=x_field, y_field=y_field, check_finite=check_finite,
-                       block_shards=shuffle_block, cache_limit=cache_limit)
+    load_streamed = functools.partial(streamed.load_splits, num_classes=num_classes, x_field=x_field, y_field=y_field,
+                                      check_finite=check_finite, block_shards=shuffle_block, cache_limit=cache_limit)
     try:
         remote = store.is_url(source)
     except DataError as e:
         raise DatasetError(str(e)) from None
     if remote:
-        return streamed.load_splits(source, **stream_args)  # type: ignore[arg-type]
+        return load_streamed(source)
     path = Path(source)
     if not path.is_dir():
         where = "" if path.is_absolute() else (f" (looked for {path.absolute()}: a relative path is relative to the "
@@ -56,7 +57,7 @@ def load(
                            f"s3://, gs://, http(s):// URL) or a directory of .npy/.npz shards; got {source!r}, which "
                            f"is not a directory{where}")
     if streamed.is_mds_root(path):
-        return streamed.load_splits(path, **stream_args)  # type: ignore[arg-type]
+        return load_streamed(path)
     return shard_dir(path, val_fraction=val_fraction, split_seed=split_seed, num_classes=num_classes,
                      check_finite=check_finite)
 

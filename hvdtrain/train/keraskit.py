@@ -1,11 +1,13 @@
-"""What the Keras recipe (recipes/keras_train.py) needs that is not a Horovod step: its input (training batches from
-an ShmLoader's producer processes through `tf.data`, validation batches read here, both N×H×W×C), the model,
-checkpoints in .npz, its callbacks (atomic checkpoints, the per-epoch record, the NaN/Inf stop), and bad data met
-inside `tf.data` re-raised as itself (exit 2 with its message).
+"""What the Keras recipe (recipes/keras_train.py) needs that is not a Horovod step: hvdtrain's per-process set-up,
+its input (training batches from an ShmLoader's producer processes through `tf.data`, validation batches read here,
+both N×H×W×C), the model, checkpoints in .npz, its callbacks (atomic checkpoints, the per-epoch record, the NaN/Inf
+stop), and bad data met inside `tf.data` re-raised as itself (exit 2 with its message).
 
-Importing this module imports TensorFlow with Keras 2 as tf.keras (hvdtrain.tfkeras): the recipe imports it
-inside main(), after its own Keras-3 guard has run. The loader's `fetch` (`take_channels_last`) lives in
-hvdtrain/train/layout.py, which does not import TensorFlow: the producer processes import only that.
+Importing this module imports TensorFlow and checks that tf.keras is Keras 2 (hvdtrain.tfkeras: KerasVersionError
+otherwise); it sets nothing. The process selects Keras 2 first (TF_USE_LEGACY_KERAS=1 before TensorFlow is
+imported): the recipe does, at the top of main(), and imports this module after that. The loader's `fetch`
+(`take_channels_last`) lives in hvdtrain/train/layout.py, which does not import TensorFlow: the producer processes
+import only that.
 """
 
 from __future__ import annotations
@@ -17,14 +19,14 @@ import json
 import math
 import os
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, BinaryIO, TypeVar
 
 import numpy as np
 
 from hvdtrain import tfkeras
-from hvdtrain.data import ShardSampler, ShmLoader, WorkerError, to_tf_dataset
+from hvdtrain.data import ShardSampler, ShmLoader, WorkerError, sweep_stale_segments, to_tf_dataset
 from hvdtrain.data.errors import DataError
 from hvdtrain.train import checkpoint, divergence
 from hvdtrain.train.layout import channels_last_shape, take_channels_last
@@ -35,15 +37,19 @@ tf = tfkeras.import_tensorflow()
 T = TypeVar("T")
 
 
-def pin_device(local_rank: int, local_size: int, threads: int | None) -> str:
-    """One GPU per process, the local rank's, its memory allocated as needed; on CPU, this host's cores split
-    between its `local_size` ranks (or they oversubscribe each other). Returns what was chosen, for the log."""
-    gpus = tf.config.list_physical_devices("GPU")
+# TensorFlow is untyped here (`tf` is Any): mypy cannot resolve `tf.keras.callbacks.Callback` as a base class.
+Callback: Any = tf.keras.callbacks.Callback
+
+
+def setup_process(threads: int | None, local_size: int) -> str:
+    """hvdtrain's own per-process set-up (call once, after the recipe pinned its GPU, before TensorFlow starts its
+    runtime): sweep the /dev/shm segments a crashed earlier run left (dead creator pid, older than 60 s); on CPU,
+    split this host's cores between its `local_size` ranks (`threads` each if given), or they oversubscribe each
+    other. Returns where this rank trains, for the log."""
+    sweep_stale_segments()
+    gpus = tf.config.get_visible_devices("GPU")
     if gpus:
-        for gpu in gpus:
-            tf.config.experimental.set_memory_growth(gpu, True)
-        tf.config.set_visible_devices(gpus[local_rank], "GPU")
-        return f"GPU {local_rank}"
+        return f"GPU {gpus[0].name.rsplit(':', 1)[-1]}"  # /physical_device:GPU:<index>
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     n = threads or max(1, cores // local_size)
     tf.config.threading.set_intra_op_parallelism_threads(n)
@@ -78,7 +84,7 @@ def weights_digest(model: Any) -> str:
     return h.hexdigest()
 
 
-def write_npz(state: dict[str, Any], f: Any) -> None:
+def write_npz(state: Mapping[str, Any], f: BinaryIO) -> None:
     arrays = {f"model/{i:04d}": w for i, w in enumerate(state["model"])}
     arrays |= {f"optimizer/{i:04d}": w for i, w in enumerate(state["optimizer"])}
     meta = {k: v for k, v in state.items() if k not in ("model", "optimizer")}
@@ -95,7 +101,20 @@ def read_npz(f: Any) -> dict[str, Any]:
     return state
 
 
-class Checkpoint(tf.keras.callbacks.Callback):
+def load_latest(ckpt_dir: Path, model: Any) -> tuple[int, list[dict[str, Any]]]:
+    """Load the newest intact checkpoint into `model` and its optimizer (built: `model.optimizer.build`); (epochs it
+    completed, history), (0, []) if none."""
+    found = checkpoint.find_latest(ckpt_dir, read_npz, required_keys=("model", "optimizer", "history"),
+                                   warn=lambda msg: print(f"WARNING: {msg}", flush=True))
+    if found is None:
+        return 0, []
+    model.set_weights(found.state["model"])
+    model.optimizer.set_weights(found.state["optimizer"])
+    print(f"resuming from {found.path} (epoch {found.epoch} done)", flush=True)
+    return found.epoch, list(found.state["history"])
+
+
+class Checkpoint(Callback):
     """Rank 0's ModelCheckpoint: weights + optimizer state + history after each epoch, written atomically
     (temp file + rename, SHA-256 verified on load, the newest `keep` kept) with hvdtrain.train.checkpoint.
     Keras's own ModelCheckpoint writes in place, so a crash mid-write would leave a torn file to resume from."""
@@ -110,7 +129,7 @@ class Checkpoint(tf.keras.callbacks.Callback):
         checkpoint.save(self.directory, epoch + 1, state, write_npz, keep=self.keep)
 
 
-class Recorder(tf.keras.callbacks.Callback):
+class Recorder(Callback):
     """Times each epoch's training part and records the (rank-averaged) metrics in `history` on every rank, with the
     LR of the epoch's first step (`lr_first`, read after the LR callbacks before it in the list have set it) and of
     its last (`lr`)."""
@@ -152,7 +171,7 @@ class Recorder(tf.keras.callbacks.Callback):
             self.model.stop_training = True
 
 
-class StopOnNonFinite(tf.keras.callbacks.Callback):
+class StopOnNonFinite(Callback):
     """Stops every rank at the same step when the weights hold NaN/Inf after an update, and after an epoch whose
     (rank-averaged) loss is NaN/Inf, before it is checkpointed. The weights are the same on every rank (broadcast
     after the first step, then the same averaged gradients everywhere): NOTE [divergence checks] in

@@ -1,10 +1,12 @@
-"""Learning-rate scaling, gradual warmup and step schedule for data-parallel training, from plain values.
+"""Gradual warmup and step schedule for data-parallel training, from plain values.
 
 Goyal et al., "Accurate, Large Minibatch SGD" (2017): with `size` workers the effective batch is `size` times
-larger, so scale the LR by `size` (and by `backward_passes_per_step`, which grows the batch the same way), and
-ramp up to that LR linearly during the first epochs. Same formula as Horovod's
-`examples/pytorch/pytorch_imagenet_resnet50.py` (`adjust_learning_rate`): the warmup starts at the unscaled
-LR and reaches the scaled one after `warmup_epochs`; then the LR is multiplied by `gamma` at each milestone.
+larger, so the LR is scaled by `size` (and by `backward_passes_per_step`, which grows the batch the same way), and
+reached linearly during the first epochs. The scaling is the recipe's own, inline, as in Horovod's examples
+(`lr = base_lr * hvd.size()`): an `LRSchedule` takes the scaled LR (`peak_lr`) and the LR its warmup starts from
+(`start_lr`: the single-worker LR, `peak_lr / size`, as Horovod's `LearningRateWarmupCallback` and
+`examples/pytorch/pytorch_imagenet_resnet50.py`'s `adjust_learning_rate` do) and knows nothing of the world size.
+After the warmup the LR is multiplied by `gamma` at each milestone.
 """
 
 from __future__ import annotations
@@ -15,39 +17,33 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class LRSchedule:
-    """LR as a function of the (fractional) epoch. `base_lr` is the single-worker LR."""
+    """LR as a function of the (fractional) epoch: from `start_lr` up to `peak_lr` (linearly, over the first
+    `warmup_epochs`), then `peak_lr` × `gamma` per milestone passed. `start_lr` is needed only with a warmup."""
 
-    base_lr: float
-    size: int = 1
-    backward_passes_per_step: int = 1
+    peak_lr: float
+    start_lr: float | None = None
     warmup_epochs: float = 0.0
     milestones: tuple[int, ...] = ()
     gamma: float = 0.1
 
     def __post_init__(self) -> None:
-        _check(self.base_lr > 0 and math.isfinite(self.base_lr), "base_lr", self.base_lr,
-               "a finite number > 0")
-        _check(isinstance(self.size, int) and self.size >= 1, "size", self.size, "an int >= 1")
-        _check(isinstance(self.backward_passes_per_step, int) and self.backward_passes_per_step >= 1,
-               "backward_passes_per_step", self.backward_passes_per_step, "an int >= 1")
+        _check(self.peak_lr > 0 and math.isfinite(self.peak_lr), "peak_lr", self.peak_lr, "a finite number > 0")
         _check(self.warmup_epochs >= 0 and math.isfinite(self.warmup_epochs),
                "warmup_epochs", self.warmup_epochs, "a finite number >= 0")
+        if self.warmup_epochs > 0 or self.start_lr is not None:
+            _check(self.start_lr is not None and self.start_lr > 0 and math.isfinite(self.start_lr), "start_lr",
+                   self.start_lr, "a finite number > 0 with a warmup (the LR it starts from: peak_lr / world size)")
         ms = self.milestones
         _check(all(isinstance(m, int) and m >= 1 for m in ms) and list(ms) == sorted(set(ms)),
                "milestones", ms, "strictly increasing ints >= 1 (epochs)")
         _check(0 < self.gamma <= 1, "gamma", self.gamma, "a number in (0, 1]")
-
-    @property
-    def peak_lr(self) -> float:
-        """base_lr × size × backward_passes_per_step: the LR after warmup, before any milestone."""
-        return self.base_lr * self.size * self.backward_passes_per_step
 
     def lr_at(self, epoch: float) -> float:
         """LR at fractional epoch `epoch` (0-based; 1.5 = halfway through the second epoch)."""
         if epoch < 0 or not math.isfinite(epoch):
             raise ValueError(f"epoch must be a finite number >= 0, got {epoch!r}")
         if epoch < self.warmup_epochs:
-            start = self.base_lr * self.backward_passes_per_step
+            start = self.start_lr if self.start_lr is not None else self.peak_lr  # set with a warmup (checked)
             return start + (self.peak_lr - start) * epoch / self.warmup_epochs
         decays = sum(1 for m in self.milestones if epoch >= m)
         return self.peak_lr * self.gamma**decays

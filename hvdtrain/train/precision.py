@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -91,8 +91,10 @@ def prepare_model(model: nn.Module, channels_last: bool, compile_model: bool) ->
     `torch.compile(model)` with `compile_model`, else `model` itself. Checkpoints, digests and validation keep
     using `model` (the compiled wrapper shares its parameters, and its state-dict keys would carry a prefix)."""
     if channels_last:
-        model.to(memory_format=torch.channels_last)
-    return torch.compile(model) if compile_model else model
+        # torch's stubs list Module.to's documented memory_format keyword in none of its overloads
+        model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]  # torch's stub omits memory_format
+    # torch.compile of a Module returns an OptimizedModule (a Module); its stub's return type is a plain callable
+    return cast(nn.Module, torch.compile(model)) if compile_model else model
 
 
 def as_input(x: torch.Tensor, channels_last: bool) -> torch.Tensor:

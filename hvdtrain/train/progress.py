@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterable
-from typing import Any, TextIO
+from typing import TextIO, TypeVar
 
 from tqdm import tqdm
+
+T = TypeVar("T")
 
 
 class LogLines:
@@ -24,7 +26,7 @@ class LogLines:
         self.stream.flush()
 
 
-def progress_bar(items: Iterable[Any], total: int, desc: str, *, enabled: bool, log_every_s: float = 10.0) -> tqdm:
+def progress_bar(items: Iterable[T], total: int, desc: str, *, enabled: bool, log_every_s: float = 10.0) -> tqdm[T]:
     """On a terminal: a live bar. Otherwise: a plain line at most every `log_every_s` seconds, and nothing for a
     loop shorter than that. `enabled=False` (e.g. on every rank but 0) shows nothing."""
     if sys.stderr.isatty():

@@ -1,13 +1,16 @@
-"""What the two PyTorch recipes share that is not a Horovod step: their flags, the loss over backward-pass chunks,
-validation batches and sums, checkpoints, the per-epoch report, the weights digest and the summary.
+"""What the two PyTorch recipes share that is not a Horovod step: their flags, hvdtrain's per-process set-up, the
+loss over backward-pass chunks, validation batches and sums, checkpoints, the per-epoch report, the weights digest
+and the summary.
 
 Nothing here calls Horovod: the recipes (recipes/pytorch_train.py, recipes/pytorch_elastic.py) do every Horovod
-step themselves, in order, and pass in what these helpers need (rank, size, a reduction).
+step themselves, in order (pinning the GPU and scaling the LR included), and pass in what these helpers need (rank,
+size, a reduction).
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -19,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hvdtrain.data import sweep_stale_segments
 from hvdtrain.data.idle import GpuIdleMeter
 from hvdtrain.data.stall import StallMeter
 from hvdtrain.datasets import arrays
@@ -73,11 +77,13 @@ class TorchConfig(RecipeConfig):
             raise ValueError(f"--weight-decay must be >= 0, got {self.weight_decay}")
         if self.channels_last and not torch.cuda.is_available():
             raise ValueError(CPU_CHANNELS_LAST)
+        if not (self.base_lr > 0 and math.isfinite(self.base_lr)):
+            raise ValueError(f"--base-lr must be a finite number > 0, got {self.base_lr}")
         try:  # the schedule checks its own values; say which flags they came from
-            LRSchedule(base_lr=self.base_lr, warmup_epochs=self.warmup_epochs, milestones=self.lr_milestones,
-                       gamma=self.lr_gamma)
+            LRSchedule(peak_lr=self.base_lr, start_lr=self.base_lr, warmup_epochs=self.warmup_epochs,
+                       milestones=self.lr_milestones, gamma=self.lr_gamma)
         except ValueError as e:
-            raise ValueError(f"LR flags (--base-lr, --warmup-epochs, --lr-milestones, --lr-gamma): {e}") from None
+            raise ValueError(f"LR flags (--warmup-epochs, --lr-milestones, --lr-gamma): {e}") from None
 
 
 @dataclass
@@ -116,24 +122,19 @@ def cpu_threads(local_size: int, threads: int | None) -> int:
     return threads or max(1, cores // local_size)
 
 
-def lr_schedule(cfg: TorchConfig, size: int) -> LRSchedule:
-    """The LR: base LR × world size × backward passes per step, linear warmup, step decay (Goyal et al.)."""
-    return LRSchedule(base_lr=cfg.base_lr, size=size, backward_passes_per_step=cfg.backward_passes_per_step,
-                      warmup_epochs=cfg.warmup_epochs, milestones=cfg.lr_milestones, gamma=cfg.lr_gamma)
+def setup_process(threads: int | None, local_size: int) -> str:
+    """hvdtrain's own per-process set-up (call once, after the recipe pinned its GPU): sweep the /dev/shm segments a
+    crashed earlier run left (dead creator pid, older than 60 s); on CPU, split this host's cores between its
+    `local_size` ranks (`threads` each if given), or they oversubscribe each other. Returns where this rank trains,
+    for the log."""
+    sweep_stale_segments()
+    if not torch.cuda.is_available():
+        torch.set_num_threads(cpu_threads(local_size, threads))
+    return f"{'cuda' if torch.cuda.is_available() else 'cpu'} ({torch.get_num_threads()} threads each)"
 
 
 def sgd(cfg: TorchConfig, model: nn.Module, lr: float) -> torch.optim.SGD:
     return torch.optim.SGD(model.parameters(), lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
-
-
-def pin_device(local_rank: int, local_size: int, threads: int | None) -> torch.device:
-    """One GPU per process, chosen by local rank (Horovod never sets CUDA_VISIBLE_DEVICES); on CPU, this host's
-    cores split between its `local_size` ranks, or they oversubscribe each other."""
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
-    torch.set_num_threads(cpu_threads(local_size, threads))
-    return torch.device("cpu")
 
 
 def model_name(cfg: TorchConfig, splits: arrays.Splits) -> str:
@@ -222,7 +223,7 @@ def torch_read(f: Any) -> Any:
 
 
 def load_latest(ckpt_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-                precision: Precision | None = None) -> tuple[int, list[dict]]:
+                precision: Precision | None = None) -> tuple[int, list[dict[str, Any]]]:
     """Load the newest intact checkpoint into model, optimizer (and the fp16 scaler, if both have one); (epochs
     it completed, history), (0, []) if none."""
     found = checkpoint.find_latest(ckpt_dir, torch_read, required_keys=("model", "optimizer", "history"),
