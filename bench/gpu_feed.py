@@ -9,7 +9,7 @@ synchronize/step, on-device metric sums; the same model, optimizer and synthetic
   hvdtrain    ShmLoader (--num-workers producer processes, shared memory) + DevicePrefetcher, as the recipe: the
               copy reads the producers' page-locked slots directly (NOTE [registered slots]); the prefetcher's
               host-side phases on the trainer thread timed per batch (loader next, memcpy, the whole issue)
-  memcpy      the same with register_slots=False: each batch memcpy'd into a pinned ring first (hvdtrain before
+  memcpy      the same with register_slots=False: each batch memcpy'd into pinned staging buffers (hvdtrain before
               issue 33; 2.0 ms of the trainer thread's time per 3 MB batch on an H200)
   dataloader  torch.utils.data.DataLoader(pin_memory=True, the same --num-workers, persistent workers) over the
               same samples with a DistributedSampler, batches copied with .to(device, non_blocking=True): what a
@@ -89,7 +89,7 @@ class TimedLoader:
 
 
 class TimedPrefetcher(DevicePrefetcher):
-    """DevicePrefetcher with its host-side phases timed: the memcpy into the pinned ring, the whole issue."""
+    """DevicePrefetcher with its host-side phases timed: the memcpy into the staging buffers, the whole issue."""
 
     def __init__(self, loader: ShmLoader, device: torch.device, register_slots: bool) -> None:
         self.phases = PhaseTimes()

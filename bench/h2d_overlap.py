@@ -23,7 +23,7 @@ round to round so that drift (clocks, temperature) spreads over all of them. Rep
 (wall time of the timed steps, the device synchronized at both ends of the window, over all rounds), data wait per
 step (host-side time in `next()` of the batch iterator: what the trainer spent blocked waiting for its next batch,
 on the device) and as % of step time, the part of it spent inside the ShmLoader itself ("loader wait"; for prefetch
-the rest is the prefetcher's own host work: the memcpy into the pinned ring and enqueueing the copy), and the step
+the rest is the prefetcher's own host work: the memcpy into the staging buffers and enqueueing the copy), and the step
 time ratio vs resident. The train step does not read the loss (no per-step sync: the host may run ahead of the GPU,
 as in a loop that logs every N steps) unless `--sync-each-step`.
 
@@ -265,12 +265,12 @@ class Bench:
 
     def __init__(self, wl: Workload, args: argparse.Namespace, device: torch.device) -> None:
         self.wl, self.args, self.device = wl, args, device
-        self.loader = ShmLoader(generator=ImageBatches(wl.batch, wl.shape, wl.dtype, wl.classes), rank=0, size=1,
-                                num_workers=args.workers, prefetch=2, batches_per_epoch=args.warmup + args.steps,
-                                timeout=300)
+        self.loader = ShmLoader.from_generator(ImageBatches(wl.batch, wl.shape, wl.dtype, wl.classes), rank=0,
+                                               size=1, num_workers=args.workers, prefetch=2,
+                                               batches_per_epoch=args.warmup + args.steps, timeout=300)
         self.epoch = 0
         self.timed = TimedLoader(self.loader)
-        self.prefetcher = DevicePrefetcher(self.timed, device)  # one for the run: its pinned ring is reused
+        self.prefetcher = DevicePrefetcher(self.timed, device)  # one for the run: its staging buffers are reused
         self.trainer = Trainer(wl, device, args.amp, args.channels_last, args.sync_each_step)
         first = list(itertools.islice(self.next_epoch(), 2))
         self.host = tuple(torch.from_numpy(a.copy()) for a in first[0])  # for the copy calibration

@@ -71,8 +71,8 @@ def filled_batches(nbytes: int, worker_id: int = 0, num_workers: int = 1, epoch:
 
 @contextlib.contextmanager
 def shm_source(nbytes: int) -> Iterator[Iterator[np.ndarray]]:
-    with ShmLoader(generator=functools.partial(filled_batches, nbytes), rank=0, size=1, num_workers=1, prefetch=2,
-                   timeout=120) as loader:
+    with ShmLoader.from_generator(functools.partial(filled_batches, nbytes), rank=0, size=1, num_workers=1,
+                                  prefetch=2, timeout=120) as loader:
         yield iter(loader)
 
 

@@ -187,8 +187,8 @@ def run_dataloader(gen: Gen, producers: int, steps: int, step_s: float) -> Stall
 
 def run_shm(gen: Gen, producers: int, steps: int, step_s: float) -> StallMeter:
     meter = StallMeter(warmup_steps=producers)
-    with ShmLoader(generator=gen, rank=0, size=1, num_workers=producers, prefetch=2, batches_per_epoch=steps,
-                   timeout=120) as loader:
+    with ShmLoader.from_generator(gen, rank=0, size=1, num_workers=producers, prefetch=2, batches_per_epoch=steps,
+                                  timeout=120) as loader:
         consume(meter, iter(loader), steps, step_s)
     return meter
 
@@ -278,8 +278,8 @@ def gen(w, n, e, s):
 if __name__ == "__main__":
     t0 = time.perf_counter()
     method, import_main = sys.argv[1].split("+") if "+" in sys.argv[1] else (sys.argv[1], "")
-    with ShmLoader(generator=gen, rank=0, size=1, num_workers=int(sys.argv[3]), start_method=method,
-                   import_main=bool(import_main), timeout=120) as ld:
+    with ShmLoader.from_generator(gen, rank=0, size=1, num_workers=int(sys.argv[3]), start_method=method,
+                                  import_main=bool(import_main), timeout=120) as ld:
         next(iter(ld))
         print(time.perf_counter() - t0)
 """

@@ -1,3 +1,3 @@
 """hvdtrain: a Horovod distributed-training launcher with data-parallel loaders."""
 
-__version__ = "0.8.0"
+__version__ = "0.9.0"

@@ -350,11 +350,11 @@ def _terminate(signum: int, frame: object) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     command = argv[0] if argv else (sys.argv[1] if len(sys.argv) > 1 else "")
-    if command == "data":  # `run` handles SIGTERM itself once a job starts (NOTE [shutdown])
+    if command == "data":  # `run` handles SIGTERM itself once a job starts (NOTE [job shutdown] in launch/runner.py)
         signal.signal(signal.SIGTERM, _terminate)
     try:
         return _main(argv)
-    except KeyboardInterrupt as e:  # Ctrl-C before a job started (from then on run_plan handles it: NOTE [shutdown])
+    except KeyboardInterrupt as e:  # Ctrl-C before a job started (then run_plan handles it: NOTE [job shutdown])
         signum = signal.SIGTERM if isinstance(e, _Terminated) else signal.SIGINT
         what = "nothing was written that looks complete" if command == "data" else "no job was started"
         print(f"hvdtrain: interrupted ({signum.name}); {what}", file=sys.stderr)

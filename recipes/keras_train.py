@@ -47,7 +47,7 @@ from typing import Any
 from hvdtrain import rundir, tfkeras
 from hvdtrain.data import ShmLoader, expected_batches
 from hvdtrain.datasets import arrays
-from hvdtrain.train import layout
+from hvdtrain.train.channels_last import channels_last_shape, take_channels_last
 from hvdtrain.train.config import RecipeConfig, parse_config
 from hvdtrain.train.entry import exit_with
 from hvdtrain.train.lr import LRSchedule, scaled_epochs
@@ -125,7 +125,7 @@ def build_model(cfg: Config, splits: arrays.Splits) -> Any:
     from hvdtrain.train import keraskit
 
     keraskit.tf.keras.utils.set_random_seed(cfg.seed)
-    return keraskit.build_model(layout.channels_last_shape(splits.train.sample_shape), splits.num_classes, cfg.width)
+    return keraskit.build_model(channels_last_shape(splits.train.sample_shape), splits.num_classes, cfg.width)
 
 
 def compile_model(model: Any, optimizer: Any) -> None:
@@ -174,9 +174,9 @@ def fit(cfg: Config, model: Any, splits: arrays.Splits, rank: int, size: int, fi
     # set_epoch: the same shuffle on every rank). Leaving the block stops the producers; bad data met in tf.data is
     # re-raised as itself (exit 2 with its message).
     with ShmLoader(splits.train, rank=rank, size=size, batch_size=cfg.batch_size, num_workers=cfg.num_workers,
-                   seed=cfg.seed, fetch=layout.take_channels_last, order=splits.train.order,
+                   seed=cfg.seed, fetch=take_channels_last, order=splits.train.order,
                    epochs=epochs) as loader, keraskit.data_errors_reraised():
-        train = keraskit.train_input(loader, first, epochs, layout.channels_last_shape(splits.train.sample_shape))
+        train = keraskit.train_input(loader, first, epochs, channels_last_shape(splits.train.sample_shape))
         model.fit(train, steps_per_epoch=steps, epochs=epochs, initial_epoch=first,
                   validation_data=keraskit.val_input(splits.val, rank, size), callbacks=callbacks,
                   verbose=cfg.verbose if rank == 0 else 0)  # Horovod: output on rank 0 only

@@ -155,7 +155,7 @@ def train_epoch(cfg: Config, epoch: int, epochs: int, net: nn.Module, optimizer:
     return sums.reduce(allreduce_sum)
 
 
-def evaluate(cfg: Config, model: nn.Module, val_set: arrays.ArrayDataset, device: torch.device,
+def evaluate(cfg: Config, model: nn.Module, val_set: arrays.Split, device: torch.device,
              precision: Precision) -> dict[str, float]:
     # Horovod: gradients are averaged but BatchNorm running statistics are not; average them too, so every rank
     # validates and rank 0 checkpoints the same model.
@@ -167,7 +167,7 @@ def evaluate(cfg: Config, model: nn.Module, val_set: arrays.ArrayDataset, device
 
 def train_and_validate(cfg: Config, epoch: int, epochs: int, model: nn.Module, net: nn.Module,
                        optimizer: HvdOptimizer, schedule: LRSchedule, precision: Precision,
-                       loader: DevicePrefetcher, meters: Meters, val_set: arrays.ArrayDataset, device: torch.device,
+                       loader: DevicePrefetcher, meters: Meters, val_set: arrays.Split, device: torch.device,
                        history: History) -> tuple[dict[str, float], float, float]:
     """One epoch: train, validate, check, record in `history`. Returns (the epoch's row, samples trained, seconds)."""
     torch.manual_seed(epoch_seed(cfg.seed, epoch, hvd.rank()))

@@ -108,7 +108,7 @@ def no_doorbell(worker_id: int, num_workers: int, epoch: int, seed: int) -> Iter
     trainer waits on its socket in vain and must find them in the ring by itself."""
     from hvdtrain.data.channel import Channel
 
-    Channel.ring = lambda self: None  # type: ignore[method-assign]  # in this producer process only
+    Channel.doorbell = lambda self: None  # type: ignore[method-assign]  # in this producer process only
     for j in range(5):
         time.sleep(0.05)
         yield np.full(4, j, np.int64)

@@ -179,3 +179,56 @@ def test_the_layout_page_names_no_module_that_is_gone():
     gone = sorted(f"{folder}{stem}.py" for folder, stems in layout_block().items() if folder.startswith("hvdtrain/")
                   for stem in stems if not (PKG.parent / folder / f"{stem}.py").is_file())
     assert not gone, f"docs/layout.md names modules that do not exist: {gone}"
+
+
+# The code's NOTE blocks: a definition is an unindented line, in a docstring or a comment, that is `NOTE [name]`
+# or begins `NOTE [name]:` (`# NOTE [name]: ...` for a comment); anywhere else, `NOTE [name]` refers to one, and
+# may break across lines (`NOTE\n[name]`, or a name continued on the next `#` line).
+NOTE_DEFINITION = re.compile(r"(?:#\s*)?NOTE \[([^\[\]\n]+)\](?::.*)?")
+NOTE_REFERENCE = re.compile(r"NOTE\s+(?:#\s*)?\[([^\[\]]{1,100})\]")
+NOTE_ROOTS = [PKG, PKG.parent / "recipes", PKG.parent / "tests", PKG.parent / "bench"]  # *.py
+NOTE_DOCS = [PKG.parent / "README.md", *sorted((PKG.parent / "docs").glob("*.md"))]  # they refer to the notes
+
+
+def note_name(text: str) -> str:
+    """A note's name with line breaks, `#` continuations and runs of spaces made one space."""
+    return " ".join(re.sub(r"\n\s*#?", " ", text).split())
+
+
+def note_problems(sources: dict[str, str]) -> list[str]:
+    """What is wrong with the NOTE blocks of `sources` (path -> text): a name defined more than once, a reference
+    to a name defined nowhere."""
+    defined: dict[str, list[str]] = {}
+    for path, text in sources.items():
+        for n, line in enumerate(text.splitlines(), 1):
+            m = None if line[:1].isspace() else NOTE_DEFINITION.fullmatch(line.rstrip())
+            if m:
+                defined.setdefault(note_name(m.group(1)), []).append(f"{path}:{n}")
+    problems = [f"NOTE [{name}] is defined {len(where)} times: {', '.join(where)}"
+                for name, where in sorted(defined.items()) if len(where) > 1]
+    for path, text in sources.items():
+        for m in NOTE_REFERENCE.finditer(text):
+            if note_name(m.group(1)) not in defined:
+                n = text.count("\n", 0, m.start()) + 1
+                problems.append(f"{path}:{n}: NOTE [{note_name(m.group(1))}] names no NOTE block")
+    return problems
+
+
+def test_note_names_are_unique_and_resolve():
+    this = Path(__file__).resolve()  # its own examples below name notes that do not exist
+    sources = {str(p.relative_to(PKG.parent)): p.read_text() for root in NOTE_ROOTS for p in sorted(root.rglob("*.py"))
+               if p.resolve() != this}
+    problems = note_problems({**sources, **{str(p.relative_to(PKG.parent)): p.read_text() for p in NOTE_DOCS}})
+    assert not problems, "NOTE blocks (see the comment above NOTE_DEFINITION):\n" + "\n".join(problems)
+
+
+def test_the_note_checker_sees_duplicates_and_dangling_references():
+    sources = {
+        "a.py": '"""Module.\n\nNOTE [one]\nWhy.\n"""\n# NOTE [two words]: how.\nx = 1  # NOTE [one] (a)\n',
+        "b.py": "def f():\n    # NOTE [two words]: an indented comment refers, it does not define\n    pass\n",
+        "c.py": '"""NOTE\n[one]"""\nx = 1  # across lines, NOTE [two\n    # words]\n',
+    }
+    assert note_problems(sources) == []
+    sources["d.py"] = '"""See NOTE [three].\n\nNOTE [one]: defined a second time.\n"""\n'
+    assert note_problems(sources) == ["NOTE [one] is defined 2 times: a.py:3, d.py:3",
+                                      "d.py:1: NOTE [three] names no NOTE block"]

@@ -1,4 +1,4 @@
-"""The Keras recipe's input (hvdtrain.train.keraskit, layout): training batches from an ShmLoader's producer
+"""The Keras recipe's input (hvdtrain.train.keraskit, channels_last): training batches from an ShmLoader's producer
 processes through tf.data, one loader epoch per Keras epoch, validation batches read in the trainer.
 
 In-process, with real producers: `model.fit(train_input(...), steps_per_epoch, initial_epoch)` consumes exactly
@@ -25,7 +25,7 @@ import pytest
 
 from hvdtrain.data import ShardSampler, ShmLoader, WorkerError
 from hvdtrain.datasets import arrays, cachedir
-from hvdtrain.train import layout
+from hvdtrain.train.channels_last import channels_last_shape, take_channels_last
 from tests.harness import REPO, expect_ok, horovodrun
 
 pytestmark = [pytest.mark.timeout(300),
@@ -124,11 +124,11 @@ def test_each_keras_epoch_consumes_exactly_one_loader_epoch(keraskit: Any, rank:
     n, size, batch, epochs, seed = 11, 2, 2, 4, 7
     ds = Encoded(n)
     with ShmLoader(ds, rank=rank, size=size, batch_size=batch, num_workers=2, seed=seed,
-                   fetch=layout.take_channels_last) as loader:
+                   fetch=take_channels_last) as loader:
         assert len(loader) == 3
         model = recording_model(tf)
         marks = epoch_marks(tf, model)
-        shape = layout.channels_last_shape(ds.sample_shape)
+        shape = channels_last_shape(ds.sample_shape)
         with keraskit.data_errors_reraised():
             model.fit(keraskit.train_input(loader, first, epochs, shape), steps_per_epoch=len(loader),
                       epochs=epochs, initial_epoch=first, validation_data=keraskit.val_input(ds, rank, size, 4),
@@ -152,10 +152,10 @@ def test_bad_data_in_a_producer_ends_fit_as_the_producers_error(keraskit: Any) -
     tf = keraskit.tf
     ds = Encoded(40, bad_at=33)
     with ShmLoader(ds, rank=0, size=1, batch_size=4, num_workers=1, seed=0, shuffle=True,
-                   fetch=layout.take_channels_last) as loader:
+                   fetch=take_channels_last) as loader:
         model = recording_model(tf)
         with pytest.raises(WorkerError) as info, keraskit.data_errors_reraised():
-            model.fit(keraskit.train_input(loader, 0, 2, layout.channels_last_shape(SHAPE)),
+            model.fit(keraskit.train_input(loader, 0, 2, channels_last_shape(SHAPE)),
                       steps_per_epoch=len(loader), epochs=2, verbose=0)
     assert info.value.bad_data and info.value.message == "shard.00000.mds sample 33: label 12 is out of range"
     assert len(model.seen["train"]) < 10  # stopped in the first epoch, at the batch holding sample 33

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from hvdtrain.data import ShmLoader
-from hvdtrain.data.lifecycle import WorkerError
+from hvdtrain.data.errors import WorkerError
 from hvdtrain.datasets import arrays, cachedir
 from hvdtrain.datasets.arrays import DatasetError
 from hvdtrain.train.datasets import load

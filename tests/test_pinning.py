@@ -35,7 +35,7 @@ def test_every_lent_array_lies_in_its_slots_region_and_nothing_else_does() -> No
 
 def test_release_hooks_see_each_slot_before_it_is_dropped_when_grown_and_at_close() -> None:
     released: list[int] = []
-    ld = ShmLoader(generator=fx.growing_batches, rank=0, size=1, num_workers=1, prefetch=1)
+    ld = ShmLoader.from_generator(fx.growing_batches, rank=0, size=1, num_workers=1, prefetch=1)
     ld.on_slot_release(released.append)
     mapped = {seg.address for seg in ld._res.segments.values()}  # every slot mapping this process has had
     got = []
@@ -83,8 +83,8 @@ def test_registry_registers_each_slot_once_and_unregisters_after_the_copies(cuda
     assert reg.covers([buf[:100], buf[100:200], "not a tensor"])
     assert reg.covers([buf[1000:]])
     assert cudart.calls == [("register", start, 4096, 1)]  # once, portable
-    assert not reg.covers([torch.zeros(10)])  # not in a slot: the pinned ring
-    assert not reg.covers([buf.view(64, 64).t()])  # not contiguous: the pinned ring
+    assert not reg.covers([torch.zeros(10)])  # not in a slot: the pinned staging buffers
+    assert not reg.covers([buf.view(64, 64).t()])  # not contiguous: the pinned staging buffers
     reg.release(start + 1)  # not a registered start: nothing
     assert waited == []
     reg.release(start)

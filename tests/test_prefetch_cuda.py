@@ -1,6 +1,6 @@
-"""DevicePrefetcher on a real CUDA device: the side stream, the pinned ring and the hand-off of NOTE [stream sync]
-(hvdtrain/data/prefetch.py). Skipped without CUDA (tests/test_prefetch.py checks the iteration logic with the
-copies faked).
+"""DevicePrefetcher on a real CUDA device: the side stream, the pinned staging buffers and the hand-off of
+NOTE [stream sync] (hvdtrain/data/prefetch.py). Skipped without CUDA (tests/test_prefetch.py checks the
+iteration logic with the copies faked).
 
 Every test consumes the device tensors on the compute stream (the current stream when the batch is handed over:
 the default stream, or a stream of the test's own made current with `torch.cuda.stream(s)`) and checks their values
@@ -26,7 +26,7 @@ from hvdtrain.data import DevicePrefetcher, ShardSampler, ShmLoader
 from tests import loader_fixtures as fx
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(),
-                                 reason="no CUDA device: the side stream and pinned ring need a GPU"),
+                                 reason="no CUDA device: the side stream and pinned staging buffers need a GPU"),
               pytest.mark.timeout(120)]
 
 ROWS, COLS = 16, 4096  # a small batch: float32[16, 4096] = 256 KiB
@@ -148,7 +148,7 @@ def test_several_epochs_of_the_same_prefetcher(stream: str) -> None:
             run_epoch(pf, n, pf.device)
             pinned = [t.data_ptr() for slot in pf._pinned for t in slot]
             assert all(t.is_pinned() for slot in pf._pinned for t in slot)
-            assert ring is None or pinned == ring  # same shapes: the pinned ring is reused, not reallocated
+            assert ring is None or pinned == ring  # same shapes: the pinned staging buffers are reused, not reallocated
             ring = pinned
 
 
@@ -206,7 +206,7 @@ def test_48mb_copies_overlap_a_slow_kernel_on_the_compute_stream() -> None:
     base = base_host.cuda()
     expect = float(base.double().sum())
     total = BIG[0] * BIG[1]
-    for batch in pf:  # a warm-up epoch: the pinned ring and the allocator's blocks exist (no cudaMalloc later)
+    for batch in pf:  # a warm-up epoch: the staging buffers and the allocator's blocks exist (no cudaMalloc later)
         del batch
     torch.cuda.synchronize()
     compute = torch.cuda.current_stream()
@@ -305,7 +305,7 @@ def test_registered_slots_survive_growth_and_slow_consumers() -> None:
     """Batches that outgrow their slot (a new segment: the old one is unregistered first, NOTE [registered slots]
     (a)) and a compute stream that lags behind (a slot must not go back while its copy may be in flight, (b)):
     every value right, checked on the device."""
-    with ShmLoader(generator=fx.growing_batches, rank=0, size=1, num_workers=2, prefetch=1, epochs=2) as ld:
+    with ShmLoader.from_generator(fx.growing_batches, rank=0, size=1, num_workers=2, prefetch=1, epochs=2) as ld:
         pf = DevicePrefetcher(ld, "cuda")
         sizes = (0, 10, 1000, 300_000, 50, 600_000, 3)
         for epoch in range(2):

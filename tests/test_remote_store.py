@@ -24,7 +24,7 @@ import pytest
 
 from hvdtrain.data import ShmLoader, WorkerError
 from hvdtrain.datasets import cachedir
-from hvdtrain.stream import BlockShuffle, MDSWriter, StreamError, StreamingDataset, readers, store
+from hvdtrain.stream import BlockShuffle, MDSWriter, StreamError, StreamingDataset, cachereaders, store
 from hvdtrain.stream.nodecache import CacheTooSmall, NodeCache
 from tests import harness
 from tests.stores import HttpStore, MotoS3, moto_bucket, point_at, write_dataset
@@ -280,7 +280,7 @@ def _two_readers(lag: int, node_wide: bool, monkeypatch: pytest.MonkeyPatch, epo
     """Two readers of 64 shards (blocks of 4, 4 ahead, a 25% cache), the second `lag` shards behind the first, each
     fetching ahead as the Fetcher does; fetches per epoch after epoch 0."""
     if not node_wide:
-        monkeypatch.setattr(readers, "live", lambda directory: {})  # each reader sees only its own position
+        monkeypatch.setattr(cachereaders, "live", lambda directory: {})  # each reader sees only its own position
     order = BlockShuffle.of([10] * 64, 4)
     directory = Path(os.environ[cachedir.ENV_DIR]) / f"two-{lag}-{node_wide}"
     nodes = [NodeCache(directory, [f"s{i}" for i in range(64)], [1024] * 64, order, limit=16 * 1024, ahead=4)
@@ -345,24 +345,25 @@ def test_a_fetch_ahead_is_not_admitted_when_it_would_evict_a_sooner_need(tmp_pat
 
 
 def test_reader_positions_are_published_and_a_killed_readers_file_is_removed(tmp_path: Path) -> None:
-    code = ("import sys, time; from pathlib import Path; from hvdtrain.stream import readers; "
-            "r = readers.Registration(Path(sys.argv[1])); r.publish(readers.Position(3, 1, 8, 'ab12')); "
+    code = ("import sys, time; from pathlib import Path; from hvdtrain.stream import cachereaders; "
+            "r = cachereaders.Registration(Path(sys.argv[1])); r.publish(cachereaders.Position(3, 1, 8, 'ab12')); "
             "print('ready', flush=True); time.sleep(60)")
     child = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout.readline().strip() == "ready"  # type: ignore[union-attr]
-        me = readers.Registration(tmp_path)
-        me.publish(readers.Position(3, 1, 4, "ab12"))
-        assert sorted(readers.live(tmp_path).values(), key=lambda p: p.start) == [
-            readers.Position(3, 1, 4, "ab12"), readers.Position(3, 1, 8, "ab12")]
+        me = cachereaders.Registration(tmp_path)
+        me.publish(cachereaders.Position(3, 1, 4, "ab12"))
+        assert sorted(cachereaders.live(tmp_path).values(), key=lambda p: p.start) == [
+            cachereaders.Position(3, 1, 4, "ab12"), cachereaders.Position(3, 1, 8, "ab12")]
         child.kill()
         child.wait(timeout=30)
-        assert list(readers.live(tmp_path).values()) == [readers.Position(3, 1, 4, "ab12")]  # the dead one's file: gone
-        me.publish(readers.Position(3, 1, 12, "ab12"))  # rewritten in place
-        assert list(readers.live(tmp_path).values()) == [readers.Position(3, 1, 12, "ab12")]
+        # the dead one's file: gone
+        assert list(cachereaders.live(tmp_path).values()) == [cachereaders.Position(3, 1, 4, "ab12")]
+        me.publish(cachereaders.Position(3, 1, 12, "ab12"))  # rewritten in place
+        assert list(cachereaders.live(tmp_path).values()) == [cachereaders.Position(3, 1, 12, "ab12")]
         assert [p.name for p in tmp_path.iterdir()] == [me.path.name]  # type: ignore[union-attr]
         me.close()
-        assert readers.live(tmp_path) == {} and list(tmp_path.iterdir()) == []
+        assert cachereaders.live(tmp_path) == {} and list(tmp_path.iterdir()) == []
     finally:
         child.kill()
         child.wait(timeout=30)

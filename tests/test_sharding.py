@@ -276,7 +276,7 @@ def test_shm_loaders_closed_and_rebuilt_for_a_new_world_resume_from_the_committe
 def test_set_epoch_to_a_new_epoch_starts_it_at_zero_consumed_in_generator_mode() -> None:
     """As in dataset mode (ShardSampler.set_epoch): a state saved right after set_epoch(new) must not skip the new
     epoch's first batches; setting the same epoch again keeps the position (recipes call it after loading)."""
-    with ShmLoader(generator=fx.endless, rank=0, size=1, num_workers=2, batches_per_epoch=5) as ld:
+    with ShmLoader.from_generator(fx.endless, rank=0, size=1, num_workers=2, batches_per_epoch=5) as ld:
         assert len(list(ld)) == 5 and ld.state_dict() == {"epoch": 0, "batches_consumed": 5}
         ld.set_epoch(0)
         assert ld.state_dict() == {"epoch": 0, "batches_consumed": 5}

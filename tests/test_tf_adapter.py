@@ -33,7 +33,7 @@ def test_tf_adapter_yields_the_loader_batches() -> None:
 
 @pytest.mark.skipif(not HAS_TF, reason="TensorFlow is not installed (optional 'tensorflow' extra)")
 def test_tf_adapter_generator_mode_with_an_example_batch() -> None:
-    with ShmLoader(generator=fx.tagged_batches, rank=0, size=1, num_workers=2) as ld:
+    with ShmLoader.from_generator(fx.tagged_batches, rank=0, size=1, num_workers=2) as ld:
         ds = to_tf_dataset(ld, example=next(fx.tagged_batches(0, 1, 0, 0)))
         assert sorted(ds.element_spec) == ["draw", "local", "tag"]
         tags = [b["tag"].numpy()[[0, 4]].tolist() for b in ds]

@@ -101,7 +101,7 @@ def test_a_doorbell_wakes_the_peer_and_decodes_to_nothing() -> None:
     a, b = Channel.pair()
     try:
         assert b.receive() == []
-        a.ring()
+        a.doorbell()
         assert select.select([b.sock], [], [], 5.0)[0]  # it woke the poll
         assert b.receive() == []
         assert not select.select([b.sock], [], [], 0)[0]  # and was consumed
@@ -242,7 +242,7 @@ def test_more_layouts_than_a_worker_numbers_arrive_intact(ordered: bool) -> None
     """84 batches of 80 distinct shapes per worker (past MAX_LAYOUTS: sent with every batch), then early shapes
     again; unordered, a batch may be taken from the ring before the batch that described its layout."""
     assert MAX_LAYOUTS < 80
-    with ShmLoader(generator=fx.many_shapes, rank=0, size=1, num_workers=2, ordered=ordered) as ld:
+    with ShmLoader.from_generator(fx.many_shapes, rank=0, size=1, num_workers=2, ordered=ordered) as ld:
         for _ in range(2):
             got = [(x.shape, float(x[0, 0]) if len(x) else None, tuple(t.tolist())) for x, t in ld]
             assert len(got) == 2 * 84
@@ -257,7 +257,7 @@ def test_more_layouts_than_a_worker_numbers_arrive_intact(ordered: bool) -> None
 def test_a_lost_wake_up_costs_milliseconds_not_a_hang() -> None:
     """The producer never rings its doorbell, so the trainer's poll on its socket never wakes for a batch; with
     poll_s=10 s only the ring's re-check (RECHECK_S) can find the batches in time (NOTE [ring] (d))."""
-    with ShmLoader(generator=fx.no_doorbell, rank=0, size=1, num_workers=1, poll_s=10.0, timeout=60) as ld:
+    with ShmLoader.from_generator(fx.no_doorbell, rank=0, size=1, num_workers=1, poll_s=10.0, timeout=60) as ld:
         start = time.monotonic()
         got = [int(b[0]) for b in ld]
         took = time.monotonic() - start
@@ -267,7 +267,7 @@ def test_a_lost_wake_up_costs_milliseconds_not_a_hang() -> None:
 
 def test_a_deep_prefetch_gets_a_ring_big_enough_and_leaves_no_segment() -> None:
     """prefetch=150: 151 slots per worker, more descriptors than one page holds."""
-    with ShmLoader(generator=fx.endless, rank=0, size=1, num_workers=1, prefetch=150, batches_per_epoch=5) as ld:
+    with ShmLoader.from_generator(fx.endless, rank=0, size=1, num_workers=1, prefetch=150, batches_per_epoch=5) as ld:
         assert [int(y[1]) for _, y in ld] == [0, 1, 2, 3, 4]
         if ring.SUPPORTED:
             assert ld._res.rings[0].seg.size >= ring.Ring.nbytes(151) > shm.PAGE

@@ -6,6 +6,7 @@ import contextlib
 import multiprocessing
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -80,7 +81,7 @@ def test_dataset_mode_follows_the_sampler_on_every_rank_across_epochs() -> None:
 
 
 def test_generator_mode_order_seeds_and_structure() -> None:
-    with ShmLoader(generator=fx.tagged_batches, rank=1, size=2, num_workers=2, seed=3) as ld:
+    with ShmLoader.from_generator(fx.tagged_batches, rank=1, size=2, num_workers=2, seed=3) as ld:
         epochs = []
         for epoch in (0, 1):
             ld.set_epoch(epoch)
@@ -96,12 +97,12 @@ def test_generator_mode_order_seeds_and_structure() -> None:
 
 
 def test_unordered_generator_mode_yields_everything_as_it_arrives() -> None:
-    with ShmLoader(generator=fx.tagged_batches, rank=0, size=1, num_workers=3, ordered=False) as ld:
+    with ShmLoader.from_generator(fx.tagged_batches, rank=0, size=1, num_workers=3, ordered=False) as ld:
         tags = [tuple(b["tag"][[0, 4]].tolist()) for b in ld]
     assert sorted(tags) == [(w, j) for w in range(3) for j in range(3)]
     for w in range(3):  # each producer's own batches stay in its order
         assert [j for v, j in tags if v == w] == [0, 1, 2]
-    with pytest.raises(ValueError, match="ordered=False"):
+    with pytest.raises(TypeError, match="ordered"):  # a dataset's batches follow its sampler: no such argument
         ShmLoader(fx.IndexDataset(4), rank=0, size=1, batch_size=2, ordered=False)
 
 
@@ -110,9 +111,27 @@ def test_producers_start_with_single_threaded_math_unless_the_user_chose(monkeyp
     1 thread unless the user set a number, and the trainer's own environment is left as it was."""
     monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False)
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
-    with ShmLoader(generator=fx.math_threads, rank=0, size=1, num_workers=1) as ld:
+    with ShmLoader.from_generator(fx.math_threads, rank=0, size=1, num_workers=1) as ld:
         assert [b.tolist() for b in ld] == [[1, 3]]
     assert "OPENBLAS_NUM_THREADS" not in os.environ and os.environ["OMP_NUM_THREADS"] == "3"
+
+
+def test_a_producer_that_never_reads_its_start_up_data_is_stopped_at_the_timeout(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The trainer writes a producer's start-up data (the pickled dataset: possibly large) to its stdin; a child that
+    never reads it (here: a program that only sleeps) makes the write time out instead of blocking for ever, and
+    the child is stopped and reaped."""
+    import psutil
+
+    monkeypatch.setattr(boot, "BOOTSTRAP", "import time; time.sleep(60)")
+    mine, theirs = socket.socketpair()
+    t0 = time.monotonic()
+    with mine, theirs, pytest.raises(LoaderTimeoutError, match=r"read none of its start-up data.*0.5 s") as err:
+        boot.start_producer("hvdtrain-test-stuck", b"x" * (8 << 20), theirs, None, None, import_main=False,
+                            timeout=0.5)
+    assert time.monotonic() - t0 < 5
+    pid = int(str(err.value).split("pid ")[1].split()[0])
+    assert pid not in {p.pid for p in psutil.Process().children()} and not psutil.pid_exists(pid)  # reaped
 
 
 def test_starting_producers_changes_nothing_in_the_trainer_process(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -132,7 +151,7 @@ def test_starting_producers_changes_nothing_in_the_trainer_process(monkeypatch: 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
     try:
-        with ShmLoader(generator=fx.math_threads, rank=0, size=1, num_workers=3) as ld:
+        with ShmLoader.from_generator(fx.math_threads, rank=0, size=1, num_workers=3) as ld:
             assert [b.tolist()[0] for b in ld] == [1, 1, 1]
     finally:
         done.set()
@@ -156,7 +175,7 @@ def test_per_worker_seeding_differs_and_reproduces() -> None:
 def test_back_pressure_bounds_how_far_producers_run_ahead(tmp_path: Path, monkeypatch) -> None:
     count = tmp_path / "count"
     monkeypatch.setenv("HVDTRAIN_TEST_COUNT_FILE", str(count))
-    with ShmLoader(generator=fx.counted, rank=0, size=1, num_workers=1, prefetch=2) as ld:
+    with ShmLoader.from_generator(fx.counted, rank=0, size=1, num_workers=1, prefetch=2) as ld:
         it = iter(ld)
         first = next(it)
         time.sleep(1.5)  # a slow step: an unbounded producer would have made all 50 batches by now
@@ -167,7 +186,7 @@ def test_back_pressure_bounds_how_far_producers_run_ahead(tmp_path: Path, monkey
 
 
 def test_slots_grow_for_bigger_batches_and_data_stays_right() -> None:
-    with ShmLoader(generator=fx.growing_batches, rank=0, size=1, num_workers=2, prefetch=1) as ld:
+    with ShmLoader.from_generator(fx.growing_batches, rank=0, size=1, num_workers=2, prefetch=1) as ld:
         for _ in range(2):
             got = [b.copy() for b in ld]
             sizes = (0, 10, 1000, 300_000, 50, 600_000, 3)  # the two big ones outgrow a slot's first 1 MiB
@@ -177,7 +196,7 @@ def test_slots_grow_for_bigger_batches_and_data_stays_right() -> None:
 
 
 def test_batches_per_epoch_cuts_an_endless_generator_and_resume_skips() -> None:
-    with ShmLoader(generator=fx.endless, rank=0, size=1, num_workers=2, batches_per_epoch=5) as ld:
+    with ShmLoader.from_generator(fx.endless, rank=0, size=1, num_workers=2, batches_per_epoch=5) as ld:
         assert len(ld) == 5
         first = [(int(x[0, 0]), int(y[1])) for x, y in ld]
         assert first == [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2)]
@@ -249,13 +268,13 @@ def test_worker_exception_is_reraised_with_its_traceback_and_the_loader_goes_on(
         ld.set_epoch(1)
         with pytest.raises(WorkerError):
             list(ld)  # the workers are still alive and serve the next epoch (which hits sample 7 again)
-    with ShmLoader(generator=fx.bad_type, rank=0, size=1, num_workers=1) as ld, \
+    with ShmLoader.from_generator(fx.bad_type, rank=0, size=1, num_workers=1) as ld, \
             pytest.raises(WorkerError, match=r"dtype object|must hold numeric"):
         list(ld)
 
 
 def test_a_killed_worker_is_reported_not_waited_for() -> None:
-    ld = ShmLoader(generator=fx.endless, rank=0, size=1, num_workers=2, batches_per_epoch=10_000)
+    ld = ShmLoader.from_generator(fx.endless, rank=0, size=1, num_workers=2, batches_per_epoch=10_000)
     it = iter(ld)
     next(it)
     victim = ld.worker_pids[1]
@@ -273,7 +292,7 @@ def test_a_killed_worker_is_reported_not_waited_for() -> None:
 
 
 def test_a_silent_worker_times_out() -> None:
-    with ShmLoader(generator=fx.slow, rank=0, size=1, num_workers=1, timeout=0.5) as ld:
+    with ShmLoader.from_generator(fx.slow, rank=0, size=1, num_workers=1, timeout=0.5) as ld:
         start = time.monotonic()
         with pytest.raises(LoaderTimeoutError, match=r"within 0\.5 s .*alive"):
             next(iter(ld))
@@ -290,8 +309,6 @@ def test_a_silent_worker_times_out() -> None:
     ({"batch_size": 2, "timeout": 0}, ["timeout", "0"]),
     ({"batch_size": 2, "start_method": "fork"}, ["start_method", "fork"]),
     ({"batch_size": 2, "start_method": "forkserver"}, ["start_method", "'spawn'", "re-run the training script"]),
-    ({"batch_size": 2, "generator": fx.endless}, ["exactly one"]),
-    ({}, ["batch_size", "required"]),
 ])
 def test_bad_arguments_are_named_and_start_nothing(kwargs: dict, words: list[str]) -> None:
     args = {"rank": 0, "size": 2, **kwargs}
@@ -300,13 +317,40 @@ def test_bad_arguments_are_named_and_start_nothing(kwargs: dict, words: list[str
     assert all(w in str(err.value) for w in words), str(err.value)
 
 
+@pytest.mark.parametrize("kwargs,words", [
+    ({"batches_per_epoch": 0}, ["batches_per_epoch", "0"]),
+    ({"generator": None}, ["generator", "callable", "NoneType"]),
+    ({"num_workers": 0}, ["num_workers", "0"]),
+    ({"epochs": 0}, ["epochs", "0"]),
+    ({"size": 0}, ["size", "0"]),
+])
+def test_bad_generator_arguments_are_named_and_start_nothing(kwargs: dict, words: list[str]) -> None:
+    args = {"generator": fx.endless, "rank": 0, "size": 1, **kwargs}
+    with pytest.raises(ValueError) as err:
+        ShmLoader.from_generator(args.pop("generator"), **args)
+    assert all(w in str(err.value) for w in words), str(err.value)
+
+
+def test_each_source_has_its_own_constructor() -> None:
+    """A dataset goes to ShmLoader(...), a generator to ShmLoader.from_generator(...): the other mode's arguments
+    are not accepted, and a None dataset points at from_generator."""
+    with pytest.raises(ValueError, match="from_generator"):
+        ShmLoader(None, rank=0, size=1, batch_size=2)
+    with pytest.raises(TypeError, match="batch_size"):
+        ShmLoader(fx.IndexDataset(4), rank=0, size=1)
+    with pytest.raises(TypeError, match="generator"):
+        ShmLoader(fx.IndexDataset(4), rank=0, size=1, batch_size=2, generator=fx.endless)
+    with pytest.raises(TypeError, match="batch_size"):
+        ShmLoader.from_generator(fx.endless, rank=0, size=1, batch_size=2)
+
+
 @pytest.mark.parametrize("first_s", [0.3, 3.0])
 def test_the_producer_of_the_first_batch_starts_before_the_others(first_s: float,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """NOTE [first producer first]: producer 1 starts once producer 0 has sent its first batch (0.3 s to make),
     but waits boot.WAIT_S (1 s) at most (3 s to make)."""
     monkeypatch.setenv("HVDTRAIN_TEST_FIRST_S", str(first_s))
-    with ShmLoader(generator=fx.timed_start, rank=0, size=1, num_workers=2, batches_per_epoch=4) as ld:
+    with ShmLoader.from_generator(fx.timed_start, rank=0, size=1, num_workers=2, batches_per_epoch=4) as ld:
         rows = [np.array(b) for b in ld]
     first_made = next(r[2] for r in rows if r[0] == 0)
     second_started = next(r[1] for r in rows if r[0] == 1)
@@ -322,7 +366,7 @@ import os, sys, time
 from hvdtrain.data import ShmLoader
 from tests import loader_fixtures as fx
 if __name__ == "__main__":
-    ld = ShmLoader(generator=fx.growing_batches, rank=0, size=1, num_workers=2, prefetch=2)
+    ld = ShmLoader.from_generator(fx.growing_batches, rank=0, size=1, num_workers=2, prefetch=2)
     it = iter(ld)
     next(it); next(it)
     print("PIDS", os.getpid(), *ld.worker_pids, flush=True)
@@ -392,7 +436,7 @@ print("MAIN-MODULE-RUN", flush=True)
 def gen(w, n, e, s):
     yield np.zeros(1)
 
-with ShmLoader(generator=gen, rank=0, size=1, num_workers=2, import_main=True) as ld:  # no __main__ guard
+with ShmLoader.from_generator(gen, rank=0, size=1, num_workers=2, import_main=True) as ld:  # no __main__ guard
     print("BATCHES", len(list(ld)), flush=True)
 """
 
@@ -420,7 +464,7 @@ def test_producers_import_what_the_trainer_imports_from_its_sys_path(tmp_path: P
     import extra_batches  # type: ignore[import-not-found]
 
     try:
-        with ShmLoader(generator=extra_batches.gen, rank=0, size=1, num_workers=2) as ld:
+        with ShmLoader.from_generator(extra_batches.gen, rank=0, size=1, num_workers=2) as ld:
             assert [b.tolist() for b in ld] == [[7, 0], [7, 1]]
     finally:
         sys.modules.pop("extra_batches", None)
@@ -435,7 +479,7 @@ def test_a_loader_leaves_stale_segments_alone_and_the_explicit_sweep_removes_the
     try:
         stale.write_bytes(b"\0" * 64)
         os.utime(stale, (time.time() - 3600, time.time() - 3600))  # dead creator, an hour old: what a crash leaves
-        with ShmLoader(generator=fx.endless, rank=0, size=1, num_workers=1, batches_per_epoch=2) as ld:
+        with ShmLoader.from_generator(fx.endless, rank=0, size=1, num_workers=1, batches_per_epoch=2) as ld:
             assert len(list(ld)) == 2
         assert stale.exists(), "constructing a loader removed a file it did not create"
         assert stale.name in sweep_stale_segments()

@@ -12,8 +12,9 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from hvdtrain.data.errors import LoaderError, LoaderTimeoutError, WorkerDiedError, WorkerError
     from hvdtrain.data.idle import GpuIdleMeter
-    from hvdtrain.data.loader import LoaderError, LoaderTimeoutError, ShmLoader, WorkerDiedError, WorkerError
+    from hvdtrain.data.loader import ShmLoader
     from hvdtrain.data.prefetch import DevicePrefetcher
     from hvdtrain.data.sharding import ShardSampler, expected_batches
     from hvdtrain.data.shm import sweep_stale_segments
@@ -23,8 +24,8 @@ if TYPE_CHECKING:
     from hvdtrain.data.workers import WorkerInfo, default_collate, derive_seed, worker_info
 
 _LAZY = {
-    **dict.fromkeys(("LoaderError", "LoaderTimeoutError", "ShmLoader", "WorkerDiedError", "WorkerError"),
-                    "hvdtrain.data.loader"),
+    **dict.fromkeys(("LoaderError", "LoaderTimeoutError", "WorkerDiedError", "WorkerError"), "hvdtrain.data.errors"),
+    "ShmLoader": "hvdtrain.data.loader",
     "ShardSampler": "hvdtrain.data.sharding",
     "expected_batches": "hvdtrain.data.sharding",
     "sweep_stale_segments": "hvdtrain.data.shm",

@@ -1,5 +1,5 @@
 """How a producer process starts: the trainer's side (`start_producer`, `ProducerProcess`) and the first code the
-producer runs (`main`, then `producer_main`). Standard library only at import: the producer imports this first.
+producer runs (`main`). Standard library only at import: the producer imports this first.
 
 NOTE [producer start]
 A producer is its own program, `python -P -c BOOTSTRAP`, not a multiprocessing child, so that it is configured by
@@ -9,25 +9,26 @@ multiprocessing's default start method):
     trainer's working directory) before it imports hvdtrain, so the producer imports the trainer's hvdtrain and the
     trainer's modules that cloudpickle names. `-P` keeps its own working directory off the path; the trainer's
     interpreter flags (-O, -W, -X, ...) are passed on, as multiprocessing's spawn does.
-(b) The main module. A multiprocessing spawn child re-runs the training script as `__mp_main__` (torch, horovod:
-    seconds per producer, B5). Everything a producer runs arrives cloudpickled, objects defined in `__main__`
-    included, so it needs none; `import_main=True` runs it, as multiprocessing would (`spawn.prepare`), and a
-    loader that such a run starts at module level is refused (`ImportingMainError`).
-(c) Math threads. numpy's OpenBLAS starts one thread per core at import (half of a producer's start-up CPU on 2
-    cores), and N producers' pools would oversubscribe the cores the trainer needs. `main` sets OPENBLAS, OMP and
+(b) The main module. A multiprocessing spawn child re-runs the training script as `__mp_main__`, importing its
+    torch or horovod again in every producer (B5 times it). Everything a producer runs arrives cloudpickled,
+    objects defined in `__main__` included, so it needs none; `import_main=True` runs it, as multiprocessing would
+    (`spawn.prepare`), and a loader that such a run starts at module level is refused (`ImportingMainError`).
+(c) Math threads. numpy's OpenBLAS starts one thread per core at import (a large share of a producer's start-up
+    CPU), and N producers' pools would oversubscribe the cores the trainer needs. `main` sets OPENBLAS, OMP and
     MKL to one thread (unless the user set them: the child inherits the trainer's environment) before it imports
     anything that imports numpy, like torch's DataLoader workers' `torch.set_num_threads(1)`.
 (d) Liveness. The child holds the write end of a pipe and nothing else does; its read end, `sentinel`, reports EOF
     when the child is gone (multiprocessing's sentinel, made the same way), for the loader's poll set.
 (e) Shared memory. The child uses the trainer's multiprocessing resource tracker (its fd, as spawn passes it):
     attaching a segment registers it there, and a tracker of its own would be one more process per producer.
-(f) The boot message goes through the child's stdin, which it reads at once and then replaces with /dev/null.
+(f) The boot message goes through the child's stdin, which it reads at once and then replaces with /dev/null. The
+    trainer writes it within the loader's `timeout`: a child that never reads it is stopped, not waited for.
 
 NOTE [first producer first]
 The trainer waits only for producer 0 at first: it makes the rank's first batch (the sampler's batches are dealt
 round robin from the resume point; workers.py `dataset_batches`), producer 1 the second, a step later. N producers
 of every rank starting at once would share a small machine's cores and delay that first batch (B5 and B6 measure
-it). So the loader starts them all, but every producer other than producer 0 waits in `producer_main`, before
+it). So the loader starts them all, but every producer other than producer 0 waits in `main`, before
 importing anything beyond the standard library (the package's `__init__` is lazy), until producer 0 has sent its
 first batch, ended its first epoch or exited (it writes a byte to its end of a socket pair and closes it; its
 death closes it too), or for `WAIT_S` at most. The trainer keeps no end of that pair, so nothing else can hold it
@@ -45,6 +46,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from typing import Any
 
 WAIT_S = 1.0  # the longest a producer waits for producer 0's first batch before it starts anyway
@@ -92,9 +94,10 @@ class ProducerProcess:
 
 
 def start_producer(name: str, payload: bytes, channel: socket.socket, started: socket.socket | None,
-                   wait_for: socket.socket | None, *, import_main: bool) -> ProducerProcess:
+                   wait_for: socket.socket | None, *, import_main: bool, timeout: float) -> ProducerProcess:
     """Start one producer (NOTE [producer start]); `payload` is its cloudpickled WorkerConfig, `channel` its end
-    of the trainer's socket pair, `started`/`wait_for` the first-batch gate (NOTE [first producer first])."""
+    of the trainer's socket pair, `started`/`wait_for` the first-batch gate (NOTE [first producer first]),
+    `timeout` the longest the child may take to read its start-up data."""
     if _importing_main:
         raise ImportingMainError(
             "a data loader was started while a producer process ran the training script (import_main=True): put the "
@@ -118,7 +121,7 @@ def start_producer(name: str, payload: bytes, channel: socket.socket, started: s
     boot = {"sys_path": [os.getcwd() if p == "" else p for p in sys.path], "sys_argv": sys.argv, "fds": fds,
             "payload": payload, "main": _main_module() if import_main else {}}
     try:
-        _send_boot(popen, boot)
+        _send_boot(popen, boot, timeout)
     except BaseException:
         proc.kill()
         proc.join(timeout=2.0)
@@ -137,26 +140,63 @@ def _main_module() -> dict[str, str]:
     return {} if path is None else {"init_main_from_path": os.path.normpath(os.path.abspath(path))}
 
 
-def _send_boot(popen: subprocess.Popen[bytes], boot: dict[str, Any]) -> None:
-    """Write `boot` to the child's stdin and close it; a child that died at once is left to the loader's wait to
-    report (its sentinel)."""
+def _send_boot(popen: subprocess.Popen[bytes], boot: dict[str, Any], timeout: float) -> None:
+    """Write `boot` to the child's stdin and close it. A child that reads none of it for `timeout` seconds (stopped,
+    or stuck before its first line) raises LoaderTimeoutError; one that died at once is left to the loader's wait
+    to report (its sentinel)."""
     if popen.stdin is None:  # stdin=PIPE makes one
         raise RuntimeError("the producer was started without a stdin pipe")
+    data, fd = memoryview(pickle.dumps(boot)), popen.stdin.fileno()
+    os.set_blocking(fd, False)
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    deadline = time.monotonic() + timeout
     try:
-        with contextlib.suppress(BrokenPipeError):
-            popen.stdin.write(pickle.dumps(boot))
+        while data:
+            if poller.poll(min(max(deadline - time.monotonic(), 0.0), 1.0) * 1000):
+                try:
+                    data = data[os.write(fd, data):]
+                except BlockingIOError:
+                    continue
+                except BrokenPipeError:
+                    return
+                deadline = time.monotonic() + timeout  # progress: the child reads
+            elif time.monotonic() >= deadline:
+                from hvdtrain.data.errors import LoaderTimeoutError  # local: boot.py imports only the stdlib
+
+                raise LoaderTimeoutError(
+                    f"producer pid {popen.pid} read none of its start-up data ({len(data)} bytes left) for the "
+                    f"loader's timeout of {timeout:g} s; it is stopped")
     finally:
         with contextlib.suppress(BrokenPipeError):
             popen.stdin.close()
 
 
 def main(boot: dict[str, Any]) -> None:
-    """The producer program (NOTE [producer start]): configure this process, then run the producer."""
+    """The producer program (NOTE [producer start]): configure this process, wait for producer 0's first batch
+    (the others: NOTE [first producer first]), then run the producer on its end of the trainer's channel."""
+    fds = _configure(boot)
+
+    def sock(key: str) -> socket.socket | None:
+        return None if fds[key] is None else socket.socket(fileno=fds[key])
+
+    started, wait_for = sock("started"), sock("wait_for")
+    if wait_for is not None:
+        select.select([wait_for], [], [], WAIT_S)
+        wait_for.close()
+    from hvdtrain.data.channel import Channel
+    from hvdtrain.data.workers import worker_main
+
+    worker_main(Channel(socket.socket(fileno=fds["channel"])), boot["payload"], started)
+
+
+def _configure(boot: dict[str, Any]) -> dict[str, int | None]:
+    """Make this interpreter the producer the trainer asked for; returns the inherited fds by role."""
     global _importing_main
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the process group: the trainer stops us
     for name in SINGLE_THREADED:  # (c): before anything imports numpy
         os.environ.setdefault(name, "1")
-    fds = boot["fds"]
+    fds: dict[str, int | None] = boot["fds"]
     for fd in fds.values():
         if fd is not None:
             os.set_inheritable(fd, False)  # nothing this producer starts holds the trainer's channel or the pipe
@@ -176,22 +216,4 @@ def main(boot: dict[str, Any]) -> None:
             spawn.prepare(boot["main"])
         finally:
             _importing_main = False
-
-    def sock(key: str) -> socket.socket | None:
-        return None if fds[key] is None else socket.socket(fileno=fds[key])
-
-    producer_main(socket.socket(fileno=fds["channel"]), boot["payload"], sock("started"), sock("wait_for"))
-
-
-def producer_main(sock: socket.socket, payload: bytes, started: socket.socket | None,
-                  wait_for: socket.socket | None) -> None:
-    """Run a producer: `sock` is its end of the trainer's channel, `payload` its cloudpickled WorkerConfig;
-    producer 0 gets `started` (to signal its first batch), the others `wait_for` (its other end)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # as worker_main: the trainer stops us (NOTE [shutdown])
-    if wait_for is not None:
-        select.select([wait_for], [], [], WAIT_S)
-        wait_for.close()
-    from hvdtrain.data.channel import Channel
-    from hvdtrain.data.workers import worker_main
-
-    worker_main(Channel(sock), payload, started)
+    return fds

@@ -1,7 +1,7 @@
 """The wire between the trainer and one producer process: protocol.py's messages over a Unix socket pair.
 
 NOTE [wire]
-A small batch's hand-off used to cost the trainer more in the pipe than anywhere else: `Connection.poll` (a system
+Over a multiprocessing pipe, most of a small batch's hand-off cost is the pipe's: `Connection.poll` (a system
 call), `Connection.recv` (two reads: length, then body) and unpickling a dataclass — per batch, plus a pickled
 FreeSlot per returned slot. Two messages make up nearly all the traffic, and both repeat what the other end knows:
 a Batch with a layout the trainer has (protocol.Batch, layout None), and a FreeSlot that hands back the
@@ -17,7 +17,7 @@ segment the worker already has for that slot. So:
 (c) Order and end of stream. A stream socket keeps each end's frames in order, and the kernel orders the slot's
     bytes (written before the frame) before the frame, on any CPU. When the peer has closed, the frames read
     before the end are returned first; the next `receive()` raises EOFError — so a worker's last words (its
-    WorkerFailed) are read before its death is reported (NOTE [shutdown] in lifecycle.py).
+    WorkerFailed) are read before its death is reported (NOTE [loader shutdown] in resources.py).
 Sends are one `sendall` of one frame: a blocking write that waits only while the peer's socket buffer is full.
 An empty frame is a doorbell (NOTE [ring] in ring.py): it wakes the peer and decodes to nothing.
 """
@@ -75,7 +75,7 @@ class Channel:
         if type(msg) is FreeSlot:  # only once sent whole: a compact frame must stand for what the peer has
             self._sent[msg.slot] = msg
 
-    def ring(self) -> None:
+    def doorbell(self) -> None:
         """Send a doorbell: an empty frame, which wakes the peer's poll and decodes to nothing (NOTE [ring] (d))."""
         self.sock.sendall(_LEN.pack(0))
 

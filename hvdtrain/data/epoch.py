@@ -11,14 +11,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from hvdtrain.data import shm
-from hvdtrain.data.lifecycle import LoaderError, LoaderTimeoutError, WorkerError
+from hvdtrain.data.errors import LoaderError, LoaderTimeoutError, WorkerError
 from hvdtrain.data.protocol import Batch, EpochDone, EpochMessage, FromWorker, GrowSlot, WorkerFailed
 from hvdtrain.data.ring import RECHECK_MAX_S, RECHECK_S
 
 if TYPE_CHECKING:
     from hvdtrain.data.channel import Channel
     from hvdtrain.data.lending import Lender
-    from hvdtrain.data.lifecycle import Watch
+    from hvdtrain.data.resources import Watch
     from hvdtrain.data.ring import Ring
 
 Key = tuple[int, int]  # (worker, seq): where a worker's batch `seq` (or its EpochDone/WorkerFailed) is filed
@@ -45,7 +45,7 @@ class EpochLink:
     rings: list[Ring]
     segments: dict[int, shm.Segment]
     watch: Watch  # waits on the sockets and the process sentinels
-    layouts: list[dict[int, shm.Reader]]  # layout number -> that layout, made ready to read
+    layouts: list[dict[int, shm.CompiledLayout]]  # layout number -> that layout, made ready to read
     seen: list[int]
     lender: Lender  # NOTE [batch lifetime] in lending.py
     # the loader's side
@@ -120,7 +120,7 @@ class EpochIterator:
                                   f"{msg.seq}:\n{msg.traceback}", message=msg.message, bad_data=msg.bad_data)
             self._advance(w, ended=True)  # EpochDone
 
-    def _lend(self, slot: int, reader: shm.Reader) -> Any:
+    def _lend(self, slot: int, reader: shm.CompiledLayout) -> Any:
         link = self.link
         try:
             batch, lent = link.lender.lend(link.segments[slot], slot, reader)
@@ -132,10 +132,10 @@ class EpochIterator:
             link.give_back(slot)
         return batch
 
-    def _reader(self, w: int, msg: Batch) -> shm.Reader:
+    def _reader(self, w: int, msg: Batch) -> shm.CompiledLayout:
         """The layout of batch `msg` of worker `w`, resolved now, in the worker's order (protocol.Batch)."""
         if msg.layout_id < 0:
-            return shm.Reader(msg.layout)  # type: ignore[arg-type]  # not numbered: always sent
+            return shm.CompiledLayout(msg.layout)  # type: ignore[arg-type]  # not numbered: always sent
         known = self.link.layouts[w]
         if msg.layout_id not in known:  # its layout is still in the socket: NOTE [ring] (a) in ring.py
             self._drain(w, None)
@@ -288,7 +288,7 @@ class EpochIterator:
 
     def _on_message(self, w: int, msg: FromWorker) -> None:
         if isinstance(msg, Batch) and msg.layout is not None and msg.layout_id >= 0:  # protocol.Batch
-            self.link.layouts[w][msg.layout_id] = shm.Reader(msg.layout)
+            self.link.layouts[w][msg.layout_id] = shm.CompiledLayout(msg.layout)
         match msg:
             case GrowSlot(slot=slot, nbytes=nbytes):
                 self.link.grow(slot, nbytes)

@@ -69,7 +69,7 @@ class Lender:
         """The slots the user holds now (any worker's)."""
         return [slot for slots in list(self._held.values()) for slot in list(slots)]
 
-    def lend(self, seg: shm.Segment, slot: int, reader: shm.Reader) -> tuple[Any, bool]:
+    def lend(self, seg: shm.Segment, slot: int, reader: shm.CompiledLayout) -> tuple[Any, bool]:
         """(batch, lent): views tied to the slot's lifetime, or a private copy when the worker would starve."""
         base = np.frombuffer(seg.buf[:], np.uint8)  # NOTE [batch lifetime] (a)
         batch = reader.read(base)

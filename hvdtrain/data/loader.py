@@ -1,7 +1,8 @@
 """ShmLoader: persistent producer processes hand batches to the trainer through shared memory, without pickling.
 
 The producer side is workers.py, the messages between the two protocol.py, one pass over an epoch (receiving and
-ordering the batches) epoch.py. Process and segment lifetimes, errors and shutdown: NOTE [shutdown] in lifecycle.py.
+ordering the batches) epoch.py, the loader's errors errors.py. Process and segment lifetimes and shutdown: NOTE
+[loader shutdown] in resources.py.
 
 NOTE [epoch ahead]
 The order of the epoch that comes next is known, so the loader starts it before it is asked for: otherwise every
@@ -17,7 +18,8 @@ produce) that the trainer waits for on each epoch's first step.
     epoch guessed): it reads that generation and sends nothing. Otherwise it starts a new generation: the workers
     drop the early one at their next batch, and its batches are given back as they are read (a stale generation),
     so a wrong guess costs at most `prefetch + 2` batches of work per worker, never a wrong batch.
-(c) Dataset mode only: a generator's epochs are user code that need not be repeatable, so they start when asked.
+(c) `ShmLoader(dataset)` only: a generator's epochs are user code that need not be repeatable, so they start
+    when asked.
     A failure in an epoch started early is reported only if that epoch is taken over (the iteration that replaces
     a dropped one meets it again).
 (d) `epochs=N` (the recipes pass theirs) names the last epoch, N - 1: no epoch >= N is started ahead. Without it,
@@ -41,45 +43,29 @@ from hvdtrain.data import ring, shm
 from hvdtrain.data.boot import start_producer
 from hvdtrain.data.channel import Channel
 from hvdtrain.data.epoch import EpochIterator, EpochLink, Key
+from hvdtrain.data.errors import LoaderError, WorkerDiedError
 from hvdtrain.data.lending import Lender
-from hvdtrain.data.lifecycle import (
-    LoaderError,
-    LoaderTimeoutError,
-    Resources,
-    Watch,
-    WorkerDiedError,
-    WorkerError,
-    describe_exit,
-)
 from hvdtrain.data.protocol import Batch, EpochMessage, FreeSlot, StartEpoch, ToWorker
+from hvdtrain.data.resources import Resources, Watch, describe_exit
 from hvdtrain.data.sharding import ShardSampler, check_positive, check_rank, check_unconsumed
 from hvdtrain.data.workers import WorkerConfig
 
-__all__ = ["LoaderError", "LoaderTimeoutError", "ShmLoader", "WorkerDiedError", "WorkerError"]  # errors: lifecycle.py
+__all__ = ["ShmLoader"]
 
 START_METHODS = ("spawn",)
 SLOT_BYTES = 1 << 20
 """Each slot's first segment, made before the workers start, so that a batch that fits never waits for a GrowSlot
-round trip (one each for every worker's every slot, 0.3-2 ms on 2 busy cores, paid in the first steps while the
-trainer is busy elsewhere). A segment is a sparse /dev/shm file: only the pages a batch writes take memory."""
+round trip (one for every worker's every slot, all paid in the first steps, while the trainer is busy elsewhere;
+their cost: docs/performance.md). A segment is a sparse /dev/shm file: only the pages a batch writes take memory."""
 
 
-def _check_args(dataset: Any, generator: Any, batch_size: int | None, num_workers: int, prefetch: int,
-                batches_per_epoch: int | None, timeout: float, poll_s: float, start_method: str) -> None:
-    """ValueError naming the argument, its value and what is allowed."""
-    if (dataset is None) == (generator is None):
-        raise ValueError("give exactly one of dataset= (indexable) or generator= "
-                         "(fn(worker_id, num_workers, epoch, seed) -> iterator of batches)")
-    if dataset is not None:
-        if batch_size is None:
-            raise ValueError("batch_size is required with dataset= (an integer >= 1)")
-        check_positive("batch_size", batch_size)
-        if batches_per_epoch is not None:
-            raise ValueError("batches_per_epoch is for generator mode; with a dataset an epoch is the shard")
-    if batches_per_epoch is not None:
-        check_positive("batches_per_epoch", batches_per_epoch)
+def _check_common(num_workers: int, prefetch: int, epochs: int | None, timeout: float, poll_s: float,
+                  start_method: str) -> None:
+    """ValueError naming the argument, its value and what is allowed (the arguments both constructors take)."""
     check_positive("num_workers", num_workers)
     check_positive("prefetch", prefetch)
+    if epochs is not None:
+        check_positive("epochs", epochs)
     for name, value in (("timeout", timeout), ("poll_s", poll_s)):
         if not isinstance(value, int | float) or not value > 0:
             raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
@@ -92,64 +78,80 @@ def _check_args(dataset: Any, generator: Any, batch_size: int | None, num_worker
 class ShmLoader:
     """Batches for one rank from `num_workers` persistent producer processes, handed over in shared memory.
 
-    Give either `dataset` (indexable: `dataset[i]` returns an array, a tuple/list or a dict of arrays; batched by
-    `collate(list of samples)`, default: stack; or by `fetch(dataset, indices) -> batch` in one call) sharded by a
-    `ShardSampler(len(dataset), rank, size, seed=seed, shuffle=shuffle, drop_last=drop_last, even=even)` (even=False:
-    exact, possibly uneven shards for evaluation) — or `generator`,
-    `generator(worker_id, num_workers, epoch, seed) -> iterator of batches`, where `worker_id`/`num_workers` count
-    over all ranks (`rank * num_workers + local id`, `size * num_workers`: shard with `range(worker_id, n,
-    num_workers)`) and `seed` is derived from (seed, rank, worker, epoch). Every worker also seeds `random`, numpy
-    and torch from that seed each epoch. In generator mode `batches_per_epoch` caps an epoch (make it equal on every
-    rank); ranks must otherwise yield the same number of batches themselves. `order(seed, epoch) -> permutation`
-    replaces the sampler's uniform shuffle (a `hvdtrain.stream.StreamingDataset`'s `.order`: shuffle blocks of a few
-    shards, so the producers read a few shards at a time). `epochs` (optional) is how many epochs the job iterates:
-    the loader then starts no epoch ahead past the last (NOTE [epoch ahead]).
+    - `ShmLoader(dataset, rank=, size=, batch_size=)`: `dataset[i]` returns an array, a tuple/list or a dict of
+      arrays, batched by `collate(list of samples)` (default: stack) or `fetch(dataset, indices) -> batch`, and
+      sharded by a `ShardSampler(len(dataset), rank, size, seed=, shuffle=, drop_last=, even=)` (even=False:
+      exact, possibly uneven shards for evaluation); `order(seed, epoch) -> permutation` replaces its shuffle (a
+      streamed split's `.order`: blocks of a few shards). The next epoch starts ahead (NOTE [epoch ahead]).
+    - `ShmLoader.from_generator(generator, rank=, size=)`: `generator(worker_id, num_workers, epoch, seed) ->
+      iterator of batches`, where `worker_id`/`num_workers` count over all ranks (`rank * num_workers + local id`,
+      `size * num_workers`: shard with `range(worker_id, n, num_workers)`) and `seed` is derived from (seed, rank,
+      worker, epoch). `batches_per_epoch` caps an epoch (make it equal on every rank); ranks must otherwise yield
+      the same number of batches themselves. Batches come worker 0, 1, ... round robin, or with `ordered=False`
+      each worker's in its order, the workers' interleaved as they arrive (one slow producer does not hold up the
+      others, at the price of a run-dependent order).
+    Every worker seeds `random`, numpy and torch from its seed each epoch. `epochs` (optional): how many epochs the
+    job iterates; no epoch past the last is started ahead (NOTE [epoch ahead]).
 
-    Iterating yields the batches in a fixed order (worker 0, 1, ... round robin; in dataset mode exactly the
-    sampler's order; generator mode with `ordered=False`: each worker's batches in its order, the workers'
-    interleaved as they arrive, so one slow producer does not hold up the others, at the price of a run-dependent
-    order) as numpy arrays that *view* a shared-memory slot (no copy).
-    A batch stays valid as long as any view of it (or a tensor made from one) is alive, also after `close()`: the
-    slot goes back to its worker when the last view is released. Each worker owns `prefetch + 1` slots; a batch
-    that would leave its worker none (the user keeps batches) is handed out as a private copy instead, so holding
-    batches never aliases and never deadlocks (NOTE [batch lifetime] in lending.py). Workers start in the
-    constructor and live until `close()` (idempotent; also on garbage collection and at interpreter exit; a
-    context manager). `dataset`, `collate`, `fetch` and `generator` are sent to the workers with cloudpickle
-    (lambdas, closures and `__main__` objects work; a big in-memory dataset is copied once per worker).
-    Each worker is a fresh interpreter ('spawn', the only `start_method`) that does not re-run the training script
-    (its torch/horovod imports) unless `import_main=True` (NOTE [producer start] in boot.py; bench B5 times both).
-    The constructor creates and removes only its own segments; segments a crashed run left in /dev/shm are removed
-    by an explicit `sweep_stale_segments()` call at process start.
+    Iterating yields numpy arrays that *view* a shared-memory slot (no copy), valid as long as any view of it (or
+    a tensor made from one) is alive, also after `close()`. Each worker owns `prefetch + 1` slots; a batch that
+    would leave its worker none is handed out as a private copy, so holding batches never aliases and never
+    deadlocks (NOTE [batch lifetime] in lending.py). Workers live from the constructor to `close()` (idempotent;
+    also on garbage collection and at exit; a context manager). `dataset`, `collate`, `fetch` and `generator` are
+    sent to them with cloudpickle (lambdas, closures and `__main__` objects work). A worker is a fresh interpreter
+    ('spawn', the only `start_method`) that does not re-run the training script unless `import_main=True` (NOTE
+    [producer start] in boot.py). A loader creates and removes only its own segments (`sweep_stale_segments()`
+    removes a crashed run's).
     """
 
-    def __init__(self, dataset: Any = None, *, rank: int, size: int, batch_size: int | None = None,
-                 num_workers: int = 2, seed: int = 0, generator: Callable[[int, int, int, int], Any] | None = None,
+    def __init__(self, dataset: Any, *, rank: int, size: int, batch_size: int, num_workers: int = 2, seed: int = 0,
                  collate: Callable[[list[Any]], Any] | None = None,
                  fetch: Callable[[Any, np.ndarray], Any] | None = None, shuffle: bool = True,
-                 drop_last: bool = False, even: bool = True, prefetch: int = 2, batches_per_epoch: int | None = None,
-                 timeout: float = 300.0, poll_s: float = 0.2, start_method: str = "spawn",
-                 import_main: bool = False, ordered: bool = True,
-                 order: Callable[[int, int], np.ndarray] | None = None, epochs: int | None = None) -> None:
-        _check_args(dataset, generator, batch_size, num_workers, prefetch, batches_per_epoch, timeout, poll_s,
-                    start_method)
-        if epochs is not None:
-            check_positive("epochs", epochs)
-        if not ordered and dataset is not None:
-            raise ValueError("ordered=False is for generator mode: a dataset's batches follow its sampler (resume "
-                             "state counts them in order)")
-        if order is not None and dataset is None:
-            raise ValueError("order= is for dataset mode (it orders the dataset's samples); a generator orders its own")
+                 drop_last: bool = False, even: bool = True, order: Callable[[int, int], np.ndarray] | None = None,
+                 prefetch: int = 2, epochs: int | None = None, timeout: float = 300.0, poll_s: float = 0.2,
+                 start_method: str = "spawn", import_main: bool = False) -> None:
+        if dataset is None:
+            raise ValueError("dataset is None: give an indexable dataset, or use ShmLoader.from_generator(generator, "
+                             "...) for fn(worker_id, num_workers, epoch, seed) -> iterator of batches")
+        check_positive("batch_size", batch_size)
+        _check_common(num_workers, prefetch, epochs, timeout, poll_s, start_method)
         check_rank(rank, size)
-        self.sampler: ShardSampler | None = None
-        if dataset is not None and batch_size is not None:
-            self.sampler = ShardSampler(len(dataset), rank, size, seed=seed, shuffle=shuffle, drop_last=drop_last,
-                                        batch_size=batch_size, even=even, order=order)
-        self.rank, self.size, self.batch_size, self.num_workers = rank, size, batch_size, num_workers
-        self.seed, self.prefetch, self.timeout, self.poll_s = seed, prefetch, timeout, poll_s
-        self.batches_per_epoch, self.ordered, self.epochs = batches_per_epoch, ordered, epochs
-        self.dataset, self.collate, self.fetch, self.generator = dataset, collate, fetch, generator
-        self.epoch = 0
-        self._gen = 0  # numbers the iterations: StartEpoch and every EpochMessage carry it
+        sampler = ShardSampler(len(dataset), rank, size, seed=seed, shuffle=shuffle, drop_last=drop_last,
+                               batch_size=batch_size, even=even, order=order)
+        plan = {"num_samples": len(dataset), "shuffle": shuffle, "drop_last": drop_last, "batch_size": batch_size,
+                "even": even, "order": order}
+        self._open(WorkerConfig(0, num_workers, rank, size, seed, poll_s, dataset, collate, fetch, None, plan,
+                                epochs), sampler, batch_size=batch_size, prefetch=prefetch, timeout=timeout,
+                   batches_per_epoch=None, ordered=True, import_main=import_main)
+
+    @classmethod
+    def from_generator(cls, generator: Callable[[int, int, int, int], Any], *, rank: int, size: int,
+                       batches_per_epoch: int | None = None, ordered: bool = True, num_workers: int = 2,
+                       seed: int = 0, prefetch: int = 2, epochs: int | None = None, timeout: float = 300.0,
+                       poll_s: float = 0.2, start_method: str = "spawn", import_main: bool = False) -> ShmLoader:
+        """A loader whose workers run `generator` (see the class docstring); its epochs start when asked."""
+        if not callable(generator):
+            raise ValueError(f"generator must be callable as fn(worker_id, num_workers, epoch, seed) -> iterator of "
+                             f"batches, got {type(generator).__name__}")
+        if batches_per_epoch is not None:
+            check_positive("batches_per_epoch", batches_per_epoch)
+        _check_common(num_workers, prefetch, epochs, timeout, poll_s, start_method)
+        check_rank(rank, size)
+        loader = cls.__new__(cls)
+        loader._open(WorkerConfig(0, num_workers, rank, size, seed, poll_s, None, None, None, generator, None,
+                                  epochs), None, batch_size=None, prefetch=prefetch, timeout=timeout,
+                     batches_per_epoch=batches_per_epoch, ordered=ordered, import_main=import_main)
+        return loader
+
+    def _open(self, base: WorkerConfig, sampler: ShardSampler | None, *, batch_size: int | None, prefetch: int,
+              timeout: float, batches_per_epoch: int | None, ordered: bool, import_main: bool) -> None:
+        """State both constructors share, then the workers' start (a failed start closes what was made)."""
+        self.sampler, self.rank, self.size, self.batch_size = sampler, base.rank, base.size, batch_size
+        self.num_workers, self.seed, self.prefetch = base.workers_per_rank, base.seed, prefetch
+        self.timeout, self.poll_s = timeout, base.poll_s
+        self.batches_per_epoch, self.ordered, self.epochs = batches_per_epoch, ordered, base.epochs
+        self.dataset, self.collate, self.fetch, self.generator = base.dataset, base.collate, base.fetch, base.generator
+        self.epoch, self._gen = 0, 0  # _gen numbers the iterations: StartEpoch and every EpochMessage carry it
         self._consumed = 0  # generator mode's resume position: batches of this epoch consumed (else the sampler's)
         self._resume_pending = False
         self._completed_epoch: int | None = None
@@ -172,15 +174,11 @@ class ShmLoader:
         self._unclaimed: dict[Key, EpochMessage] = {}
         # Per worker, state the EpochIterators use (EpochLink) that outlives them: layout number -> that layout,
         # made ready to read (protocol.Batch); its ring's `sent` count at our last socket read (NOTE [ring]).
-        self._layouts: list[dict[int, shm.Reader]] = [{} for _ in range(num_workers)]
-        self._seen = [0] * num_workers
+        self._layouts: list[dict[int, shm.CompiledLayout]] = [{} for _ in range(self.num_workers)]
+        self._seen = [0] * self.num_workers
         self._res = Resources()
         self._finalizer = weakref.finalize(self, _shut_down, self._res, self._lender)
         self._closed = False
-        base = WorkerConfig(0, num_workers, rank, size, seed, poll_s, dataset, collate, fetch, generator,
-                            None if dataset is None else {"num_samples": len(dataset), "shuffle": shuffle,
-                                                          "drop_last": drop_last, "batch_size": batch_size,
-                                                          "even": even, "order": order}, epochs)
         try:
             self._start(base, import_main)
         except BaseException:
@@ -202,9 +200,12 @@ class ShmLoader:
                 started = gate[0] if gate is not None and w == 0 else None  # producer 0 signals its first batch
                 wait_for = gate[1] if gate is not None and w > 0 else None  # the others wait for it
                 self._res.conns.append(mine)
-                self._res.procs.append(start_producer(f"hvdtrain-data-r{self.rank}-w{w}", payload, theirs.sock,
-                                                      started, wait_for, import_main=import_main))
-                theirs.close()
+                try:
+                    self._res.procs.append(start_producer(f"hvdtrain-data-r{self.rank}-w{w}", payload, theirs.sock,
+                                                          started, wait_for, import_main=import_main,
+                                                          timeout=self.timeout))
+                finally:
+                    theirs.close()
                 for slot in range(w * self._spw, (w + 1) * self._spw):  # slot memory up front: SLOT_BYTES
                     seg = self._res.segments[slot] = shm.create_segment(SLOT_BYTES)
                     mine.send(FreeSlot(slot, seg.name, seg.size))
@@ -318,7 +319,7 @@ class ShmLoader:
                 conn.send(StartEpoch(self._gen, epoch, state))
 
     def close(self) -> None:
-        """Stop the workers and free every segment (idempotent; see NOTE [shutdown])."""
+        """Stop the workers and free every segment (idempotent; see NOTE [loader shutdown])."""
         self._closed = True
         self._lender.close()
         self._unclaimed.clear()

@@ -1,10 +1,10 @@
 """SlotRegistry: page-lock the producers' shared-memory slots in the trainer, so the GPU copies straight out of them.
 
 NOTE [registered slots]
-Measured on an H200 (bench/results/gpu-h200-2026-11-26-b8, B8: a small ResNet at bf16, 3 MB batches, ~5 ms steps):
-copying each batch from its slot into the prefetcher's pinned ring took the trainer thread 2.0 ms per step, and the
-GPU sat idle 31% of the time; with the slot page-locked (cudaHostRegister) the copy engine reads it directly, the
-trainer thread only enqueues the copy (0.16 ms), and the GPU idled 5% — as with torch's DataLoader, at 1.3x its rate.
+A memcpy of each batch from its slot into the prefetcher's pinned staging buffers runs on the trainer thread, and
+where the step is bound by the host's kernel launches (a small model at bf16) every moment the trainer thread spends
+copying is a moment the GPU idles. With the slot page-locked (cudaHostRegister) the copy engine reads it directly
+and the trainer thread only enqueues the copy. (B8 compares the two feeds: docs/gpu.md.)
 (a) A segment is registered once, the first time a batch from it is copied, and unregistered before its mapping can
     go away: the loader calls its release hooks (`release` here) before it drops a segment (a slot grown,
     close()), and `close()` unregisters whatever is left. Registration pins the physical pages behind the addresses:
@@ -14,7 +14,7 @@ trainer thread only enqueues the copy (0.16 ms), and the GPU idled 5% — as wit
     waits for every copy in flight before it unregisters.
 (c) Registration can fail (a platform without it, a driver limit): then, for the rest of the run, and for any batch
     that is not in a slot (a private copy: NOTE [batch lifetime] (c); another loader's arrays), the prefetcher copies
-    through its pinned ring as before. A failed call leaves its error as the thread's CUDA "last error", which torch
+    through its pinned staging buffers. A failed call leaves its error as the thread's CUDA "last error", which torch
     would raise at the next kernel launch check; it is consumed on the spot (`_consume_error`).
 """
 
@@ -58,7 +58,7 @@ class SlotRegistry:
     def _register(self, start: int, end: int) -> bool:
         found = self._find(start)
         if found is None or not (found[0] <= start and end <= found[0] + found[1]):
-            return False  # not a slot of ours (a private copy, another loader's array): the pinned ring
+            return False  # not a slot of ours (a private copy, another loader's array): the staging buffers
         addr, size = found
         err = int(torch.cuda.cudart().cudaHostRegister(addr, size, 1))  # 1: cudaHostRegisterPortable
         if err != 0:

@@ -11,20 +11,21 @@ Three hazards, one guard each (letters are referred to from the code):
     as Python frees them — possibly while kernels on the compute stream still read them. `t.record_stream(compute)`
     at hand-off makes the allocator wait for the compute stream's work queued before the free. This is the
     "other direction" of ordering: because no device buffer is ever reused by us (fresh allocations only), the
-    side stream never has to `wait_stream(compute)`; with a device-side ring it would have to.
+    side stream never has to `wait_stream(compute)`; with reused device buffers it would have to.
 (c) pinned source overwritten during its copy: `non_blocking=True` is asynchronous only from pinned memory, and
     the pinned buffer must stay alive and unchanged until the DMA is done. A ShmLoader's batch is copied straight
     out of its shared-memory slot, page-locked once (NOTE [registered slots] in pinning.py): its host views, and
     so the slot, are kept in `held` until the copy's event completed, and only then can the slot go back to its
-    worker (NOTE [batch lifetime] in lending.py). Any other batch (or where registration fails) is memcpy'd into a
-    ring of two pinned buffers that live as long as the prefetcher; before the CPU writes into ring slot i again,
-    the host waits on the event of the last copy out of slot i (`copied[i].synchronize()`, normally long done).
+    worker (NOTE [batch lifetime] in lending.py). Any other batch (or where registration fails) is memcpy'd into
+    one of two pinned staging buffers, used in turn, that live as long as the prefetcher; before the CPU writes into
+    staging buffer i again, the host waits on the event of the last copy out of it (`copied[i].synchronize()`,
+    normally long done).
 There is no helper thread: the host-side work (fetching from the loader, the memcpy, enqueueing the copy) runs in
 `__next__`, while the GPU still executes the previous step's queued kernels. So no thread has to
 `torch.cuda.set_device` (it would default to GPU 0), and nothing can leak across epochs or hang in `close()`.
 All CUDA calls run under `torch.cuda.device(self.device)`, so the stream and events belong to the right GPU even
-when another device is current. Unverified here (no GPU on the build machine): run the CUDA tests under
-`TORCH_CUDA_SANITIZER=1` on a GPU.
+when another device is current. tests/test_prefetch_cuda.py checks these rules on a GPU: run it under
+`TORCH_CUDA_SANITIZER=1`.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ class DevicePrefetcher:
     """Yield `loader`'s batches as tensors on `device`, the next one already in flight.
 
     On a CUDA device: one batch of look-ahead (the loader's own workers provide the deeper buffering), a side
-    stream for host->device copies from a two-slot pinned ring, ordering as in NOTE [stream sync]. Any other device
+    stream for host->device copies from two pinned staging buffers, ordering as in NOTE [stream sync]. Any other device
     (CPU): a pass-through without look-ahead; its tensors view the loader's slot and keep it for as long as they
     live (NOTE [batch lifetime] in lending.py), so collecting `y` without `.clone()` is correct.
     Yields the last batch, yields nothing for an empty loader, and starts afresh on every `iter()` (per epoch).
@@ -63,7 +64,7 @@ class DevicePrefetcher:
 
     def __init__(self, loader: Any, device: torch.device | str, *, register_slots: bool = True) -> None:
         self.loader = loader
-        self.register_slots = register_slots  # NOTE [registered slots] in pinning.py; False: always the pinned ring
+        self.register_slots = register_slots  # NOTE [registered slots] in pinning.py; False: always the staging buffers
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -93,7 +94,7 @@ class DevicePrefetcher:
             host = next(it, _END)
             if host is _END:
                 break
-            # The host views are dropped here (copied into the pinned ring: the slot goes back to its worker before
+            # The host views are dropped here (copied into a staging buffer: the slot goes back to its worker before
             # the next batch is asked for), or, copied straight out of the slot, once that copy is done (`_held`,
             # NOTE [stream sync] (c); NOTE [batch lifetime] in lending.py).
             following = self._issue(host, k % 2)
@@ -168,7 +169,7 @@ class DevicePrefetcher:
         return None if self._slots is None else self._slots.failed
 
     def _pin(self, slot: int, host: Any) -> Any:
-        """memcpy the host batch into pinned ring slot `slot` (reallocated only when shapes/dtypes change)."""
+        """memcpy the host batch into pinned staging buffer `slot` (reallocated only when shapes/dtypes change)."""
         ring = self._pinned[slot]
         leaves = _leaves(host)
         tensors = [t for t in leaves if isinstance(t, torch.Tensor)]

@@ -2,7 +2,7 @@
 messages go through a ring in shared memory instead: ring.py).
 
 Only these small frozen dataclasses cross, never array data: a batch's bytes are in a shared-memory slot,
-and its message names the slot and the `shm.Layout` to read it with. Both ends dispatch on the type
+and its message names the slot and the `shm.BatchLayout` to read it with. Both ends dispatch on the type
 (`match msg: case Batch(seq=seq, slot=slot): ...`).
 
     trainer -> worker   FreeSlot(slot, segment, nbytes)          a free slot, now the worker's, with its shared
@@ -20,7 +20,7 @@ and its message names the slot and the `shm.Layout` to read it with. Both ends d
 by it, dropped, and its slot given back. Batch, EpochDone and WorkerFailed are the `EpochMessage`s: the trainer
 files them under (worker, seq), so a worker's stream is read in order however they arrive.
 Slot ownership and back-pressure: workers.py and NOTE [batch lifetime] in lending.py; how a worker ends: NOTE
-[shutdown] in lifecycle.py.
+[loader shutdown] in resources.py.
 
 The one thing a worker asks of a dataset beyond `len()` and indexing, optionally: `PlansEpochs` (at the end).
 """
@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeGuard, runtime_checkable
 
-from hvdtrain.data.shm import Layout
+from hvdtrain.data.shm import BatchLayout
 
 # ---- trainer -> worker -----------------------------------------------------------------------------------------
 
@@ -78,7 +78,7 @@ class Batch:
     seq: int
     slot: int
     layout_id: int
-    layout: Layout | None = None
+    layout: BatchLayout | None = None
 
 
 @dataclass(frozen=True)

@@ -2,10 +2,10 @@
 
 NOTE [ring]
 Reading a Batch message from the socket (NOTE [wire] in channel.py) costs the trainer a `recv` whose kernel path and
-buffers are cold after a training step and were last touched by the producer's core: ~40 µs of the ~100 µs a small
-batch's hand-off took on the build machine. So each worker also has a ring of batch descriptors in a small
+buffers are cold after a training step and were last touched by the producer's core: a large part of a small
+batch's hand-off (docs/performance.md, "Small batches"). So each worker also has a ring of batch descriptors in a small
 shared-memory segment (a page for up to 120 descriptors; created by the trainer, attached and unlinked by the worker
-at start, like a slot: NOTE [shutdown] in lifecycle.py):
+at start, like a slot: NOTE [loader shutdown] in resources.py):
 
     cell 0 (bytes 0-7)      head: descriptors the worker has published      written by the worker only
     cell 8 (bytes 64-71)    tail: descriptors the trainer has taken         written by the trainer only

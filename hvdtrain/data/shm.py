@@ -2,9 +2,9 @@
 
 A segment is named `hvdtrain_<creator pid>_<token>` and lives in /dev/shm. The trainer creates every segment; a
 worker attaches by name and then unlinks the name at once (the memory stays mapped in both processes). See
-NOTE [shutdown] in lifecycle.py for why and for who cleans up what.
+NOTE [loader shutdown] in resources.py for why and for who cleans up what.
 
-A batch is a numpy array, a tuple/list of arrays or a dict of str -> array. Its layout (`Layout`: structure,
+A batch is a numpy array, a tuple/list of arrays or a dict of str -> array. Its layout (`BatchLayout`: structure,
 and per array an offset, shape and dtype) is small metadata that crosses a socket; the bytes are copied once, by
 the worker, into the segment, and the trainer builds numpy views on the segment from the layout: no unpickling.
 """
@@ -115,8 +115,8 @@ def sweep_stale_segments() -> list[str]:
     It unlinks only files named `hvdtrain_<pid>_<token>` whose creator pid is not alive (as seen from this PID
     namespace) *and* that were last modified at least `STALE_AFTER_S` seconds ago; anything else in /dev/shm (a
     live job's segments, other programs' files, files this user may not remove) is left alone. A trainer SIGKILLed
-    together with its resource tracker can leave such a name behind, holding its memory (NOTE [shutdown] in
-    lifecycle.py), and nothing removes it implicitly: constructing an `ShmLoader` does not. Call this explicitly,
+    together with its resource tracker can leave such a name behind, holding its memory (NOTE [loader shutdown] in
+    resources.py), and nothing removes it implicitly: constructing an `ShmLoader` does not. Call this explicitly,
     once at process start, before creating any loader (the PyTorch recipes do, right after `hvd.init()`);
     between runs, `scripts/fresh_state.sh` removes such segments too.
     """
@@ -160,7 +160,7 @@ class ArraySpec:
 
 
 @dataclass(frozen=True)
-class Layout:
+class BatchLayout:
     kind: str  # "array", "tuple", "list" or "dict"
     keys: tuple[str, ...]  # dict keys, in order; empty otherwise
     arrays: tuple[ArraySpec, ...]
@@ -191,29 +191,29 @@ def flatten(batch: Any) -> tuple[str, tuple[str, ...], list[np.ndarray]]:
     return "array", (), [_as_array(batch, "")]
 
 
-def plan_layout(batch: Any) -> tuple[Layout, list[np.ndarray]]:
+def plan_layout(batch: Any) -> tuple[BatchLayout, list[np.ndarray]]:
     kind, keys, arrays = flatten(batch)
     specs, offset = [], 0
     for arr in arrays:
         offset = -(-offset // ALIGN) * ALIGN
         specs.append(ArraySpec(offset, tuple(arr.shape), arr.dtype.str))
         offset += arr.nbytes
-    return Layout(kind, keys, tuple(specs), offset), arrays
+    return BatchLayout(kind, keys, tuple(specs), offset), arrays
 
 
-def write_batch(buf: memoryview, layout: Layout, arrays: Sequence[np.ndarray]) -> None:
+def write_batch(buf: memoryview, layout: BatchLayout, arrays: Sequence[np.ndarray]) -> None:
     """Copy the arrays into `buf` at the layout's offsets (the one copy on the producer side)."""
     for spec, arr in zip(layout.arrays, arrays, strict=True):
         dst = np.ndarray(spec.shape, dtype=np.dtype(spec.dtype), buffer=buf, offset=spec.offset)
         np.copyto(dst, arr, casting="no")
 
 
-class Reader:
+class CompiledLayout:
     """A layout made ready to read batches with, once per slot and layout (the trainer reads one per batch)."""
 
     __slots__ = ("keys", "kind", "specs")
 
-    def __init__(self, layout: Layout) -> None:
+    def __init__(self, layout: BatchLayout) -> None:
         self.kind, self.keys = layout.kind, layout.keys
         self.specs = [(s.shape, np.dtype(s.dtype), s.offset) for s in layout.arrays]
 

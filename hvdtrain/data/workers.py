@@ -3,8 +3,8 @@
 It speaks the protocol of protocol.py over its socket (channel.py) and publishes most batches in its ring (ring.py);
 only small messages cross, never array data.
 Back-pressure: a worker owns `prefetch + 1` slots; with all of them full or held it waits (polling the socket with a
-timeout) until the trainer hands one back (NOTE [batch lifetime] in lending.py). See NOTE [shutdown] in
-lifecycle.py for how the worker ends.
+timeout) until the trainer hands one back (NOTE [batch lifetime] in lending.py). See NOTE [loader shutdown] in
+resources.py for how the worker ends.
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ def worker_main(conn: Channel, payload: bytes, started: socket.socket | None = N
     after its first batch is sent (NOTE [first producer first] in boot.py)."""
     import cloudpickle
 
-    # Ctrl-C reaches the whole process group: the trainer handles it and stops us (NOTE [shutdown]).
+    # Ctrl-C reaches the whole process group: the trainer handles it and stops us (NOTE [loader shutdown]).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         worker = _Worker(conn, cloudpickle.loads(payload), started)
@@ -141,14 +141,15 @@ class _Worker:
         self.mapped: dict[int, shm.Segment] = {}
         self.free: deque[int] = deque()
         self.growing: set[int] = set()  # slots sent back to be grown, not yet returned
-        self.layout_ids: dict[shm.Layout, int] = {}  # layout -> its number (protocol.Batch)
+        self.layout_ids: dict[shm.BatchLayout, int] = {}  # layout -> its number (protocol.Batch)
         self.pending: deque[StartEpoch | Stop] = deque()
         self.poller = select.poll()  # persistent: a selector built per call costs more than a small batch
         self.poller.register(conn.fileno(), select.POLLIN)
         self.ring: Ring | None = None
         if cfg.ring is not None:
             try:
-                self.ring = Ring(shm.attach_segment(cfg.ring), cfg.ring_capacity)  # and unlinks it: NOTE [shutdown]
+                # attach (and so unlink) the ring's segment: NOTE [loader shutdown]
+                self.ring = Ring(shm.attach_segment(cfg.ring), cfg.ring_capacity)
             except FileNotFoundError as exc:  # the trainer unlinked it: it is shutting down
                 raise TrainerGone from exc
 
@@ -163,7 +164,7 @@ class _Worker:
                         self.growing.discard(slot)
                         self.granted[slot] = msg
                         if segment is not None:
-                            self.map(slot)  # attach (and so unlink) a new segment at once: NOTE [shutdown]
+                            self.map(slot)  # attach (and so unlink) a new segment at once: NOTE [loader shutdown]
                         self.free.append(slot)
                     case StartEpoch() | Stop():
                         self.pending.append(msg)
@@ -267,7 +268,7 @@ class _Worker:
         if known and self.ring is not None and self.ring.post(gen, seq, slot, lid):  # NOTE [ring] (a)
             if self.ring.trainer_waiting():
                 try:
-                    self.conn.ring()  # NOTE [ring] (d)
+                    self.conn.doorbell()  # NOTE [ring] (d)
                 except OSError as exc:
                     raise TrainerGone from exc
             return True
@@ -278,7 +279,7 @@ class _Worker:
         """A free slot of at least `nbytes`, mapped; None if a newer command arrived while waiting.
 
         Every slot comes with `loader.SLOT_BYTES`; slots are grown one at a time, when no free slot is big enough
-        (a segment of None, which the trainer no longer sends, counts as too small)."""
+        (a FreeSlot without a segment counts as too small)."""
         while not self.pending:
             big = [s for s in self.free if self.granted[s].segment is not None and self.granted[s].nbytes >= nbytes]
             if big:

@@ -9,7 +9,9 @@ Nothing is ever downloaded.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -50,15 +52,36 @@ class ArrayDataset:
         return None
 
 
-def take(ds: ArrayDataset, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+class Split(Protocol):
+    """What a train or val split is used for, whatever its format: ArrayDataset (in memory), NpyShardSplit
+    (memory-mapped npy shards), StreamSplit (a streamed MDS dataset)."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int) -> tuple[np.ndarray, np.ndarray]: ...
+
+    def take(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """A whole batch of samples and labels."""
+        ...
+
+    @property
+    def sample_shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def order(self) -> Callable[[int, int], np.ndarray] | None:
+        """`order(seed, epoch) -> permutation` for the sampler, or None for its uniform shuffle."""
+        ...
+
+
+def take(ds: Split, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """`ds.take(indices)`: a ShmLoader's `fetch` for an in-memory or a streamed split."""
     return ds.take(indices)
 
 
 @dataclass(frozen=True)
 class Splits:
-    train: ArrayDataset
-    val: ArrayDataset
+    train: Split
+    val: Split
     num_classes: int
     name: str
 

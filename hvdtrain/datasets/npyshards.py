@@ -333,5 +333,4 @@ def load_dir(path: Path, *, val_fraction: float = 0.2, split_seed: int = 0, num_
         train, val = (NpyShardSplit(sets[0], part=p, val_fraction=val_fraction, split_seed=split_seed,
                                     check_finite=check_finite) for p in ("train", "val"))
         train.rows()  # checks val_fraction against the sample count now, not in a producer
-    # NpyShardSplit is not an ArrayDataset: it has what a split is used for (take, len, sample_shape, order).
-    return Splits(train=train, val=val, num_classes=classes, name=str(path))  # type: ignore[arg-type]
+    return Splits(train=train, val=val, num_classes=classes, name=str(path))

@@ -36,7 +36,7 @@ POLL_S = 0.5
 GUARD_MODULE = "hvdtrain.launch.lifeline"  # `python -m hvdtrain.launch.lifeline PGID`: see NOTE [no orphans]
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # each stops the whole job; exit 128 + N
 RECORDS_TMP = "hvdtrain-records-"  # the ranks' records without logs.dir: a temporary directory
-SNAPSHOT_S = 2.0  # a process-tree walk costs ~10 ms of CPU: not every poll, the ranks need the cores
+SNAPSHOT_S = 2.0  # a process-tree walk costs CPU that the ranks need: not every poll
 
 
 class LaunchError(RuntimeError):
@@ -97,7 +97,7 @@ def find_horovodrun() -> str:
     return found
 
 
-# NOTE [shutdown]: how a job ends without orphans.
+# NOTE [job shutdown]: how a job ends without orphans.
 #  - horovodrun runs in a new session, so its process group is ours to signal. Its rank launchers do not stay in
 #    that group: Horovod's safe_shell_exec middlemen call setsid(), and mpirun runs under one of them. We therefore
 #    (a) snapshot every descendant of horovodrun every SNAPSHOT_S, so that we know them even after they re-parent,
@@ -244,7 +244,7 @@ def _alive(p: psutil.Process) -> bool:
 
 
 def run_plan(plan: LaunchPlan, logs: Logs, *, timeout_s: float | None = None, ssh: Ssh | None = None) -> int:
-    """Run the plan to completion (see NOTE [shutdown]); returns the exit code hvdtrain should exit with.
+    """Run the plan to completion (see NOTE [job shutdown]); returns the exit code hvdtrain should exit with.
 
     `ssh`: how to reach the hosts, to find which one was lost when a rank timed out waiting for a peer.
     """

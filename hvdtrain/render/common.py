@@ -1,4 +1,4 @@
-"""What the Kubernetes and Slurm renderers share: cluster options, the node layout, and the horovodrun argv.
+"""What the Kubernetes and Slurm renderers share: cluster options, the placement on nodes, and the horovodrun argv.
 
 A job spec's relative paths are relative to the spec file *on the cluster* (`ClusterOptions.remote_dir`: inside the
 image, or on the cluster's shared filesystem), not on this machine. The argv comes from `hvdtrain.job.plan.build_plan`,
@@ -34,7 +34,7 @@ class RenderError(ValueError):
 
 @dataclass(frozen=True)
 class ClusterOptions:
-    """How the job maps onto the cluster. None means: derive it (see `layout`)."""
+    """How the job maps onto the cluster. None means: derive it (see `placement`)."""
 
     name: str = "hvdtrain"
     remote_dir: str = DEFAULT_REMOTE_DIR
@@ -47,7 +47,7 @@ class ClusterOptions:
 
 
 @dataclass(frozen=True)
-class Layout:
+class Placement:
     nodes: int
     slots_per_node: int
     gpus_per_node: int
@@ -72,7 +72,7 @@ def _positive(value: int | None, flag: str) -> None:
         raise RenderError(f"{flag} {value} is not allowed: it must be an integer >= 1")
 
 
-def layout(spec: JobSpec, opts: ClusterOptions) -> Layout:
+def placement(spec: JobSpec, opts: ClusterOptions) -> Placement:
     """Nodes x slots for `spec.np` ranks. Slots per node: the option, else the spec's hosts when they all have the
     same slots, else np (one node). GPUs per node default to the slots (one GPU per rank)."""
     _positive(opts.nodes, "--nodes")
@@ -95,7 +95,7 @@ def layout(spec: JobSpec, opts: ClusterOptions) -> Layout:
         raise RenderError(f"--nodes {opts.nodes} with {slots} slots per node gives {opts.nodes * slots} ranks, "
                           f"but np = {spec.np}: set np to {opts.nodes * slots} (-o np=...) or change --nodes")
     gpus = slots if opts.gpus_per_node is None else opts.gpus_per_node
-    return Layout(nodes=nodes, slots_per_node=slots, gpus_per_node=gpus)
+    return Placement(nodes=nodes, slots_per_node=slots, gpus_per_node=gpus)
 
 
 def check_renderable(spec: JobSpec) -> None:

@@ -18,14 +18,14 @@ import yaml
 from hvdtrain.job.model import JobSpec
 from hvdtrain.render.common import (
     ClusterOptions,
-    Layout,
+    Placement,
     RenderError,
     check_name,
     check_renderable,
     horovodrun_argv,
     horovodrun_path,
     ignored_keys,
-    layout,
+    placement,
 )
 
 API_VERSION = "kubeflow.org/v2beta1"
@@ -77,7 +77,7 @@ def _launcher(spec: JobSpec, cluster: ClusterOptions, opts: K8sOptions) -> dict[
     return {"replicas": 1, "restartPolicy": "Never", "template": {"spec": {"containers": [container]}}}
 
 
-def _worker(spec: JobSpec, lay: Layout, opts: K8sOptions) -> dict[str, Any]:
+def _worker(spec: JobSpec, lay: Placement, opts: K8sOptions) -> dict[str, Any]:
     container = _container("worker", opts.image, opts.image_pull_policy, [ENTRYPOINT, "sshd"], _env(spec))
     if lay.gpus_per_node:
         container["resources"] = {"limits": {"nvidia.com/gpu": lay.gpus_per_node}}
@@ -93,7 +93,7 @@ def mpijob(spec: JobSpec, cluster: ClusterOptions, opts: K8sOptions | None = Non
     opts = opts or K8sOptions()
     check_renderable(spec)
     _check(opts)
-    lay = layout(spec, cluster)
+    lay = placement(spec, cluster)
     metadata: dict[str, Any] = {"name": check_name(cluster.name), "labels": {"app.kubernetes.io/name": "hvdtrain"}}
     if opts.namespace:
         metadata["namespace"] = opts.namespace
@@ -115,7 +115,7 @@ def render_k8s(spec: JobSpec, cluster: ClusterOptions, opts: K8sOptions | None =
                source: str = "JOB.yaml") -> str:
     """The MPIJob manifest as YAML text, with a header naming its source and what it leaves out."""
     obj = mpijob(spec, cluster, opts)
-    lay = layout(spec, cluster)
+    lay = placement(spec, cluster)
     header = [f"# Rendered by `hvdtrain render k8s {source}`: edit the job spec and render again.",
               f"# {spec.np} ranks = {lay.nodes} worker pod(s) x {lay.slots_per_node} slots, "
               f"{lay.gpus_per_node} GPU(s) per worker. Needs the Kubeflow MPI Operator (v2beta1 API).",

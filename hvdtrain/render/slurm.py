@@ -18,14 +18,14 @@ from dataclasses import dataclass
 from hvdtrain.job.model import HorovodKnobs, JobSpec
 from hvdtrain.render.common import (
     ClusterOptions,
-    Layout,
+    Placement,
     RenderError,
     check_name,
     check_renderable,
     horovodrun_argv,
     horovodrun_path,
     ignored_keys,
-    layout,
+    placement,
 )
 
 LAUNCHERS = ("horovodrun", "srun")
@@ -51,7 +51,7 @@ def _sbatch_value(value: str, flag: str, example: str) -> str:
     return value
 
 
-def _directives(lay: Layout, cluster: ClusterOptions, opts: SlurmOptions) -> list[str]:
+def _directives(lay: Placement, cluster: ClusterOptions, opts: SlurmOptions) -> list[str]:
     lines = [f"#SBATCH --job-name={check_name(cluster.name)}", f"#SBATCH --nodes={lay.nodes}",
              f"#SBATCH --ntasks-per-node={lay.slots_per_node}"]
     if lay.gpus_per_node:
@@ -72,7 +72,7 @@ def _directives(lay: Layout, cluster: ClusterOptions, opts: SlurmOptions) -> lis
     return lines
 
 
-def _horovodrun_lines(spec: JobSpec, lay: Layout, cluster: ClusterOptions) -> list[str]:
+def _horovodrun_lines(spec: JobSpec, lay: Placement, cluster: ClusterOptions) -> list[str]:
     argv, hosts_at = horovodrun_argv(spec, cluster, horovodrun_path(spec, cluster))
     words = [shlex.quote(a) for a in argv]
     words[hosts_at] = '"$HVDTRAIN_HOSTS"'
@@ -89,7 +89,7 @@ def _horovodrun_lines(spec: JobSpec, lay: Layout, cluster: ClusterOptions) -> li
     ]
 
 
-def _srun_lines(spec: JobSpec, lay: Layout, cluster: ClusterOptions, opts: SlurmOptions) -> list[str]:
+def _srun_lines(spec: JobSpec, lay: Placement, cluster: ClusterOptions, opts: SlurmOptions) -> list[str]:
     set_knobs = [k for k, v in spec.horovod if v != HorovodKnobs.model_fields[k].default]
     if set_knobs or spec.extra_args or spec.controller == "gloo" or spec.network_interfaces:
         what = ", ".join([f"horovod.{k}" for k in set_knobs] + ["extra_args"] * bool(spec.extra_args)
@@ -111,7 +111,7 @@ def render_slurm(spec: JobSpec, cluster: ClusterOptions, opts: SlurmOptions | No
     if opts.launcher not in LAUNCHERS:
         raise RenderError(f"--launcher {opts.launcher!r}: use one of {', '.join(LAUNCHERS)}")
     check_renderable(spec)
-    lay = layout(spec, cluster)
+    lay = placement(spec, cluster)
     lines = ["#!/usr/bin/env bash", *_directives(lay, cluster, opts),
              f"# Rendered by `hvdtrain render slurm {source}`: edit the job spec and render again.",
              f"# {spec.np} ranks = {lay.nodes} node(s) x {lay.slots_per_node} tasks, {lay.gpus_per_node} GPU(s) per "

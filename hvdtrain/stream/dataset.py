@@ -3,8 +3,8 @@
 Constructing one reads only `index.json`. Shards are memory-mapped when a sample of theirs is first asked for, in
 the process asking: a ShmLoader's producer processes (the dataset pickles without its open shards), so the trainer
 never reads shard files and memory per process is the page cache's business, not the dataset size's. Compressed
-shards are decompressed once per node into the cache directory (NOTE [cache files] in cache.py), never next to the
-source, which may be read-only or shared.
+shards are decompressed once per node into the cache directory (NOTE [cache files] in cachedir.py), never next to
+the source, which may be read-only or shared.
 """
 
 from __future__ import annotations

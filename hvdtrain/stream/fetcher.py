@@ -14,12 +14,12 @@ before the whole block is local. While any shard of the block the reader is in i
 only those (the ones already in flight elsewhere are skipped: the thread waits for the next wake), and nothing
 beyond the block. Otherwise every fetch thread on the node (2 per producer: 8 for 2 ranks of 2 producers) would
 start a shard of the next blocks too, and the block the readers wait for would share the link with them: a cold
-start over a 400 Mbit/s link waited for ~8 shards instead of 4 (B6). When the reader is ahead of the link the same
+start would wait for the next block's shards as well as its own (B6). When the reader is ahead of the link the same
 rule keeps the bandwidth on what it waits for. The readers wake the threads whenever their position moves (once
 the block is local they make batches, so the next blocks start at once), and every thread looks again each second.
-(A thread that fetched a shard waking the others at once was tried: the same first batch, ~30 MiB more peak PSS
-per rank in B6.) Before any of that, while the node's first batches of a plan are read by range (ranged.py, NOTE
-[first batches by range]), the threads wait (at most 1 s): those few MiB go first, the whole shards right after.
+A thread that fetched a shard does not wake the others: that brings the first batch no sooner and costs peak
+memory (B6). Before any of that, while the node's first batches of a plan are read by range (ranged.py, NOTE
+[first batches by range]), the threads wait (at most `HOLD_S`): those few MiB go first, the whole shards right after.
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 """One dataset's shards on this node: each fetched once per node, within a byte limit, evicted by next use.
 
 NOTE [eviction by next use]
-Every process reading a dataset on a node (each rank's producers) shares one cache directory (cache.py's NOTE
+Every process reading a dataset on a node (each rank's producers) shares one cache directory (cachedir.py's NOTE
 [cache files]: a shard is produced by one process under its flock, renamed into place complete). With a byte limit,
 the process about to produce a shard first makes room under the directory's `.evict.lock`: it sums the sizes of the
 files there and, while that plus the new shard exceeds the limit, deletes the file needed furthest in the future.
 The future is known: each epoch's shard order is `BlockShuffle.shard_order(seed, epoch)` (the loader tells us
 `(seed, epoch)` through `plan`), and every reader on the node publishes where it is: `(seed, epoch, block start)` in
-its own file in the cache directory, rewritten when it enters another block (readers.py; a dead reader's file is
+its own file in the cache directory, rewritten when it enters another block (cachereaders.py; a dead reader's file is
 removed by the next eviction). A file's distance is the soonest any live reader needs it: for one reader, a shard
 later in its epoch is needed in (its position - the reader's) shards; one already passed next epoch, at (shards left
 in this one + its position in the next epoch's order); a file of no shard of this dataset version (an old copy) is
@@ -21,9 +21,10 @@ behind it read or fetch) are evicted only when nothing outside every reader's wi
 then nearest needs last; the block a reader is in, never. A fetch ahead (fetcher.py) first asks `admits()`: it is
 skipped when it would need to evict something some reader needs sooner than the shard fetched (the reader fetches
 that shard itself when it gets there), so a reader running ahead of the others cannot push out what they read
-next. Counting every reader matters: a reader 1.5 blocks behind another, with a cache just the size of one window,
-refetches ~4x the dataset per epoch when each evicts by its own position alone, 0.77x with all positions
-(tests/test_remote_store.py). The last epoch (`plan(last=True)`) fetches nothing of the next one ahead.
+next. Counting every reader matters: with a cache just the size of one window, a reader 1.5 blocks behind another
+would have what it reads next evicted by the reader ahead, and refetch several times the dataset per epoch, if
+each evicted by its own position alone (tests/test_remote_store.py). The last epoch (`plan(last=True)`) fetches
+nothing of the next one ahead.
 
 A producer makes room, writes its shard and renames it into place under that one lock (partial files of dead
 producers count too), so the files in the directory never exceed the limit (downloads in flight are in the
@@ -47,7 +48,7 @@ from typing import Any
 import numpy as np
 
 from hvdtrain.datasets import cachedir
-from hvdtrain.stream import readers
+from hvdtrain.stream import cachereaders
 from hvdtrain.stream.errors import StreamError
 from hvdtrain.stream.order import BlockShuffle
 
@@ -86,8 +87,8 @@ class NodeCache:
         self.epoch_order: np.ndarray | None = None
         self.seed = self.epoch = 0
         self.last = False  # the planned epoch is the job's last: upcoming() stops at its end
-        self._me = readers.Registration(self.dir)  # where this process reads, for the other readers' evictions
-        self._published: readers.Position | None = None
+        self._me = cachereaders.Registration(self.dir)  # where this process reads, for the other readers' evictions
+        self._published: cachereaders.Position | None = None
         # names this order and dataset version in the reader files: readers of another one are not counted
         self._tag = hashlib.sha256("|".join([order.fingerprint, *self.names]).encode()).hexdigest()[:16]
         self._orders: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}  # by (seed, epoch)
@@ -120,10 +121,10 @@ class NodeCache:
             self._publish()
 
     def _publish(self) -> None:
-        """Tell the node's other readers where this one is, when it entered another block (see readers.py)."""
+        """Tell the node's other readers where this one is, when it entered another block (see cachereaders.py)."""
         if self.limit is None:
             return  # nothing is evicted: nobody needs to know
-        here = readers.Position(self.seed, self.epoch, self._block_start(), self._tag)
+        here = cachereaders.Position(self.seed, self.epoch, self._block_start(), self._tag)
         if here != self._published:
             self._me.publish(here)
             self._published = here
@@ -185,10 +186,10 @@ class NodeCache:
         return first or missing
 
     def _others(self) -> list[Reader]:
-        """(block start, order, positions this epoch, next epoch) of the node's other live readers (readers.py)."""
+        """(block start, order, positions this epoch, next epoch) of the node's other live readers (cachereaders.py)."""
         mine = self._me.path.name if self._me.path is not None else None
         out = []
-        for name, at in readers.live(self.dir).items():
+        for name, at in cachereaders.live(self.dir).items():
             if name != mine and at.order == self._tag and at.start < len(self.sizes):
                 out.append((at.start, *self._positions(at.seed, at.epoch)))
         return out

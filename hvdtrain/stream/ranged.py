@@ -21,14 +21,12 @@ Then the whole shards download while any range read still goes on, and each firs
 first: the range read, or every shard it touches being local (`race`, checked every `POLL_S`), so a server that
 never answers ranges costs at most the hold and one whole-shard download (with fetch threads; without them the range
 read is given up after `RACE_S`). The first `takes` batches after a plan are the only ones that may read by range,
-whether or not they needed to: a warm cache's later batches never do. B6 (400 Mbit/s link, 2 ranks of 2 producers,
-100 KiB records), to the first batch: 1.66-1.71 s without range reads; 0.82-0.99 s when every producer read its
-first batch by range and held only its own fetch threads; 0.48-0.56 s with the leaders alone, the node-wide wait and
-producer 0 starting first. A 0.3 s hold instead of 1 s measured 0.92-1.20 s vs 0.90-0.93 s (every producer reading
-by range). A server slow at ranges still slows the whole shards it serves meanwhile: moto copies the whole object
-for every range GET, and B6's first batch on its unshaped link is 0.48-0.54 s with range reads, 0.33-0.37 s without
-(HVDTRAIN_STREAM_RANGED=0); over an HTTP server that seeks (tests/scripts/http_store.py) it was 0.49-0.55 s with
-them, 0.56-0.58 s without (before producer 0 started first).
+whether or not they needed to: a warm cache's later batches never do. Only the leaders read by range, and their
+reads hold every whole-shard read on the node, because the first batch comes soonest when nothing shares the link
+with those few MiB (B6 times the variants: docs/performance.md). A server slow at ranges still slows the whole
+shards it serves meanwhile (moto copies the whole object for every range GET): on a fast link to such a server range
+reads cost more than they save, and HVDTRAIN_STREAM_RANGED=0 turns them off; a server that serves a range by
+seeking (tests/scripts/http_store.py) does not have that cost.
 
 The bytes read by range are downloaded twice (again inside the whole shard), so they are bounded: per node and per
 planned (seed, epoch), at most `share` of the dataset's stored bytes, or 4 MiB if that is more (`claim`: a

@@ -156,7 +156,8 @@ class RemoteStore(Store):
         return self._client
 
     def get(self, name: str) -> memoryview:
-        """The object's bytes, in obstore's own buffer (not copied: a copy costs ~1 s of CPU per GiB here)."""
+        """The object's bytes, in obstore's own buffer (not copied: the copy's page faults cost as much CPU as s3fs's
+        whole download path: docs/performance.md, "Transport")."""
         import obstore
 
         return self._call(name, lambda: memoryview(obstore.get(self._store(), name).bytes()))
@@ -306,8 +307,7 @@ def _summary(e: BaseException) -> str:
 
 def _say_retry(line: str) -> None:
     """A retry line, at most one per RETRY_LINE_EVERY_S per process: every fetch thread and producer of a node
-    retries the same outage, and a line from each, for each try, would bury the console (2 ranks x 2 producers
-    printed ~200 lines in 120 s)."""
+    retries the same outage, and a line from each, for each try, would bury the console."""
     global _last_retry_line
     with _retry_line_lock:
         now = time.monotonic()

@@ -9,8 +9,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from hvdtrain import exitcodes, records
-from hvdtrain.data.errors import DataError
-from hvdtrain.data.lifecycle import WorkerError
+from hvdtrain.data.errors import DataError, WorkerError
 from hvdtrain.rundir import RunDirBusy
 from hvdtrain.stream.errors import StreamError
 from hvdtrain.train.checkpoint import CheckpointMismatch

@@ -6,8 +6,8 @@ stop), and bad data met inside `tf.data` re-raised as itself (exit 2 with its me
 Importing this module imports TensorFlow and checks that tf.keras is Keras 2 (hvdtrain.tfkeras: KerasVersionError
 otherwise); it sets nothing. The process selects Keras 2 first (TF_USE_LEGACY_KERAS=1 before TensorFlow is
 imported): the recipe does, at the top of main(), and imports this module after that. The loader's `fetch`
-(`take_channels_last`) lives in hvdtrain/train/layout.py, which does not import TensorFlow: the producer processes
-import only that.
+(`take_channels_last`) lives in hvdtrain/train/channels_last.py, which does not import TensorFlow: the producer
+processes import only that.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from hvdtrain import tfkeras
 from hvdtrain.data import ShardSampler, ShmLoader, WorkerError, sweep_stale_segments, to_tf_dataset
 from hvdtrain.data.errors import DataError
 from hvdtrain.train import checkpoint, divergence
-from hvdtrain.train.layout import channels_last_shape, take_channels_last
+from hvdtrain.train.channels_last import channels_last_shape, take_channels_last
 from hvdtrain.train.metrics import History
 from hvdtrain.train.report import log, lr_text
 

@@ -128,8 +128,7 @@ def load_splits(root: str | Path, *, num_classes: int | None, x_field: str = "x"
         raise arrays.DatasetError(f"{root}: its index says num_classes={classes!r}; training needs 2 or more "
                                     "classes (labels 0..N-1): fix the labels, or pass --num-classes N")
     train, val = (StreamSplit(splits[n], x_field, y_field, classes, check_finite) for n in ("train", "val"))
-    # StreamSplit is not an ArrayDataset: it has what a split is used for (take, len, sample_shape, order).
-    return arrays.Splits(train=train, val=val, num_classes=classes, name=root)  # type: ignore[arg-type]
+    return arrays.Splits(train=train, val=val, num_classes=classes, name=root)
 
 
 def _split_error(root: str, name: str, e: DataError) -> str:

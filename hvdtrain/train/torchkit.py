@@ -170,7 +170,7 @@ def forward_backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor, chunks:
     return losses
 
 
-def val_batches(ds: arrays.ArrayDataset, rank: int, size: int, batch_size: int,
+def val_batches(ds: arrays.Split, rank: int, size: int, batch_size: int,
                 device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """This rank's share of the validation set, each sample counted once over all ranks.
 
@@ -199,7 +199,7 @@ def average_buffers(model: nn.Module, average: Callable[[torch.Tensor, str], tor
 
 
 @torch.no_grad()
-def validation_sums(model: nn.Module, ds: arrays.ArrayDataset, rank: int, size: int, device: torch.device,
+def validation_sums(model: nn.Module, ds: arrays.Split, rank: int, size: int, device: torch.device,
                     precision: Precision | None = None, channels_last: bool = False) -> MetricSums:
     """Loss and accuracy sums over this rank's share of the validation set (the caller reduces them), in the
     training's precision and layout."""

@@ -1,20 +1,20 @@
-"""Lifetimes of the producer processes and shared-memory segments; the loader's errors.
+"""Lifetimes of the producer processes and shared-memory segments (the loader's errors: errors.py).
 
-NOTE [shutdown]
+NOTE [loader shutdown]
 Who owns what, and how everything ends — normally, on an exception, on interpreter exit and after a crash:
-- The trainer creates every shared-memory segment (`hvdtrain_<trainer pid>_<token>`, created on a worker's GrowSlot
-  request, since only the worker knows a batch's size) and sends its name (FreeSlot); the worker attaches as soon
-  as it reads that message and unlinks the name at once (shm.attach_segment). From then on the segment has no /dev/shm
-  entry: both mappings stay valid and the memory is freed when the last process unmaps it, so a later SIGKILL of
-  anyone leaks nothing. A name therefore exists only between `create_segment` and the worker reading the socket —
-  and the worker still reads it after the trainer has died, since the message is already in its socket buffer.
-  On close the trainer unlinks every name it created (FileNotFoundError = the worker already did); if trainer and
-  worker are both killed inside that window, multiprocessing's resource tracker (a separate process, with which
-  the trainer registered the segment) unlinks it when the last of them is gone. Only if that tracker is killed
-  too does a name outlive the job; no loader removes other processes' files on its own: the application calls
-  `sweep_stale_segments()` (shm.py) once at start, and scripts/fresh_state.sh cleans up between runs.
-  A worker's ring segment (NOTE [ring] in ring.py) is created before the worker starts, named in its start-up
-  config, attached and unlinked by the worker first thing, and released like a slot's.
+- The trainer creates every shared-memory segment (`hvdtrain_<trainer pid>_<token>`: one per slot up front, and a bigger
+  one on a worker's GrowSlot request, since only the worker knows a batch's size) and sends its name (FreeSlot); the
+  worker attaches as soon as it reads that message and unlinks the name at once (shm.attach_segment). From then on the
+  segment has no /dev/shm entry: both mappings stay valid and the memory is freed when the last process unmaps it, so a
+  later SIGKILL of anyone leaks nothing. A name therefore exists only between `create_segment` and the worker reading
+  the socket — and the worker still reads it after the trainer has died, since the message is already in its socket
+  buffer. On close the trainer unlinks every name it created (FileNotFoundError = the worker already did); if trainer
+  and worker are both killed inside that window, multiprocessing's resource tracker (a separate process, with which the
+  trainer registered the segment) unlinks it when the last of them is gone. Only if that tracker is killed too does a
+  name outlive the job; no loader removes other processes' files on its own: the application calls
+  `sweep_stale_segments()` (shm.py) once at start, and scripts/fresh_state.sh cleans up between runs. A worker's ring
+  segment (NOTE [ring] in ring.py) is created before the worker starts, named in its start-up config, attached and
+  unlinked by the worker first thing, and released like a slot's.
 - Resources live in `Resources`, not in the loader, and `weakref.finalize(loader, resources.shutdown)` calls
   `shutdown` exactly once: from `close()`, from `__exit__`, when the loader is garbage-collected, or at interpreter
   exit. `close()` is therefore idempotent. Shutdown copes with workers already dead, and the segments are ours to
@@ -52,29 +52,8 @@ if TYPE_CHECKING:
     from hvdtrain.data.ring import Ring
 
 
-class LoaderError(RuntimeError):
-    """The data loader cannot go on (its message says which worker, rank and epoch)."""
-
-
-class WorkerError(LoaderError):
-    """User code raised in a producer process; the message carries the original traceback, `message` the original
-    exception's text, `bad_data` whether it was a DataError (unreadable or invalid data, named in `message`)."""
-
-    def __init__(self, text: str, *, message: str = "", bad_data: bool = False) -> None:
-        super().__init__(text)
-        self.message, self.bad_data = message, bad_data
-
-
-class WorkerDiedError(LoaderError):
-    """A producer process exited without being asked to (killed, segfault, os._exit)."""
-
-
-class LoaderTimeoutError(LoaderError, TimeoutError):
-    """No batch arrived within `timeout` seconds although every worker is alive."""
-
-
 class Resources:
-    """Everything that must be released: processes, sockets and segments (see NOTE [shutdown])."""
+    """Everything that must be released: processes, sockets and segments (see NOTE [loader shutdown])."""
 
     def __init__(self) -> None:
         self.procs: list[ProducerProcess] = []
@@ -120,7 +99,7 @@ class Resources:
 class Watch:
     """One persistent poll(2) set over the workers' sockets and process sentinels, made once per loader.
 
-    `multiprocessing.connection.wait` and `Connection.poll` build a selector on every call (~10-40 µs), more than
+    `multiprocessing.connection.wait` and `Connection.poll` build a selector on every call, which costs more than
     the rest of a small batch's hand-off; these are one system call each."""
 
     def __init__(self, conns: list[Channel], procs: list[ProducerProcess]) -> None:
