@@ -120,8 +120,9 @@ class ShmLoader:
                                batch_size=batch_size, even=even, order=order)
         plan = {"num_samples": len(dataset), "shuffle": shuffle, "drop_last": drop_last, "batch_size": batch_size,
                 "even": even, "order": order}
-        self._open(WorkerConfig(0, num_workers, rank, size, seed, poll_s, dataset, collate, fetch, None, plan,
-                                epochs), sampler, batch_size=batch_size, prefetch=prefetch, timeout=timeout,
+        config = WorkerConfig(0, num_workers, rank, size, seed, poll_s, epochs=epochs, dataset=dataset,
+                              collate=collate, fetch=fetch, sampler_args=plan)
+        self._open(config, sampler, batch_size=batch_size, prefetch=prefetch, timeout=timeout,
                    batches_per_epoch=None, ordered=True, import_main=import_main)
 
     @classmethod
@@ -138,8 +139,8 @@ class ShmLoader:
         _check_common(num_workers, prefetch, epochs, timeout, poll_s, start_method)
         check_rank(rank, size)
         loader = cls.__new__(cls)
-        loader._open(WorkerConfig(0, num_workers, rank, size, seed, poll_s, None, None, None, generator, None,
-                                  epochs), None, batch_size=None, prefetch=prefetch, timeout=timeout,
+        config = WorkerConfig(0, num_workers, rank, size, seed, poll_s, epochs=epochs, generator=generator)
+        loader._open(config, None, batch_size=None, prefetch=prefetch, timeout=timeout,
                      batches_per_epoch=batches_per_epoch, ordered=ordered, import_main=import_main)
         return loader
 
