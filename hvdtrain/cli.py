@@ -89,34 +89,6 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_run(args: argparse.Namespace) -> int:
-    from hvdtrain.job.plan import build_plan
-    from hvdtrain.launch.runner import check_rank_module, default_controller, find_horovodrun, run_plan
-
-    spec = _load(args)
-    controller = spec.controller or default_controller(spec.python, save=not args.dry_run)  # a dry run writes nothing
-    plan = build_plan(spec, controller=controller, horovodrun=find_horovodrun())
-    if args.dry_run:
-        print(plan.describe())
-        return 0
-    check_rank_module(spec.python)
-    check_run_dir(spec.args)
-    return run_plan(plan, spec.logs, timeout_s=args.timeout, ssh=spec.ssh)
-
-
-def check_run_dir(script_args: list[str]) -> None:
-    """Refuse at once, before any process starts, when another job on this machine holds the run directory."""
-    from hvdtrain.launch.runner import LaunchError
-    from hvdtrain.rundir import busy_message, held_here, run_dir_arg
-
-    run_dir = run_dir_arg(script_args)
-    if not run_dir:
-        return
-    holder = held_here(run_dir)
-    if holder is not None:
-        raise LaunchError(busy_message(run_dir, holder))
-
-
 def _cmd_schema(args: argparse.Namespace) -> int:
     import json
 
@@ -319,12 +291,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ssh-identity-file", default=None, metavar="KEY", help="private key for ssh")
     p.set_defaults(func=_cmd_doctor)
 
-    p = sub.add_parser("run", help="launch a job spec with horovodrun (--dry-run: print the command only)")
-    _add_job_args(p)
-    p.add_argument("--dry-run", action="store_true", help="print the exact argv and added env; start nothing")
-    p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
-                   help="stop the whole job after this long (exit code 124)")
-    p.set_defaults(func=_cmd_run)
+    from hvdtrain.launch.command import add_parser as add_run_parser
+
+    add_run_parser(sub, _add_job_args)
 
     p = sub.add_parser("validate", help="check a job spec, its hostfile and its files without launching")
     _add_job_args(p)

@@ -24,7 +24,9 @@ How every process of a job ends when the launcher ends, however it ends:
   the rank dies with it. The rank's own children (e.g. ShmLoader's producers) end when the rank ends.
 - Signals sent to the supervisor (SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2) are forwarded to the rank;
   the supervisor exits as the rank did (the same code, or the same signal), so horovodrun and mpirun report
-  the rank's own exit status.
+  the rank's own exit status. Under srun (`hvdtrain run --launcher srun` sets HVDTRAIN_SLURM_SIGNALS=1) they are not:
+  slurmstepd signals every process of the step itself, and a forwarded copy would reach the rank twice (a second
+  KeyboardInterrupt inside the first one's handling).
 Only the standard library (and hvdtrain's stdlib-only modules) is imported here: this runs before every rank.
 """
 
@@ -44,6 +46,7 @@ WATCH_S = 0.5  # how often the supervisor looks at the rank and at its own stdou
 GRACE_S = 5.0  # after SIGTERM, how long a rank of a lost job may take before SIGKILL
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 USAGE = "usage: python -m hvdtrain.rank SCRIPT [ARGS...]  (runs `python SCRIPT ARGS...` as one supervised rank)"
+SLURM_SIGNALS_ENV = "HVDTRAIN_SLURM_SIGNALS"  # "1": Slurm signals the rank itself; see NOTE [no orphans]
 MAIN_MODULE = "hvdtrain.rank_main"  # runs SCRIPT as `python SCRIPT` would and notes the exception that ends it
 
 
@@ -95,8 +98,10 @@ def main(argv: list[str]) -> NoReturn:
         print(f"hvdtrain.rank: cannot start {sys.executable} {argv[0]}: {exc.strerror or exc}", file=sys.stderr)
         sys.exit(127)
 
+    slurm_signals = os.environ.get(SLURM_SIGNALS_ENV) == "1"
+
     def forward(signum: int, _frame: object) -> None:
-        if child.returncode is None:
+        if child.returncode is None and not slurm_signals:
             child.send_signal(signum)
 
     for signum in FORWARDED:

@@ -65,9 +65,9 @@ def _env_int(env: Mapping[str, str], *names: str) -> int | None:
 
 
 def identity(env: Mapping[str, str] = os.environ) -> tuple[int | None, int | None, str]:
-    """(rank, local rank, host) as horovodrun (Gloo) or mpirun (Open MPI) told this process."""
-    rank = _env_int(env, "HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
-    local = _env_int(env, "HOROVOD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID")
+    """(rank, local rank, host) as horovodrun (Gloo), mpirun (Open MPI) or srun told this process."""
+    rank = _env_int(env, "HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID")
+    local = _env_int(env, "HOROVOD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID")
     return rank, local, env.get("HOROVOD_HOSTNAME") or socket.gethostname()
 
 

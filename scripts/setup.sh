@@ -2,9 +2,11 @@
 # scripts/setup.sh — one-command install of hvdtrain and a working Horovod on today's frameworks.
 #
 # What it does (each step prints what it did; a failing step names itself and how to fix it):
-#   1. apt:     installs Open MPI (openmpi-bin, libopenmpi-dev), build tools, ssh client, iproute2, and
-#               openssh-server (sshd for the multi-host tests' namespace hosts; not started) — only the ones
-#               missing. Needs root (or sudo).
+#   1. apt:     installs Open MPI (openmpi-bin, libopenmpi-dev), build tools, ssh client, iproute2,
+#               openssh-server (sshd for the multi-host tests' namespace hosts; not started), and Slurm with munge
+#               (slurmctld, slurmd, slurm-client, munge: the tests' private Slurm cluster, tests/slurm.py, runs its
+#               own daemons) — only the ones missing. Needs root (or sudo). In a container (no init) the packages'
+#               scripts start no service: invoke-rc.d cannot tell the runlevel, or Docker's policy-rc.d denies it.
 #   2. venv:    creates ./.venv (Python 3.11) unless it exists.
 #   3. pip:     installs hvdtrain (editable) with torch==2.13.0 and the pinned versions in scripts/constraints.txt.
 #   4. horovod: downloads the horovod==0.28.1 sdist from PyPI, checks its sha256, applies
@@ -79,9 +81,10 @@ step() { CURRENT_STEP="$1"; echo "==> [$1] $2"; }
 
 # ---- 1. system packages ---------------------------------------------------------------------------------
 apt_packages() {
-  step apt "system packages (Open MPI, compilers, ssh client/server)"
+  step apt "system packages (Open MPI, compilers, ssh client/server, Slurm and munge)"
   if [[ "${HVDTRAIN_SKIP_APT:-0}" == "1" ]]; then echo "    skipped (HVDTRAIN_SKIP_APT=1)"; return; fi
-  local want=(openmpi-bin libopenmpi-dev build-essential openssh-client openssh-server iproute2 procps patch)
+  local want=(openmpi-bin libopenmpi-dev build-essential openssh-client openssh-server iproute2 procps patch
+              slurmctld slurmd slurm-client munge)
   local missing=()
   for p in "${want[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -152,6 +152,25 @@ def test_an_mpi_line_that_never_ends_is_held_only_so_long():
     assert [len(line) for line in err.getvalue().splitlines()] == [len("[0]<stderr>:") + n for n in (65_538, 44_462)]
 
 
+def test_srun_labels_are_rank_lines_only_for_the_srun_launcher(tmp_path):
+    """srun --label writes `N: text` (N right-aligned among 10+ tasks); srun's own lines are the launcher's."""
+    logs = Logs(dir=str(tmp_path))
+    router = OutputRouter(logs, out := io.StringIO(), io.StringIO(), srun_labels=True)
+    for line in ("0: step 1", "11: step 1", " 3: RuntimeError: boom",
+                 "srun: error: vm: task 3: Exited with exit code 3"):
+        router.line(line)
+    router.close()
+    assert out.getvalue().splitlines() == ["[0]<stdout>:step 1", "[11]<stdout>:step 1",
+                                           "[3]<stdout>:RuntimeError: boom",
+                                           "srun: error: vm: task 3: Exited with exit code 3"]
+    assert (tmp_path / "rank.3.log").read_text() == "RuntimeError: boom\n"
+    assert "task 3" in (tmp_path / "launcher.log").read_text()
+    router = OutputRouter(Logs(), out := io.StringIO(), io.StringIO())  # horovodrun's output: no such labels
+    router.line("0: not a rank line")
+    router.close()
+    assert out.getvalue() == "0: not a rank line\n"
+
+
 def test_a_progress_bars_update_under_mpi_is_shown_at_once_and_unfinished_lines_before_the_verdict():
     bar = "\r 50%|#####     | 5/10"  # tqdm's update: no newline; other ranks' lines end the physical line
     _, _, err = route([f"[1,0]<stderr>:{bar}[1,1]<stdout>:step"] * 3, Logs())

@@ -36,7 +36,10 @@ def test_the_first_failure_reported_by_horovodrun_or_mpirun(lines, first):
 
 
 def test_report_names_rank_host_how_and_the_log():
-    assert track(GLOO_RAISE).report("/logs") == [
+    t = track(GLOO_RAISE)
+    assert t.report("/logs")[1] == "hvdtrain: it printed nothing"  # no rank.1.log was made: no log to point at
+    t.rank_line(1, "RuntimeError: boom")
+    assert t.report("/logs") == [
         "hvdtrain: rank 1 on host b exited with code 1 (the first rank to fail)",
         "hvdtrain: its output: /logs/rank.1.log"]
     assert track(MPI_KILLED).report(None) == [
@@ -144,6 +147,7 @@ def test_the_record_of_the_rank_that_raised_names_its_exception_and_message():
 
 def test_a_victims_record_is_passed_over_for_the_cause_even_when_horovodrun_saw_the_victim_first():
     t = track(["Process 0 exit with status code 1."])
+    t.rank_line(1, "KeyError: 'x'")
     t.records = [VICTIM_RECORD, record(1, code=1, exception="KeyError", message="'x'", at=2, host="b")]
     assert t.report("/logs") == [
         "hvdtrain: rank 1 on host b raised KeyError: 'x' and exited with code 1 (the cause); rank 0 exited with "

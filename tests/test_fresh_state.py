@@ -1,19 +1,23 @@
 """scripts/fresh_state.sh removes what earlier runs left (hvdtrain's cache, an empty privsep dir, the test hosts'
-known_hosts lines, segments of dead processes, a killed test run's namespaces and bridge) and nothing else. Run with
-HOME and every path pointed at tmp_path; only the namespace test lets it touch the machine's namespaces."""
+known_hosts lines, segments of dead processes, a killed test run's namespaces and bridge, a killed test run's Slurm
+cluster) and nothing else: not a live test run's. Run with HOME and every path pointed at tmp_path (TMPDIR, where
+the Slurm clusters are, included); only the namespace test lets it touch the machine's namespaces."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
-from tests import netns
+from tests import netns, slurm
 from tests.harness import REPO
 
 SCRIPT = REPO / "scripts" / "fresh_state.sh"
@@ -134,3 +138,83 @@ def test_removes_a_killed_runs_test_hosts_but_not_a_live_one(tmp_path):
             sleeper.wait(timeout=30)
         for argv in (["ip", "netns", "del", stale], ["ip", "netns", "del", live], ["ip", "link", "del", bridge]):
             subprocess.run(argv, capture_output=True, timeout=30, check=False)
+
+
+def sleeper(argv: list[str], **env: str) -> subprocess.Popen:
+    """A stand-in for a process of a test Slurm cluster: `argv` (sleeping), with `env` added to its environment."""
+    return subprocess.Popen(argv, env={**os.environ, **env}, stdin=subprocess.DEVNULL)
+
+
+def test_removes_a_killed_runs_slurm_cluster_but_not_a_live_one(tmp_path):
+    """Fake clusters (no daemons): a directory whose owner runs is kept with its processes; one whose owner is gone,
+    or whose owner's pid now names another process (another start time), or that has no owner and is old, is
+    removed and its processes are killed, whether found by SLURM_CONF or by a daemon's command line."""
+    tmp = tmp_path / "tmp"
+    clusters = {name: tmp / f"{slurm.PREFIX}{name}" for name in ("live", "dead", "reused", "old", "new")}
+    for root in clusters.values():
+        (root / "etc").mkdir(parents=True)
+    slurm.write_owner(clusters["live"])  # this test process: alive
+    (clusters["dead"] / "owner").write_text(f"{dead_pid()} 12345\n")
+    (clusters["reused"] / "owner").write_text(f"{os.getpid()} {slurm.start_time(os.getpid()) + 1}\n")
+    two_minutes_ago = time.time() - 120
+    os.utime(clusters["old"], (two_minutes_ago, two_minutes_ago))
+    # A daemon found by its command line (no SLURM_CONF): python under the name slurmd, `-f T/etc/slurm.conf`.
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "slurmd").symlink_to(sys.executable)
+    nap = "import time; time.sleep(120)"
+    procs = {name: sleeper(["sleep", "120"], SLURM_CONF=str(root / "etc" / "slurm.conf"))
+             for name, root in clusters.items()}
+    procs["gone"] = sleeper(["sleep", "120"], SLURM_CONF=str(tmp / f"{slurm.PREFIX}gone" / "etc" / "slurm.conf"))
+    for name in ("live", "dead"):
+        procs[f"{name} slurmd"] = sleeper([str(tmp_path / "bin" / "slurmd"), "-c", nap, "-f",
+                                           str(clusters[name] / "etc" / "slurm.conf")])
+    try:
+        proc = run(tmp_path)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        kept = sorted(p.name.removeprefix(slurm.PREFIX) for p in tmp.iterdir())
+        assert kept == ["live", "new"], proc.stdout
+        doomed = ["dead", "dead slurmd", "gone", "old", "reused"]
+        for name in doomed:  # the script waited until they were gone: this only reaps them
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                procs[name].wait(timeout=10)
+        assert {name: p.poll() for name, p in procs.items()} == {
+            **dict.fromkeys(doomed, -signal.SIGKILL), **dict.fromkeys(["live", "live slurmd", "new"])}, proc.stdout
+        assert f"keeping the test Slurm cluster {clusters['live']}: its test run (pid {os.getpid()}) is alive" \
+            in proc.stdout
+        assert f"removing the test Slurm cluster's directory {clusters['dead']} (its test run is gone)" in proc.stdout
+    finally:
+        for p in procs.values():
+            p.kill()
+            p.wait(timeout=30)
+
+
+@pytest.mark.slow
+def test_keeps_a_live_test_runs_slurm_cluster_and_removes_a_dead_ones(tmp_path):
+    """A real cluster of tests/slurm.py (munged, slurmctld, slurmd): kept whole while the test process that started
+    it runs; once its owner file names a process that is gone, killed and removed."""
+    reason = slurm.unavailable_reason()
+    if reason:
+        pytest.skip(f"no Slurm cluster: {reason}")
+    if slurm.missing_binaries():
+        pytest.skip(f"Slurm is not installed here (missing: {', '.join(slurm.missing_binaries())})")
+    parent = Path(tempfile.mkdtemp(prefix="hvdtrain-fresh-state-"))  # not tmp_path: munged must traverse it
+    parent.chmod(0o755)
+    try:
+        with slurm.slurm_cluster_running(parent) as cluster:
+            proc = run(tmp_path, TMPDIR=str(parent))
+            assert proc.returncode == 0, proc.stdout + proc.stderr
+            assert f"keeping the test Slurm cluster {cluster.root}: its test run (pid {os.getpid()}) is alive" \
+                in proc.stdout
+            assert "killing" not in proc.stdout and cluster.conf.is_file(), proc.stdout
+            assert {name: p.poll() for name, p in cluster.procs.items()} == dict.fromkeys(slurm.DAEMONS), proc.stdout
+            assert cluster.run(["scontrol", "ping"], timeout_s=10).returncode == 0
+
+            (cluster.root / "owner").write_text(f"{dead_pid()} 1\n")  # the test run is gone
+            proc = run(tmp_path, TMPDIR=str(parent))
+            assert proc.returncode == 0, proc.stdout + proc.stderr
+            assert not cluster.root.exists(), proc.stdout
+            for name, p in cluster.procs.items():
+                assert p.wait(timeout=10) == -signal.SIGKILL, (name, proc.stdout)
+            assert slurm.cluster_processes(cluster.conf) == {}, proc.stdout
+    finally:
+        shutil.rmtree(parent, ignore_errors=True)

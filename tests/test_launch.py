@@ -181,8 +181,11 @@ def test_exit_code_is_the_failing_ranks(controller, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("controller", "signum"), [("gloo", signal.SIGTERM), ("mpi", signal.SIGINT)])
+@pytest.mark.parametrize(("controller", "signum"), [("gloo", signal.SIGTERM), ("mpi", signal.SIGINT),
+                                                    ("mpi", signal.SIGTERM)])
 def test_signal_stops_the_whole_job(controller, signum, tmp_path):
+    """Every rank ends, and mpirun removes the ranks' shared memory (it did not when hvdtrain's sweep signalled it
+    a second time while it stopped them: NOTE [job shutdown])."""
     job = write_job(tmp_path, WAIT_FOR_SIGNAL, controller=controller, args=[str(tmp_path)])
     res = run_bounded([PY, str(SIGNALLER), HVDTRAIN, str(job), str(int(signum)), str(tmp_path)],
                       timeout=240)
@@ -192,6 +195,7 @@ def test_signal_stops_the_whole_job(controller, signum, tmp_path):
     assert report["alive"] == [], f"ranks outlived hvdtrain\n{log}"
     assert report["code"] == 128 + signum, log
     assert report["elapsed"] < 30, log
+    assert report["shm_left"] == [], log
 
 
 def test_run_refuses_an_interpreter_without_hvdtrain_before_starting_anything(tmp_path):

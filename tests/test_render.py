@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import copy
 import os
+import shlex
 import stat
 import subprocess
+import sys
 from pathlib import Path
 
 import jsonschema
@@ -60,6 +62,7 @@ args: [--epochs, 3, "--note=two words"]
 np: 8
 hosts: a:4,b:4
 controller: mpi
+gpus_per_rank: 1
 env:
   NCCL_DEBUG: WARN
   NOTE: "{nasty}"
@@ -157,7 +160,6 @@ def test_every_shipped_job_renders_valid(job, validator, tmp_path):
     ("script: t.py\nnp: 8\n", {"nodes": 4, "slots_per_node": 4}, r"--nodes 4 with 4 slots per node gives 16"),
     ("script: t.py\nnp: 2\n", {"name": "Bad_Name"}, r"job name 'Bad_Name'"),
     ("script: t.py\nnp: 2\n", {"slots_per_node": 0}, r"--slots-per-node 0"),
-    ("script: t.py\nnp: 2\n", {"ssh_port": 70000}, r"--ssh-port 70000"),
     ("script: t.py\nnp: 2\nelastic: {discovery_script: d.sh}\n", {}, r"elastic jobs cannot be rendered"),
 ])
 def test_layout_and_option_errors_name_the_value(tmp_path, spec_text, opts, match):
@@ -171,25 +173,28 @@ def test_layout_and_option_errors_name_the_value(tmp_path, spec_text, opts, matc
     ({"image": "has space:1"}, r"--image 'has space:1'"),
     ({"namespace": "Team_A"}, r"--namespace 'Team_A'"),
     ({"shm_size": "lots"}, r"--shm-size 'lots'"),
+    ({"ssh_port": 70000}, r"--ssh-port 70000"),
 ])
 def test_k8s_option_errors(tmp_path, opts, match):
     with pytest.raises(RenderError, match=match):
         render_file("k8s", write_spec(tmp_path, SPEC), cluster(), K8sOptions(**opts))
 
 
-def stub_bin(tmp_path: Path, nodes: list[str]) -> Path:
-    """A bin/ with scontrol (prints `nodes`), and horovodrun/srun/python that print their argv NUL-separated."""
+def stub_bin(tmp_path: Path) -> Path:
+    """A bin/ with srun and python that print their argv NUL-separated (and $NOTE, and where they started)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     echo = "#!/usr/bin/env bash\nprintf '%s\\0' \"$(basename \"$0\")\" \"$@\" > \"$STUB_OUT\"\n" \
            "printf '%s' \"$NOTE\" > \"$STUB_OUT.note\"\npwd > \"$STUB_OUT.cwd\"\n"
-    scripts = {"horovodrun": echo, "srun": echo, "python": echo,
-               "scontrol": "#!/usr/bin/env bash\nprintf '%s\\n' " + " ".join(nodes) + "\n"}
-    for name, body in scripts.items():
+    for name in ("srun", "python"):
         path = bin_dir / name
-        path.write_text(body)
+        path.write_text(echo)
         path.chmod(path.stat().st_mode | stat.S_IXUSR)
     return bin_dir
+
+
+# What Slurm sets in a batch script of a 2-node job with 4 tasks on each (tests/test_slurm.py runs the real one).
+ALLOCATION = {"SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "node[01-02]", "SLURM_TASKS_PER_NODE": "4(x2)"}
 
 
 def run_sbatch(tmp_path: Path, text: str, bin_dir: Path) -> tuple[subprocess.CompletedProcess, list[str], str]:
@@ -197,8 +202,7 @@ def run_sbatch(tmp_path: Path, text: str, bin_dir: Path) -> tuple[subprocess.Com
     script.write_text(text)
     subprocess.run(["bash", "-n", str(script)], check=True)
     out = tmp_path / "argv"
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "STUB_OUT": str(out),
-           "SLURM_JOB_NODELIST": "node[01-02]"}
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "STUB_OUT": str(out), **ALLOCATION}
     env.pop("NOTE", None)
     proc = subprocess.run(["bash", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=30)
     argv = out.read_bytes().decode().split("\0")[:-1] if out.exists() else []
@@ -206,56 +210,69 @@ def run_sbatch(tmp_path: Path, text: str, bin_dir: Path) -> tuple[subprocess.Com
     return proc, argv, note
 
 
-def test_sbatch_horovodrun_gets_every_value_intact(tmp_path):
-    bin_dir = stub_bin(tmp_path, ["node01", "node02"])
-    path = write_spec(tmp_path, SPEC)
+def test_sbatch_runs_hvdtrain_run_on_the_spec_with_every_value_intact(tmp_path):
+    """The script runs `hvdtrain run` on the spec file (no env values copied into it); that run, inside the
+    allocation, plans horovodrun on the allocation's nodes with every spec value intact."""
+    bin_dir = stub_bin(tmp_path)
+    (tmp_path / "train.py").write_text("")
+    path = write_spec(tmp_path, SPEC.replace("../recipes/train.py", "train.py"))
     opts = SlurmOptions(time="02:00:00", partition="gpu", account="proj42", cpus_per_task=8)
-    text = render_file("slurm", path, cluster(python=str(bin_dir / "python")), opts)
+    text = render_file("slurm", path, cluster(python=str(bin_dir / "python")), opts, overrides=["args=[--epochs, 3]"])
     for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=4", "#SBATCH --gpus-per-node=4",
                  "#SBATCH --time=02:00:00", "#SBATCH --partition=gpu", "#SBATCH --account=proj42",
                  "#SBATCH --cpus-per-task=8", "#SBATCH --job-name=job"):
         assert line in text.splitlines()
-    proc, argv, note = run_sbatch(tmp_path, text, bin_dir)
-    assert proc.returncode == 0, proc.stderr
-    assert note == NASTY  # exported env value: no expansion, no word splitting
-    assert not (tmp_path / "PWNED").exists() and not (tmp_path / "PWNED2").exists()
-    assert argv[:5] == ["horovodrun", "-np", "8", "-H", "node01:4,node02:4"]
-    assert argv[-7:] == [str(bin_dir / "python"), "-m", "hvdtrain.rank", "/opt/hvdtrain/recipes/train.py",
-                         "--epochs", "3", "--note=two words"]
-    assert argv[argv.index("--fusion-threshold-mb"):][:2] == ["--fusion-threshold-mb", "64"]
-
-
-def test_sbatch_stops_when_slurm_gives_other_nodes(tmp_path):
-    bin_dir = stub_bin(tmp_path, ["node01"])
-    text = render_file("slurm", write_spec(tmp_path, SPEC), cluster(python=str(bin_dir / "python")), SlurmOptions())
+    assert "NCCL_DEBUG" not in text and "PWNED" not in text  # env stays in the spec: no secrets in the script
+    assert "--ssh-port" not in text and "2222" not in text and "/opt/hvdtrain" not in text
     proc, argv, _ = run_sbatch(tmp_path, text, bin_dir)
-    assert proc.returncode == 2 and argv == []
-    assert "expected 2 node(s), Slurm gave 1: node01" in proc.stderr
-
-
-def test_sbatch_srun_launcher(tmp_path):
-    bin_dir = stub_bin(tmp_path, ["node01", "node02"])
-    spec = "script: ../recipes/train.py\nargs: ['x y', \"$(id)\"]\nnp: 4\nhosts: a:2,b:2\nenv: {NOTE: '$HOME'}\n"
-    text = render_file("slurm", write_spec(tmp_path, spec), cluster(gpus_per_node=0), SlurmOptions(launcher="srun"))
-    assert "#SBATCH --gpus-per-node" not in text
-    proc, argv, note = run_sbatch(tmp_path, text, bin_dir)
     assert proc.returncode == 0, proc.stderr
-    assert argv == ["srun", "--ntasks=4", "--ntasks-per-node=2", "--mpi=pmix", "--kill-on-bad-exit=1",
-                    "/opt/hvdtrain/.venv/bin/python", "/opt/hvdtrain/recipes/train.py", "x y", "$(id)"]
-    assert note == "$HOME"
+    assert argv == ["python", "-m", "hvdtrain.cli", "run", str(path), "-o", "args=[--epochs, 3]",
+                    "-o", "hosts=null", "-o", "hostfile=null"]
+    out = dry_run_in_allocation(argv)
+    assert "# hosts from Slurm job 42: node01:4,node02:4" in out
+    command = shlex.split(out.split("# command\n")[1].split("\n")[0])
+    assert command[1:5] == ["-np", "8", "-H", "node01:4,node02:4"]
+    assert command[command.index("--fusion-threshold-mb"):][:2] == ["--fusion-threshold-mb", "64"]
+    assert command[-3:] == [str(tmp_path / "train.py"), "--epochs", "3"]
+    assert f"NOTE={shlex.quote(NASTY)}" in out
+    assert not (tmp_path / "PWNED").exists() and not (tmp_path / "PWNED2").exists()
 
 
-@pytest.mark.parametrize("launcher", ["horovodrun", "srun"])
-def test_workdir_is_where_the_ranks_start_in_sbatch_and_mpijob(tmp_path, launcher):
-    bin_dir = stub_bin(tmp_path, ["node01", "node02"])
+def dry_run_in_allocation(argv: list[str]) -> str:
+    """The rendered script's `hvdtrain run` with --dry-run, inside ALLOCATION: what it would start."""
+    dry = subprocess.run([sys.executable, *argv[1:], "--dry-run"], env={**os.environ, **ALLOCATION},
+                         capture_output=True, text=True, timeout=60)
+    assert dry.returncode == 0, dry.stderr
+    return dry.stdout
+
+
+def test_sbatch_srun_launcher_runs_hvdtrain_run_with_srun(tmp_path):
+    bin_dir = stub_bin(tmp_path)
+    workdir = tmp_path / "work_dir"
+    workdir.mkdir()
+    (tmp_path / "train.py").write_text("")
+    spec = ("script: train.py\nargs: ['x y', \"$(id)\"]\nnp: 8\nhosts: a:4,b:4\nenv: {NOTE: '$HOME'}\n"
+            f"workdir: '{workdir}'\n")
+    path = write_spec(tmp_path, spec)
+    text = render_file("slurm", path, cluster(python=str(bin_dir / "python")), SlurmOptions(launcher="srun"))
+    assert "#SBATCH --gpus-per-node" not in text and "$HOME" not in text  # a CPU job; env stays in the spec
+    proc, argv, _ = run_sbatch(tmp_path, text, bin_dir)
+    assert proc.returncode == 0, proc.stderr
+    assert argv == ["python", "-m", "hvdtrain.cli", "run", str(path), "-o", "hosts=null", "-o", "hostfile=null",
+                    "--launcher", "srun", "--srun-mpi", "pmix"]
+    out = dry_run_in_allocation(argv)
+    assert out.startswith("# hosts from Slurm job 42: node01:4,node02:4")
+    assert f"# working directory\n{workdir}\n" in out  # srun, and so every rank, starts there
+    command = shlex.split(out.split("# command\n")[1].split("\n")[0])
+    assert command == ["srun", "--label", "--disable-status", "--ntasks=8", "--mpi=pmix", "--kill-on-bad-exit=1",
+                       sys.executable, "-m", "hvdtrain.rank", str(tmp_path / "train.py"), "x y", "$(id)"]
+    assert "NOTE='$HOME'" in out
+
+
+def test_workdir_is_where_the_mpijob_launcher_starts(tmp_path):
     workdir = tmp_path / "work_dir"
     workdir.mkdir()
     spec = f"script: ../recipes/train.py\nnp: 2\nhosts: a:1,b:1\nworkdir: '{workdir}'\n"
-    text = render_file("slurm", write_spec(tmp_path, spec), cluster(python=str(bin_dir / "python"), gpus_per_node=0),
-                       SlurmOptions(launcher=launcher))
-    proc, argv, _ = run_sbatch(tmp_path, text, bin_dir)
-    assert proc.returncode == 0 and argv, proc.stderr
-    assert (tmp_path / "argv.cwd").read_text() == f"{workdir}\n"  # run_sbatch starts the script in tmp_path
     obj = mpijob(load_for_cluster(write_spec(tmp_path, spec), "/opt/hvdtrain/jobs"), cluster(),
                  K8sOptions(image="reg.example/hvd:1"))
     launcher_container = obj["spec"]["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]["containers"][0]
@@ -263,7 +280,7 @@ def test_workdir_is_where_the_ranks_start_in_sbatch_and_mpijob(tmp_path, launche
 
 
 def test_srun_refuses_horovodrun_only_settings(tmp_path):
-    with pytest.raises(RenderError, match=r"horovod\.fusion_threshold_mb.*use --launcher horovodrun"):
+    with pytest.raises(RenderError, match=r"horovod\.fusion_threshold_mb.*use the horovodrun launcher"):
         render_file("slurm", write_spec(tmp_path, SPEC), cluster(), SlurmOptions(launcher="srun"))
 
 
@@ -297,4 +314,5 @@ def test_a_job_larger_than_one_hosts_slot_limit_renders(kind, tmp_path):
     text = "script: ../recipes/train.py\nnp: 8192\nhosts: a:4096,b:4096\ncontroller: mpi\n"
     opts = K8sOptions() if kind == "k8s" else SlurmOptions()
     rendered = render_file(kind, write_spec(tmp_path, text), cluster(), opts)
-    assert "-np" in rendered and "8192" in rendered and "cluster-hosts" not in rendered
+    assert "cluster-hosts" not in rendered
+    assert ("8192" in rendered) if kind == "k8s" else ("#SBATCH --ntasks-per-node=4096" in rendered)

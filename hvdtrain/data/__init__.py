@@ -12,7 +12,13 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from hvdtrain.data.errors import LoaderError, LoaderTimeoutError, WorkerDiedError, WorkerError
+    from hvdtrain.data.errors import (
+        LoaderError,
+        LoaderTimeoutError,
+        SharedMemoryFullError,
+        WorkerDiedError,
+        WorkerError,
+    )
     from hvdtrain.data.idle import GpuIdleMeter
     from hvdtrain.data.loader import ShmLoader
     from hvdtrain.data.prefetch import DevicePrefetcher
@@ -24,7 +30,8 @@ if TYPE_CHECKING:
     from hvdtrain.data.workers import WorkerInfo, default_collate, derive_seed, worker_info
 
 _LAZY = {
-    **dict.fromkeys(("LoaderError", "LoaderTimeoutError", "WorkerDiedError", "WorkerError"), "hvdtrain.data.errors"),
+    **dict.fromkeys(("LoaderError", "LoaderTimeoutError", "SharedMemoryFullError", "WorkerDiedError", "WorkerError"),
+                    "hvdtrain.data.errors"),
     "ShmLoader": "hvdtrain.data.loader",
     "ShardSampler": "hvdtrain.data.sharding",
     "expected_batches": "hvdtrain.data.sharding",
@@ -44,6 +51,7 @@ __all__ = [
     "LoaderError",
     "LoaderTimeoutError",
     "ShardSampler",
+    "SharedMemoryFullError",
     "ShmLoader",
     "StallMeter",
     "TorchLoader",

@@ -1,6 +1,7 @@
 """The data package's errors: DataError, the one error base for data at fault (the formats in hvdtrain.datasets
 and streaming, hvdtrain.stream, extend it), and the loader's: LoaderError, and WorkerError, WorkerDiedError and
-LoaderTimeoutError derived from it (a producer raised, died or went silent)."""
+LoaderTimeoutError derived from it (a producer raised, died or went silent), and SharedMemoryFullError (/dev/shm
+cannot hold the batches)."""
 
 
 class DataError(ValueError):
@@ -30,3 +31,9 @@ class WorkerDiedError(LoaderError):
 class LoaderTimeoutError(LoaderError, TimeoutError):
     """A producer did not answer within `timeout` seconds: no batch although every worker is alive, or its
     start-up data unread."""
+
+
+class SharedMemoryFullError(LoaderError):
+    """/dev/shm has no room for a batch segment (a container's default is 64 MiB): the message says how big it is,
+    what the loader needs and how to give it more. Raised before any producer writes (NOTE [shm reservation] in
+    shm.py): never a SIGBUS."""

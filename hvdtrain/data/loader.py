@@ -43,7 +43,7 @@ from hvdtrain.data import ring, shm
 from hvdtrain.data.boot import start_producer
 from hvdtrain.data.channel import Channel
 from hvdtrain.data.epoch import EpochIterator, EpochLink, Key
-from hvdtrain.data.errors import LoaderError, WorkerDiedError
+from hvdtrain.data.errors import LoaderError, SharedMemoryFullError, WorkerDiedError
 from hvdtrain.data.lending import Lender
 from hvdtrain.data.protocol import Batch, EpochMessage, FreeSlot, StartEpoch, ToWorker
 from hvdtrain.data.resources import Resources, Watch, describe_exit
@@ -194,7 +194,8 @@ class ShmLoader:
             for w in range(self.num_workers):
                 base.local_id = w
                 if ring.SUPPORTED:  # NOTE [ring] in ring.py
-                    self._res.rings.append(ring.Ring(shm.create_segment(ring.Ring.nbytes(self._spw)), self._spw))
+                    seg = self._new_segment(ring.Ring.nbytes(self._spw), "ring")
+                    self._res.rings.append(ring.Ring(seg, self._spw))
                     base.ring, base.ring_capacity = self._res.rings[-1].seg.name, self._spw
                 payload = cloudpickle.dumps(base)
                 mine, theirs = Channel.pair()
@@ -208,7 +209,7 @@ class ShmLoader:
                 finally:
                     theirs.close()
                 for slot in range(w * self._spw, (w + 1) * self._spw):  # slot memory up front: SLOT_BYTES
-                    seg = self._res.segments[slot] = shm.create_segment(SLOT_BYTES)
+                    seg = self._res.segments[slot] = self._new_segment(SLOT_BYTES, "first slot")
                     mine.send(FreeSlot(slot, seg.name, seg.size))
         finally:
             for end in gate or ():
@@ -375,8 +376,20 @@ class ShmLoader:
         old = self._res.segments.pop(slot, None)
         if old is not None:
             self._res.drop_segment(old)
-        self._res.segments[slot] = shm.create_segment(max(nbytes, 1))
+        try:
+            self._res.segments[slot] = self._new_segment(max(nbytes, 1))
+        except SharedMemoryFullError:
+            self.close()  # the producers wait for this slot: no batch can come
+            raise
         self._give_back(slot)
+
+    def _new_segment(self, nbytes: int, what: str = "batch") -> shm.Segment:
+        try:
+            return shm.create_segment(nbytes, what)
+        except SharedMemoryFullError as exc:  # NOTE [shm reservation] in shm.py: before any producer wrote
+            text = shm.full_message(exc, rank=self.rank, batch_bytes=SLOT_BYTES if what != "batch" else nbytes,
+                                    workers=self.num_workers, slots_per_worker=self._spw, first=what != "batch")
+            raise SharedMemoryFullError(text) from None
 
     def _fail_dead(self, w: int, when: str) -> NoReturn:
         proc = self._res.procs[w]

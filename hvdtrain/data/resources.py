@@ -123,6 +123,9 @@ class Watch:
 def describe_exit(code: int | None) -> str:
     if code is None:
         return "no exit code"
+    if code == -signal.SIGBUS:  # the loader's own segments are reserved (NOTE [shm reservation] in shm.py)
+        return (f"signal SIGBUS (a write to shared memory that is not there: is /dev/shm full? It has "
+                f"{shm.shm_space()}; docker run --shm-size=8g or --ipc=host gives it more)")
     if code < 0:
         with contextlib.suppress(ValueError):
             return f"signal {signal.Signals(-code).name}"

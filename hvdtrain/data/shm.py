@@ -12,6 +12,7 @@ the worker, into the segment, and the trainer builds numpy views on the segment 
 from __future__ import annotations
 
 import contextlib
+import errno
 import mmap
 import os
 import secrets
@@ -22,6 +23,8 @@ from multiprocessing import shared_memory
 from typing import Any
 
 import numpy as np
+
+from hvdtrain.data.errors import SharedMemoryFullError
 
 PREFIX = "hvdtrain_"
 ALIGN = 64  # byte alignment of every array in a slot (cache line; what SIMD loads and torch like)
@@ -75,10 +78,65 @@ def segment_name(pid: int | None = None) -> str:
     return f"{PREFIX}{os.getpid() if pid is None else pid}_{secrets.token_hex(6)}"
 
 
-def create_segment(nbytes: int) -> Segment:
-    """A new segment of at least `nbytes` (rounded up to whole pages), named after this process."""
+# NOTE [shm reservation]
+# A segment is a file on /dev/shm (a tmpfs), and ftruncate makes it sparse: its pages are taken only when first
+# written. On a full tmpfs (Docker's default /dev/shm is 64 MiB) that first write, by a producer copying a batch in,
+# is a SIGBUS that kills the producer with no word of why. So `create_segment` reserves every page up front
+# (posix_fallocate, in the trainer, before the segment's name reaches a producer): a full /dev/shm is an ENOSPC
+# there, which the loader turns into a SharedMemoryFullError naming /dev/shm's size, its need and the fixes. The
+# pages the reservation zero-fills are the ones the producers would touch anyway. (A filesystem that cannot
+# reserve, EOPNOTSUPP, gets the segment unreserved: glibc emulates posix_fallocate where the kernel lacks it.)
+
+
+def create_segment(nbytes: int, what: str = "batch") -> Segment:
+    """A new segment of at least `nbytes` (rounded up to whole pages), named after this process, its memory
+    reserved (NOTE [shm reservation]). A full /dev/shm raises SharedMemoryFullError; nothing is left behind."""
     size = max(PAGE, -(-nbytes // PAGE) * PAGE)
-    return Segment(name=segment_name(), create=True, size=size)
+    seg = Segment(name=segment_name(), create=True, size=size)
+    try:
+        os.posix_fallocate(seg._fd, 0, size)
+    except OSError as exc:
+        if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):  # a filesystem that cannot reserve: used unreserved
+            return seg
+        release_segment(seg, unlink=True)
+        if exc.errno not in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+            raise
+        why = "a memory limit (cgroup) or " if exc.errno == errno.ENOMEM else ""
+        raise SharedMemoryFullError(f"/dev/shm cannot hold a {size_text(size)} {what} segment ({why}{shm_space()})"
+                                    ) from None
+    except BaseException:
+        release_segment(seg, unlink=True)
+        raise
+    return seg
+
+
+def size_text(nbytes: int | float) -> str:
+    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:.0f} KiB"
+
+
+def shm_space() -> str:
+    """How big /dev/shm is and how much of it is free, as words."""
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return "/dev/shm is missing"
+    return f"{size_text(st.f_bavail * st.f_frsize)} free of {size_text(st.f_blocks * st.f_frsize)}"
+
+
+def full_message(error: SharedMemoryFullError, *, rank: int, batch_bytes: int, workers: int, slots_per_worker: int,
+                 first: bool = False) -> str:
+    """The loader's SharedMemoryFullError text: what it needs, and the fixes. first: the slots' first segments
+    (batch_bytes each), made before any batch: the need is at least that."""
+    total = batch_bytes * workers * slots_per_worker
+    need = (f"at least {size_text(total)} of shared memory before its first batch: {workers} worker(s) x "
+            f"{slots_per_worker} slots (prefetch + 1) x {size_text(batch_bytes)}, and each slot grows to the size "
+            f"of a batch" if first else
+            f"about {size_text(total)} of shared memory: {workers} worker(s) x {slots_per_worker} slots (prefetch + "
+            f"1) x {size_text(batch_bytes)} per batch")
+    return (f"rank {rank}'s data loader: {error}. It needs {need}, for each rank on this machine. Fix: give "
+            f"/dev/shm more room (docker run --shm-size=8g, or --ipc=host; Kubernetes: an emptyDir with medium: "
+            f"Memory mounted at /dev/shm, `hvdtrain render k8s --shm-size`), or use fewer workers, a smaller "
+            f"prefetch or a smaller batch size")
 
 
 def attach_segment(name: str) -> Segment:

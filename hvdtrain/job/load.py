@@ -19,8 +19,9 @@ from pydantic import BaseModel, ValidationError
 
 from hvdtrain import textfile
 from hvdtrain.job.flags import extra_args_problems, modeled_flags
-from hvdtrain.job.hosts import MAX_SLOTS, Host, HostError, check_np, parse_hostfile, parse_hosts
+from hvdtrain.job.hosts import MAX_SLOTS, Host, HostError, check_np, parse_hostfile, parse_hosts, total_slots
 from hvdtrain.job.model import JobSpec
+from hvdtrain.job.slurm import Allocation
 
 KeyPath = tuple[str | int, ...]
 _NO_VALUE = object()
@@ -278,8 +279,9 @@ def _elastic_issues(spec: JobSpec) -> list[Issue]:
     return issues
 
 
-def cross_checks(spec: JobSpec) -> list[Issue]:
-    """Rules that span several keys (the models check each key on its own)."""
+def cross_checks(spec: JobSpec, *, in_allocation: bool = False) -> list[Issue]:
+    """Rules that span several keys (the models check each key on its own). in_allocation: a spec without hosts
+    runs on a Slurm allocation's nodes, not on this machine alone."""
     issues = _elastic_issues(spec)
     if spec.hosts is not None and spec.hostfile is not None:
         issues.append(Issue(("hostfile",), "hosts and hostfile are both set", spec.hostfile,
@@ -290,7 +292,8 @@ def cross_checks(spec: JobSpec) -> list[Issue]:
             check_np(parse_hosts(spec.hosts), spec.np, "hosts")
         except HostError as exc:
             issues.append(Issue(("np",), str(exc), spec.np, fix="lower np or add slots to hosts"))
-    if spec.elastic is None and spec.hosts is None and spec.hostfile is None and spec.np > MAX_SLOTS:
+    if spec.elastic is None and spec.hosts is None and spec.hostfile is None and spec.np > MAX_SLOTS \
+            and not in_allocation:
         issues.append(Issue(("np",), f"with no hosts or hostfile every rank runs on this machine, and a host has at "
                                      f"most {MAX_SLOTS} slots", spec.np, f"1..{MAX_SLOTS} on one host",
                             "lower np, or set hosts (or a hostfile) to spread the ranks over several machines"))
@@ -344,12 +347,25 @@ def _hostfile_hosts(path: str, np: int, read_text: Callable[[str], str]) -> tupl
     return hosts, []
 
 
+def _allocation_hosts(allocation: Allocation, np: int) -> tuple[list[Host] | None, list[Issue]]:
+    hosts = list(allocation.hosts)
+    try:
+        check_np(hosts, np, f"the Slurm allocation (job {allocation.job_id})")
+    except HostError as exc:
+        return None, [Issue(("np",), str(exc), np, fix=f"lower np to at most {total_slots(hosts)}, or ask Slurm "
+                                                       f"for {np} tasks (sbatch/salloc --ntasks={np})")]
+    return hosts, []
+
+
 def load_spec(text: str, origin: str, *, base_dir: str | Path | None = None, overrides: Sequence[str] = (),
-              read_text: Callable[[str], str] | None = None, check_files: bool = False) -> JobSpec:
+              read_text: Callable[[str], str] | None = None, check_files: bool = False,
+              allocation: Callable[[], Allocation | None] | None = None) -> JobSpec:
     """Validate a spec's YAML text; `origin` names it in errors, relative paths resolve against base_dir.
 
-    The returned spec's `hosts` is always the canonical `a:4,b:4` (from hosts, the hostfile, or localhost:np),
-    or None for elastic jobs. `read_text(path)` reads the hostfile (default: the real file).
+    The returned spec's `hosts` is always the canonical `a:4,b:4` (from hosts, the hostfile, else the Slurm
+    `allocation`'s nodes, else localhost:np), or None for elastic jobs. `allocation()` (the Slurm allocation this
+    runs in, if any) is asked only for a spec that names no hosts. `read_text(path)` reads the hostfile (default:
+    the real file).
     """
     data, lines = parse_yaml(text, origin)
     override_at = {apply_override(data, o): o for o in overrides}
@@ -358,10 +374,14 @@ def load_spec(text: str, origin: str, *, base_dir: str | Path | None = None, ove
         spec = JobSpec.model_validate(data, context=context)
     except ValidationError as exc:
         raise SpecError(origin, _validation_issues(exc), lines, override_at) from None
-    issues = cross_checks(spec) + (file_issues(spec) if check_files else [])
+    no_hosts = spec.hosts is None and spec.hostfile is None and spec.elastic is None
+    found = allocation() if allocation is not None and no_hosts else None
+    issues = cross_checks(spec, in_allocation=found is not None) + (file_issues(spec) if check_files else [])
     hosts: list[Host] | None = None
     if not issues and spec.hostfile is not None:
         hosts, issues = _hostfile_hosts(spec.hostfile, spec.np, read_text or textfile.read_text)
+    if not issues and found is not None:
+        hosts, issues = _allocation_hosts(found, spec.np)
     if issues:
         raise SpecError(origin, issues, lines, override_at)
     if hosts is not None:
@@ -382,8 +402,10 @@ def read_spec_text(path: str | Path) -> str:
                         {(): line} if line else None) from None
 
 
-def load_spec_file(path: str | Path, overrides: Sequence[str] = (), check_files: bool = True) -> JobSpec:
-    """Read and validate a job spec file (relative paths inside it are relative to its folder)."""
+def load_spec_file(path: str | Path, overrides: Sequence[str] = (), check_files: bool = True,
+                   allocation: Callable[[], Allocation | None] | None = None) -> JobSpec:
+    """Read and validate a job spec file (relative paths inside it are relative to its folder); a spec with no
+    hosts runs on the Slurm `allocation`'s nodes when there is one."""
     text = read_spec_text(path)
     return load_spec(text, str(path), base_dir=Path(path).resolve().parent, overrides=overrides,
-                     check_files=check_files)
+                     check_files=check_files, allocation=allocation)

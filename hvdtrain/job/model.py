@@ -208,6 +208,10 @@ class JobSpec(_Model):
     controller: Literal["gloo", "mpi"] | None = flag_field(
         Flag("--gloo", aliases=("--mpi",)),
         "'gloo' or 'mpi' (default: what Horovod was built with, Gloo preferred).", lead=False)
+    gpus_per_rank: NonNegInt = Field(
+        0, description="GPUs each rank uses, an integer >= 0 (0: a CPU job). `hvdtrain render` asks the cluster for "
+                       "gpus_per_rank x ranks-per-node GPUs on every node; `hvdtrain run` starts the ranks on the "
+                       "hosts given, and each rank pins its local GPU itself.")
     env: dict[EnvName, Text] = Field(
         default_factory=dict, description="Environment variables (NAME: value) set for every rank; unquoted values are "
                                           "taken as written, like args.")

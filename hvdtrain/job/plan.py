@@ -9,6 +9,7 @@ horovodrun, which forwards it to every rank (Gloo: the rank's environment; MPI: 
 
 from __future__ import annotations
 
+import re
 import shlex
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,10 +17,11 @@ from typing import Any
 from pydantic import BaseModel
 
 from hvdtrain.job.flags import model_flags
-from hvdtrain.job.hosts import is_loopback, parse_hosts, rank_hosts
-from hvdtrain.job.model import JobSpec
+from hvdtrain.job.hosts import hosts_arg, is_loopback, parse_hosts, rank_hosts, total_slots
+from hvdtrain.job.model import HorovodKnobs, JobSpec
 
 CONTROLLERS = ("gloo", "mpi")
+SRUN_MPI = re.compile(r"[A-Za-z0-9_]{1,32}")
 RANK_MODULE = "hvdtrain.rank"
 # Open MPI's out-of-band TCP keepalive, for MPI jobs with remote hosts. With Open MPI's defaults a host whose link
 # is cut leaves mpirun waiting for many minutes, every process still alive; with these it aborts
@@ -39,6 +41,7 @@ class LaunchPlan:
     elastic: bool = False
     hosts_at: int | None = None  # index in argv of the -H value (renderers put the cluster's hosts there)
     cwd: str | None = None  # folder horovodrun (and so every rank) starts in; None: hvdtrain's own
+    launcher: str = "horovodrun"  # or "srun": Slurm starts the ranks, each line labelled `N: ` (srun --label)
 
     def describe(self) -> str:
         """Dry-run text: the command (shell-quoted for display only) and the environment it adds."""
@@ -88,3 +91,38 @@ def build_plan(spec: JobSpec, *, controller: str, horovodrun: str = "horovodrun"
         env = {**MPI_REMOTE_ENV, **env}
     return LaunchPlan(argv=argv, env=env, rank_hosts=ranks, elastic=spec.elastic is not None, hosts_at=hosts_at,
                       cwd=spec.workdir)
+
+
+def srun_problem(spec: JobSpec) -> str | None:
+    """Why srun cannot start this spec's ranks (horovodrun-only settings), or None."""
+    knobs = [f"horovod.{k}" for k, v in spec.horovod if v != HorovodKnobs.model_fields[k].default]
+    what = [*knobs, *["extra_args"] * bool(spec.extra_args), *["controller: gloo"] * (spec.controller == "gloo"),
+            *["network_interfaces"] * bool(spec.network_interfaces), *["elastic"] * (spec.elastic is not None)]
+    if not what:
+        return None
+    return (f"the srun launcher cannot apply {', '.join(what)}: they are horovodrun settings (srun starts the ranks "
+            "and Horovod initialises through MPI); use the horovodrun launcher, or remove them and set the matching "
+            "HOROVOD_* variables in env:")
+
+
+def build_srun_plan(spec: JobSpec, *, mpi: str = "pmix", srun: str = "srun") -> LaunchPlan:
+    """Slurm starts the ranks (`srun --mpi=MPI`) on the allocation that `spec.hosts` came from, each under hvdtrain's
+    supervisor, and Horovod initialises through MPI. `--kill-on-bad-exit` ends the others when a rank fails (they
+    would wait in a collective); the job's exit code then comes from the ranks' records, as with horovodrun."""
+    problem = srun_problem(spec)
+    if problem:
+        raise ValueError(problem)
+    if not SRUN_MPI.fullmatch(mpi):
+        raise ValueError(f"srun --mpi {mpi!r} is not a plugin name (letters, digits, _): e.g. pmix, pmi2")
+    hosts = parse_hosts(spec.hosts or f"localhost:{spec.np}")
+    if spec.np != total_slots(hosts):  # srun would spread fewer ranks its own way, not as the verdict's hosts say
+        raise ValueError(f"the srun launcher runs one rank per task of the allocation: np = {spec.np} but it has "
+                         f"{total_slots(hosts)} task(s) ({hosts_arg(hosts)}); set np to {total_slots(hosts)} "
+                         f"(-o np={total_slots(hosts)}), ask Slurm for {spec.np} tasks, or use the horovodrun launcher")
+    # --disable-status: SIGINT goes to the tasks (NOTE [srun signals] in hvdtrain/launch/runner.py)
+    argv = [srun, "--label", "--disable-status", f"--ntasks={spec.np}", f"--mpi={mpi}", "--kill-on-bad-exit=1",
+            spec.python, "-m", RANK_MODULE, spec.script, *spec.args]
+    # Slurm signals every process of the step: the supervisors must not pass a second copy on (hvdtrain/rank.py).
+    env = {**spec.env, "HVDTRAIN_SLURM_SIGNALS": "1"}
+    return LaunchPlan(argv=argv, env=env, rank_hosts=tuple(rank_hosts(hosts, spec.np)), cwd=spec.workdir,
+                      launcher="srun")

@@ -38,6 +38,8 @@ from hvdtrain.launch.failures import FailureTracker
 
 # Gloo: `[0]<stdout>:text`; MPI (--tag-output): `[1,0]<stdout>:text`. Both become `[0]<stdout>:text`.
 RANK_LINE = re.compile(r"^\[(?:\d+,)?(\d+)\]<(stdout|stderr|stddiag)>:(.*)$", re.DOTALL)
+# srun --label: `0: text`, the rank right-aligned to the width of the largest (` 3: ` among 12 tasks)
+SRUN_LINE = re.compile(r"^ *(\d+): (.*)$", re.DOTALL)
 # mpirun --tag-output tags every chunk it reads (see NOTE [console]): `[jobid,rank]<stream>:chunk`
 MPI_TAG = re.compile(r"\[\d+,(\d+)\]<(stdout|stderr|stddiag)>:")
 EMBEDDED_RANK = re.compile(r"\[(?:\d+,)?\d+\]<(?:stdout|stderr)>:")  # a rank's line after a launcher's text
@@ -101,8 +103,10 @@ class OutputRouter:
     `logs.dir` must exist (the launcher creates it).
     """
 
-    def __init__(self, logs: Logs, stdout: IO[str], stderr: IO[str], failures: FailureTracker | None = None) -> None:
+    def __init__(self, logs: Logs, stdout: IO[str], stderr: IO[str], failures: FailureTracker | None = None, *,
+                 srun_labels: bool = False) -> None:
         self.logs, self.stdout, self.stderr = logs, stdout, stderr
+        self.srun_labels = srun_labels  # srun --label: `N: text` is rank N's line (stdout and stderr alike)
         self.files: dict[str, IO[str]] = {}
         self.failures = failures or FailureTracker()  # the first failing rank, from the launcher's lines
         self.launcher = LauncherLines()
@@ -126,6 +130,9 @@ class OutputRouter:
             self._line(text)
 
     def _line(self, text: str) -> None:
+        if self.srun_labels and (label := SRUN_LINE.match(text)):
+            self._rank_line(int(label.group(1)), "stdout", label.group(2))
+            return
         m = RANK_LINE.match(text)
         if m is None and (cut := EMBEDDED_RANK.search(text, 1) or EXIT_LINE.search(text, 1)):  # NOTE [console]
             self._line(text[:cut.start()])

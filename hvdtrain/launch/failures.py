@@ -197,8 +197,10 @@ class FailureTracker:
         return [line, *([] if cause.rank is None else self._output(cause.rank, log_dir))]
 
     def _output(self, rank: int, log_dir: str | None) -> list[str]:
-        if log_dir:
-            return [f"hvdtrain: its output: {Path(log_dir) / f'rank.{rank}.log'}"]
+        if log_dir:  # the rank's log file is made at its first line
+            printed = bool(self.tails.get(rank))
+            return [f"hvdtrain: its output: {Path(log_dir) / f'rank.{rank}.log'}" if printed else
+                    "hvdtrain: it printed nothing"]
         tail = self.tails.get(rank)
         if not tail:
             return []

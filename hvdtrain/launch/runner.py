@@ -29,13 +29,14 @@ from hvdtrain.job.model import Logs, Ssh
 from hvdtrain.job.plan import RANK_MODULE, LaunchPlan
 from hvdtrain.launch.console import OutputRouter, pump
 from hvdtrain.launch.failures import FailureTracker
-from hvdtrain.launch.lifeline import DONE, die_with_parent
+from hvdtrain.launch.lifeline import DONE, die_with_parent, group_alive
 
 GRACE_S = 20.0  # horovodrun itself gives ranks 5 s after SIGTERM, then 5 s more before SIGKILL
 POLL_S = 0.5
 GUARD_MODULE = "hvdtrain.launch.lifeline"  # `python -m hvdtrain.launch.lifeline PGID`: see NOTE [no orphans]
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # each stops the whole job; exit 128 + N
 RECORDS_TMP = "hvdtrain-records-"  # the ranks' records without logs.dir: a temporary directory
+SRUN_ABORT_S = 10.0  # after SIGTERM, how long srun may take to kill its step through Slurm before SIGKILL
 SNAPSHOT_S = 2.0  # a process-tree walk costs CPU that the ranks need: not every poll
 
 
@@ -112,7 +113,15 @@ def find_horovodrun() -> str:
 #  - After a forwarded signal we wait GRACE_S; a second signal, or the grace running out, SIGKILLs the group and
 #    every descendant in the snapshot (psutil checks create times, so a recycled pid is never hit).
 #  - However horovodrun ends, `_Job.sweep` terminates snapshot members still alive, and the output reader thread is
-#    joined with a timeout (a straggler holding the pipe is killed by the sweep first).
+#    joined with a timeout (a straggler holding the pipe is killed by the sweep first). After a forwarded signal the
+#    sweep first lets the rest of the grace run: mpirun takes a second signal as "exit at once, clean nothing up".
+# NOTE [srun signals]: with `--launcher srun` the ranks are slurmstepd's children on every node, not srun's: they
+# are in no process group or snapshot of ours, and only Slurm reaches them. srun (started with --disable-status)
+# forwards SIGINT to every task, where each rank's supervisor passes it on (hvdtrain/rank.py): a stop signal of
+# any kind is forwarded to srun as SIGINT, so the ranks stop as they would under horovodrun. srun takes SIGTERM
+# as "kill the step" (a SIGKILL of every task, through slurmctld): that is the escalation when the grace runs out,
+# and what the guard does if hvdtrain dies. Only if srun itself outlives SRUN_ABORT_S after it is srun SIGKILLed;
+# Slurm then ends the step when the job ends (scancel, or the batch script's exit).
 class _Job:
     def __init__(self, router: OutputRouter) -> None:
         self.router = router
@@ -123,6 +132,8 @@ class _Job:
         self.kill_at: float | None = None
         self.next_snapshot = time.monotonic() + POLL_S
         self.guard: subprocess.Popen[bytes] | None = None
+        self.launcher = "horovodrun"
+        self.srun_aborted = False  # SIGTERM sent to srun: it SIGKILLs the step's tasks through Slurm
 
     @property
     def signum(self) -> int | None:
@@ -136,6 +147,7 @@ class _Job:
         return self.proc.pid
 
     def start(self, plan: LaunchPlan, records_env: dict[str, str]) -> subprocess.Popen[bytes]:
+        self.launcher = plan.launcher
         try:
             proc = subprocess.Popen(plan.argv, env={**os.environ, **plan.env, **records_env}, cwd=plan.cwd,
                                     stdin=subprocess.DEVNULL,
@@ -197,8 +209,12 @@ class _Job:
         self.kill_at = time.monotonic() + GRACE_S if len(self.signals) == 1 else time.monotonic()
 
     def _forward(self, signum: int) -> None:
+        if self.launcher == "srun":  # NOTE [srun signals]
+            signum = signal.SIGINT
+        elif signum == signal.SIGHUP:  # horovodrun has no SIGHUP handler
+            signum = signal.SIGTERM
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.pid, signal.SIGTERM if signum == signal.SIGHUP else signum)
+            os.killpg(self.pid, signum)
 
     def tell(self, timed_out: bool, timeout_s: float | None, upto: int | None = None) -> None:
         """Say on the console what the signals received so far (the first `upto`) do, once each."""
@@ -214,6 +230,11 @@ class _Job:
                 self.router.note(f"hvdtrain: {name} received: stopping every rank{again}")
 
     def kill_all(self) -> None:
+        if self.launcher == "srun" and not self.srun_aborted:  # NOTE [srun signals]: srun kills the step itself
+            self.srun_aborted, self.kill_at = True, time.monotonic() + SRUN_ABORT_S
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.pid, signal.SIGTERM)
+            return
         self.snapshot()
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.pid, signal.SIGKILL)
@@ -223,6 +244,20 @@ class _Job:
 
     def sweep(self) -> None:
         alive = [p for p in self.seen.values() if _alive(p)]
+        # After a forwarded stop signal, what is left is already stopping (MPI: the group leader `sh -c mpirun` dies
+        # at once while mpirun stops its ranks): it keeps the rest of the grace, and so does horovodrun's group (the
+        # snapshot may predate mpirun). A signal now would cut mpirun's teardown short: a second SIGTERM within 5 s
+        # of the first makes it exit at once, as SIGKILL does, and its PMIx server then never runs the cleanup each
+        # rank registered (the unlink of the rank's /dev/shm/vader_segment.* file). A second signal to hvdtrain ends
+        # the wait (on_signal sets kill_at to now).
+        while self.kill_at is not None and (alive or group_alive(self.pid)):
+            left = self.kill_at - time.monotonic()
+            if left <= 0:
+                break
+            if alive:
+                _, alive = psutil.wait_procs(alive, timeout=min(POLL_S, left))
+            else:
+                time.sleep(min(POLL_S, left))
         for p in alive:
             with contextlib.suppress(psutil.Error):
                 p.terminate()
@@ -257,7 +292,8 @@ def run_plan(plan: LaunchPlan, logs: Logs, *, timeout_s: float | None = None, ss
         except OSError as exc:
             raise LaunchError(f"cannot create logs.dir {logs.dir}: {exc.strerror or exc}") from None
     with _records_dir(logs.dir) as where:
-        router = OutputRouter(logs, sys.stdout, sys.stderr, FailureTracker(plan.rank_hosts, elastic=plan.elastic))
+        router = OutputRouter(logs, sys.stdout, sys.stderr, FailureTracker(plan.rank_hosts, elastic=plan.elastic),
+                              srun_labels=plan.launcher == "srun")
         job = _Job(router)
         old = {s: signal.signal(s, job.on_signal) for s in STOP_SIGNALS}
         try:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hvdtrain import exitcodes
-from hvdtrain.render.common import DEFAULT_PYTHON, DEFAULT_REMOTE_DIR, DEFAULT_SSH_PORT, ClusterOptions, RenderError
+from hvdtrain.render.common import IMAGE_PYTHON, IMAGE_REMOTE_DIR, IMAGE_SSH_PORT, ClusterOptions, RenderError
 
 if TYPE_CHECKING:
     from hvdtrain.render import K8sOptions, SlurmOptions
@@ -24,20 +24,19 @@ def _common_args(p: argparse.ArgumentParser) -> None:
                    help="override a spec key (value read as YAML), e.g. -o np=16")
     p.add_argument("--output", metavar="FILE", help="write to FILE instead of printing")
     p.add_argument("--name", help="job name (default: the spec's file name), 1-40 of [a-z0-9-]")
-    p.add_argument("--remote-dir", default=DEFAULT_REMOTE_DIR, metavar="DIR",
-                   help=f"the spec's folder on the cluster; its relative paths resolve there (default "
-                        f"{DEFAULT_REMOTE_DIR}, the images' jobs/)")
-    p.add_argument("--python", default=DEFAULT_PYTHON,
-                   help=f"interpreter on the cluster when the spec sets none (default {DEFAULT_PYTHON})")
+    p.add_argument("--remote-dir", metavar="DIR",
+                   help=f"the spec's folder on the cluster; its relative paths resolve there (default: k8s "
+                        f"{IMAGE_REMOTE_DIR}, the images' jobs/; slurm: the spec's folder here, on a shared "
+                        "filesystem)")
+    p.add_argument("--python", help=f"interpreter on the cluster when the spec sets none (default: k8s "
+                                    f"{IMAGE_PYTHON}; slurm: the spec's, else the one running hvdtrain here)")
     p.add_argument("--nodes", type=int, help="nodes (default: np / slots per node)")
     p.add_argument("--slots-per-node", type=int, metavar="N",
                    help="ranks per node (default: the spec's hosts' slots when equal, else np)")
-    p.add_argument("--gpus-per-node", type=int, metavar="N", help="GPUs per node (default: slots per node; 0: CPU)")
-    p.add_argument("--ssh-port", type=int, default=DEFAULT_SSH_PORT,
-                   help=f"sshd port on the nodes when the spec's ssh.port is unset (default {DEFAULT_SSH_PORT}, "
-                        "the images' sshd)")
-    p.add_argument("--controller", choices=("mpi", "gloo"), default="mpi",
-                   help="when the spec sets none (default mpi)")
+    p.add_argument("--gpus-per-node", type=int, metavar="N",
+                   help="GPUs per node (default: the spec's gpus_per_rank x slots per node; 0: a CPU job)")
+    p.add_argument("--controller", choices=("mpi", "gloo"),
+                   help="when the spec sets none (default: as `hvdtrain run`, Gloo where Horovod has it)")
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -51,9 +50,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--namespace", help="namespace (default: kubectl's current one)")
     p.add_argument("--pull-policy", default="IfNotPresent", choices=("Always", "IfNotPresent", "Never"))
     p.add_argument("--shm-size", default="16Gi", help="size of each worker's /dev/shm (default 16Gi)")
+    p.add_argument("--ssh-port", type=int, default=IMAGE_SSH_PORT,
+                   help=f"the workers' sshd port when the spec's ssh.port is unset (default {IMAGE_SSH_PORT}, the "
+                        "images' sshd)")
     p.set_defaults(func=cmd_render)
 
-    p = targets.add_parser("slurm", help="sbatch script (horovodrun over ssh, or srun)")
+    p = targets.add_parser("slurm", help="sbatch script (hvdtrain run: horovodrun over ssh; or srun)")
     _common_args(p)
     p.add_argument("--launcher", choices=("horovodrun", "srun"), default="horovodrun")
     p.add_argument("--time", help="#SBATCH --time, e.g. 02:00:00")
@@ -70,7 +72,7 @@ def _target_options(args: argparse.Namespace) -> K8sOptions | SlurmOptions:
 
     if args.target == "k8s":
         return K8sOptions(image=args.image, namespace=args.namespace, image_pull_policy=args.pull_policy,
-                          shm_size=args.shm_size)
+                          shm_size=args.shm_size, ssh_port=args.ssh_port)
     return SlurmOptions(launcher=args.launcher, time=args.time, partition=args.partition, account=args.account,
                         cpus_per_task=args.cpus_per_task, output=args.log_file, srun_mpi=args.srun_mpi)
 
@@ -81,7 +83,7 @@ def cmd_render(args: argparse.Namespace) -> int:
     cluster = ClusterOptions(
         name=args.name or default_name(args.job), remote_dir=args.remote_dir, python=args.python,
         nodes=args.nodes, slots_per_node=args.slots_per_node, gpus_per_node=args.gpus_per_node,
-        ssh_port=args.ssh_port, controller=args.controller)
+        controller=args.controller)
     try:
         text = render_file(args.target, args.job, cluster, _target_options(args), args.override)
     except RenderError as exc:

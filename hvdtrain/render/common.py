@@ -1,9 +1,10 @@
 """What the Kubernetes and Slurm renderers share: cluster options, the placement on nodes, and the horovodrun argv.
 
-A job spec's relative paths are relative to the spec file *on the cluster* (`ClusterOptions.remote_dir`: inside the
-image, or on the cluster's shared filesystem), not on this machine. The argv comes from `hvdtrain.job.plan.build_plan`,
-so a rendered job runs the same horovodrun flags as `hvdtrain run` would; only the host list differs (the cluster
-picks the nodes). Nothing here reads files, starts a process or touches the network.
+A job spec's relative paths are relative to the spec file *on the cluster* (`remote_dir`): for Slurm, by default,
+the spec's own folder here (a cluster's login node and compute nodes share a filesystem); for Kubernetes, the
+image's jobs/ folder. The sbatch script runs `hvdtrain run` on the spec there; the MPIJob's launcher runs the
+horovodrun argv of `hvdtrain.job.plan.build_plan`. Nothing here reads files (but the spec and its hostfile),
+starts a process or touches the network.
 """
 
 from __future__ import annotations
@@ -20,11 +21,11 @@ from hvdtrain.job.model import JobSpec
 from hvdtrain.job.plan import build_plan
 from hvdtrain.textfile import read_text
 
-# Where the images in docker/ keep the checkout and its venv, and the sshd port they listen on.
+# Where the images in docker/ keep the checkout and its venv, and the sshd port they listen on (Kubernetes).
 IMAGE_ROOT = "/opt/hvdtrain"
-DEFAULT_REMOTE_DIR = f"{IMAGE_ROOT}/jobs"
-DEFAULT_PYTHON = f"{IMAGE_ROOT}/.venv/bin/python"
-DEFAULT_SSH_PORT = 2222
+IMAGE_REMOTE_DIR = f"{IMAGE_ROOT}/jobs"
+IMAGE_PYTHON = f"{IMAGE_ROOT}/.venv/bin/python"
+IMAGE_SSH_PORT = 2222
 DNS_LABEL = re.compile(r"[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?")
 
 
@@ -34,16 +35,16 @@ class RenderError(ValueError):
 
 @dataclass(frozen=True)
 class ClusterOptions:
-    """How the job maps onto the cluster. None means: derive it (see `placement`)."""
+    """How the job maps onto the cluster. None means: derive it (see `placement`), or the target's default
+    (remote_dir, python: the spec's own folder and interpreter for Slurm, the image's for Kubernetes)."""
 
     name: str = "hvdtrain"
-    remote_dir: str = DEFAULT_REMOTE_DIR
-    python: str = DEFAULT_PYTHON
+    remote_dir: str | None = None
+    python: str | None = None
     nodes: int | None = None
     slots_per_node: int | None = None
     gpus_per_node: int | None = None
-    ssh_port: int = DEFAULT_SSH_PORT
-    controller: str = "mpi"
+    controller: str | None = None
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,7 @@ def _positive(value: int | None, flag: str) -> None:
 
 def placement(spec: JobSpec, opts: ClusterOptions) -> Placement:
     """Nodes x slots for `spec.np` ranks. Slots per node: the option, else the spec's hosts when they all have the
-    same slots, else np (one node). GPUs per node default to the slots (one GPU per rank)."""
+    same slots, else np (one node). GPUs per node: the option, else the spec's gpus_per_rank x slots (0: none)."""
     _positive(opts.nodes, "--nodes")
     _positive(opts.slots_per_node, "--slots-per-node")
     if opts.gpus_per_node is not None and opts.gpus_per_node < 0:
@@ -94,7 +95,7 @@ def placement(spec: JobSpec, opts: ClusterOptions) -> Placement:
     if opts.nodes is not None and opts.nodes != nodes:
         raise RenderError(f"--nodes {opts.nodes} with {slots} slots per node gives {opts.nodes * slots} ranks, "
                           f"but np = {spec.np}: set np to {opts.nodes * slots} (-o np=...) or change --nodes")
-    gpus = slots if opts.gpus_per_node is None else opts.gpus_per_node
+    gpus = spec.gpus_per_rank * slots if opts.gpus_per_node is None else opts.gpus_per_node
     return Placement(nodes=nodes, slots_per_node=slots, gpus_per_node=gpus)
 
 
@@ -105,32 +106,39 @@ def check_renderable(spec: JobSpec) -> None:
                           "(with -o elastic=null) or launch it with `hvdtrain run`")
 
 
-def horovodrun_argv(spec: JobSpec, opts: ClusterOptions, horovodrun: str) -> tuple[list[str], int]:
-    """build_plan's argv for the cluster, and the index of the `-H` value the renderer replaces."""
-    python = spec.python if "python" in spec.model_fields_set else opts.python
-    port = spec.ssh.port if spec.ssh.port is not None else opts.ssh_port
-    if not 1 <= port <= 65535:
-        raise RenderError(f"--ssh-port {port} is not a port: use 1..65535 (the images' sshd listens on 2222)")
-    ssh = spec.ssh.model_copy(update={"port": port})
+def horovodrun_argv(spec: JobSpec, python: str, ssh_port: int, controller: str | None) -> tuple[list[str], int]:
+    """build_plan's argv for the cluster, and the index of the `-H` value the renderer replaces. `python`,
+    `ssh_port` and `controller` apply where the spec sets none."""
+    if not 1 <= ssh_port <= 65535:
+        raise RenderError(f"--ssh-port {ssh_port} is not a port: use 1..65535 (the images' sshd listens on "
+                          f"{IMAGE_SSH_PORT})")
+    ssh = spec.ssh if spec.ssh.port is not None else spec.ssh.model_copy(update={"port": ssh_port})
     # Any host will do for -H: the renderer replaces its value (at plan.hosts_at) with the cluster's hosts. One
     # slot, so that no np is too large for it.
-    cluster = spec.model_copy(update={"hosts": "cluster-hosts:1", "hostfile": None, "python": python, "ssh": ssh,
-                                      "elastic": None})
-    plan = build_plan(cluster, controller=spec.controller or opts.controller, horovodrun=horovodrun)
+    cluster = spec.model_copy(update={"hosts": "cluster-hosts:1", "hostfile": None, "python": job_python(spec, python),
+                                      "ssh": ssh, "elastic": None})
+    # The same default as `hvdtrain run` where Horovod has Gloo (the images' build has both).
+    plan = build_plan(cluster, controller=spec.controller or controller or "gloo",
+                      horovodrun=horovodrun_path(spec, python))
     assert plan.hosts_at is not None  # build_plan's invariant (not input): a plan that is not elastic has -H
     return plan.argv, plan.hosts_at
 
 
-def horovodrun_path(spec: JobSpec, opts: ClusterOptions) -> str:
+def job_python(spec: JobSpec, default: str) -> str:
+    """The spec's interpreter when it sets one, else `default` (the cluster's)."""
+    return spec.python if "python" in spec.model_fields_set else default
+
+
+def horovodrun_path(spec: JobSpec, python: str) -> str:
     """horovodrun beside the job's interpreter (a venv's bin/) when that is a path, else from PATH."""
-    python = spec.python if "python" in spec.model_fields_set else opts.python
+    python = job_python(spec, python)
     return str(PurePosixPath(python).parent / "horovodrun") if "/" in python else "horovodrun"
 
 
-def ignored_keys(spec: JobSpec) -> list[str]:
-    """Spec keys only `hvdtrain run` honours: named in the rendered file's header so nobody expects them."""
+def ignored_keys(spec: JobSpec, *, logs: bool = True) -> list[str]:
+    """Spec keys the rendered job does not honour: named in the rendered file's header so nobody expects them."""
     ignored = []
-    if spec.logs.dir or spec.logs.timestamp or spec.logs.console_ranks is not None:
+    if logs and (spec.logs.dir or spec.logs.timestamp or spec.logs.console_ranks is not None):
         ignored.append("logs (rank output goes to the launcher's output)")
     if spec.hosts and spec.hosts != f"localhost:{spec.np}":
         ignored.append(f"hosts/hostfile ({spec.hosts}: the cluster picks the nodes)")
@@ -154,8 +162,8 @@ def load_for_cluster(path: str | Path, remote_dir: str, overrides: Sequence[str]
     from hvdtrain.job.load import read_spec_text
 
     if not remote_dir.startswith("/"):
-        raise RenderError(f"--remote-dir {remote_dir!r} must be an absolute path on the cluster "
-                          f"(default {DEFAULT_REMOTE_DIR}, where the images keep jobs/)")
+        raise RenderError(f"--remote-dir {remote_dir!r} must be an absolute path on the cluster (the folder that "
+                          "holds the job spec there)")
     text = read_spec_text(path)
     reader = _local_reader(Path(path).resolve().parent, remote_dir)
     return load_spec(text, str(path), base_dir=remote_dir, overrides=overrides, read_text=reader,

@@ -17,13 +17,14 @@ import yaml
 
 from hvdtrain.job.model import JobSpec
 from hvdtrain.render.common import (
+    IMAGE_PYTHON,
+    IMAGE_SSH_PORT,
     ClusterOptions,
     Placement,
     RenderError,
     check_name,
     check_renderable,
     horovodrun_argv,
-    horovodrun_path,
     ignored_keys,
     placement,
 )
@@ -41,6 +42,7 @@ class K8sOptions:
     namespace: str | None = None
     image_pull_policy: str = "IfNotPresent"
     shm_size: str = "16Gi"
+    ssh_port: int = IMAGE_SSH_PORT  # the image's sshd, where the spec's ssh.port is unset
 
 
 def _check(opts: K8sOptions) -> None:
@@ -68,9 +70,8 @@ def _container(name: str, image: str, pull: str, command: list[str], env: list[d
 
 
 def _launcher(spec: JobSpec, cluster: ClusterOptions, opts: K8sOptions) -> dict[str, Any]:
-    argv, hosts_at = horovodrun_argv(spec, cluster, "horovodrun")
+    argv, hosts_at = horovodrun_argv(spec, cluster.python or IMAGE_PYTHON, opts.ssh_port, cluster.controller)
     argv[hosts_at - 1: hosts_at + 1] = ["--hostfile", OPERATOR_HOSTFILE]
-    argv[0] = horovodrun_path(spec, cluster)
     container = _container("launcher", opts.image, opts.image_pull_policy, argv, _env(spec))
     if spec.workdir:
         container["workingDir"] = spec.workdir  # horovodrun's ranks start in the same folder on the workers

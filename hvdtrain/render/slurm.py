@@ -1,11 +1,14 @@
 """JobSpec -> an sbatch script. A pure function: spec in, bash text out; every spec value is `shlex.quote`d.
 
 Two launchers:
-- `horovodrun` (default): the same command `hvdtrain run` would start, with `-H` built at run time from
-  `$SLURM_JOB_NODELIST` (`scontrol show hostnames`). Needs ssh between the allocated nodes (the images' sshd, or
-  the cluster's) and hvdtrain at the same path on every node (a shared filesystem or the same image).
-- `srun`: Slurm starts the ranks itself (`srun --mpi=pmix`) and Horovod initialises through MPI; no ssh. Horovod
-  knobs and `extra_args` are horovodrun flags, so a spec that sets them must use the horovodrun launcher.
+- `horovodrun` (default): the script runs `hvdtrain run` on the spec file (with the render's overrides), which
+  takes the hosts and slots from the allocation (`hvdtrain.job.slurm`) and starts horovodrun over ssh between
+  the nodes: the same console, logs, rank records, verdict and exit codes as anywhere else. Needs ssh between the
+  allocated nodes and hvdtrain, the spec and its files at the same paths on every node (a shared filesystem: by
+  default the spec's own folder and interpreter here, or `--remote-dir`/`--python`).
+- `srun`: the script runs `hvdtrain run --launcher srun`: Slurm starts the ranks (`srun --mpi=pmix`, under
+  hvdtrain's supervisor) and Horovod initialises through MPI; no ssh. Horovod knobs and `extra_args` are
+  horovodrun flags, so a spec that sets them must use the horovodrun launcher.
 `#SBATCH` lines are read by sbatch, not by a shell, so values going there are checked, not quoted.
 """
 
@@ -15,16 +18,16 @@ import re
 import shlex
 from dataclasses import dataclass
 
-from hvdtrain.job.model import HorovodKnobs, JobSpec
+from hvdtrain.job.model import JobSpec
+from hvdtrain.job.plan import srun_problem
 from hvdtrain.render.common import (
     ClusterOptions,
     Placement,
     RenderError,
     check_name,
     check_renderable,
-    horovodrun_argv,
-    horovodrun_path,
     ignored_keys,
+    job_python,
     placement,
 )
 
@@ -42,6 +45,14 @@ class SlurmOptions:
     cpus_per_task: int | None = None
     output: str | None = None
     srun_mpi: str = "pmix"
+
+
+@dataclass(frozen=True)
+class SpecOnCluster:
+    """The spec as `hvdtrain run` reads it on the cluster: its path there, and the overrides given to render."""
+
+    path: str
+    overrides: tuple[str, ...] = ()
 
 
 def _sbatch_value(value: str, flag: str, example: str) -> str:
@@ -72,54 +83,48 @@ def _directives(lay: Placement, cluster: ClusterOptions, opts: SlurmOptions) -> 
     return lines
 
 
-def _horovodrun_lines(spec: JobSpec, lay: Placement, cluster: ClusterOptions) -> list[str]:
-    argv, hosts_at = horovodrun_argv(spec, cluster, horovodrun_path(spec, cluster))
-    words = [shlex.quote(a) for a in argv]
-    words[hosts_at] = '"$HVDTRAIN_HOSTS"'
-    return [
-        "# -H from the allocation: every node with the same slots.",
-        'mapfile -t nodes < <(scontrol show hostnames "$SLURM_JOB_NODELIST")',
-        f"if (( ${{#nodes[@]}} != {lay.nodes} )); then",
-        f'  echo "hvdtrain: expected {lay.nodes} node(s), Slurm gave ${{#nodes[@]}}: ${{nodes[*]}}" >&2',
-        "  exit 2",
-        "fi",
-        f"HVDTRAIN_HOSTS=$(printf '%s:{lay.slots_per_node},' \"${{nodes[@]}}\")",
-        'HVDTRAIN_HOSTS=${HVDTRAIN_HOSTS%,}',
-        "exec " + " ".join(words),
-    ]
+def _run_argv(spec: JobSpec, cluster: ClusterOptions, run: SpecOnCluster) -> list[str]:
+    """`hvdtrain run` on the spec file as the cluster sees it, with the render's overrides."""
+    argv = [job_python(spec, cluster.python or spec.python), "-m", "hvdtrain.cli", "run", run.path]
+    for override in run.overrides:
+        argv += ["-o", override]
+    argv += ["-o", "hosts=null", "-o", "hostfile=null"]  # the allocation's nodes, whatever the spec names
+    if cluster.controller and not spec.controller:
+        argv += ["-o", f"controller={cluster.controller}"]
+    return argv
 
 
-def _srun_lines(spec: JobSpec, lay: Placement, cluster: ClusterOptions, opts: SlurmOptions) -> list[str]:
-    set_knobs = [k for k, v in spec.horovod if v != HorovodKnobs.model_fields[k].default]
-    if set_knobs or spec.extra_args or spec.controller == "gloo" or spec.network_interfaces:
-        what = ", ".join([f"horovod.{k}" for k in set_knobs] + ["extra_args"] * bool(spec.extra_args)
-                         + ["controller: gloo"] * (spec.controller == "gloo")
-                         + ["network_interfaces"] * bool(spec.network_interfaces))
-        raise RenderError(f"--launcher srun cannot apply {what}: they are horovodrun flags; use --launcher "
-                          "horovodrun, or remove them and set the matching HOROVOD_* variables in env:")
+def _hvdtrain_lines(spec: JobSpec, lay: Placement, cluster: ClusterOptions, run: SpecOnCluster) -> list[str]:
+    return [f"# hvdtrain run: {lay.nodes} host(s) x {lay.slots_per_node} slots from the allocation "
+            "(SLURM_JOB_NODELIST, SLURM_TASKS_PER_NODE), then horovodrun over ssh.",
+            "exec " + shlex.join(_run_argv(spec, cluster, run))]
+
+
+def _srun_lines(spec: JobSpec, cluster: ClusterOptions, opts: SlurmOptions, run: SpecOnCluster) -> list[str]:
+    problem = srun_problem(spec)
+    if problem:
+        raise RenderError(f"--launcher srun: {problem.removeprefix('the srun launcher ')}")
     _sbatch_value(opts.srun_mpi, "--srun-mpi", "pmix")
-    python = spec.python if "python" in spec.model_fields_set else cluster.python
-    argv = ["srun", f"--ntasks={spec.np}", f"--ntasks-per-node={lay.slots_per_node}", f"--mpi={opts.srun_mpi}",
-            "--kill-on-bad-exit=1", python, spec.script, *spec.args]
-    return ["# Slurm starts the ranks; Horovod initialises through MPI (PMIx).", "exec " + shlex.join(argv)]
+    argv = [*_run_argv(spec, cluster, run), "--launcher", "srun", "--srun-mpi", opts.srun_mpi]
+    return ["# hvdtrain run: srun starts the ranks on the allocation (output labelled by rank); Horovod initialises "
+            "through MPI.", "exec " + shlex.join(argv)]
 
 
 def render_slurm(spec: JobSpec, cluster: ClusterOptions, opts: SlurmOptions | None = None, *,
-                 source: str = "JOB.yaml") -> str:
-    """The sbatch script for a loaded spec."""
+                 source: str = "JOB.yaml", run: SpecOnCluster | None = None) -> str:
+    """The sbatch script for a loaded spec; `run` is the spec file on the cluster (default: `source`)."""
     opts = opts or SlurmOptions()
     if opts.launcher not in LAUNCHERS:
         raise RenderError(f"--launcher {opts.launcher!r}: use one of {', '.join(LAUNCHERS)}")
     check_renderable(spec)
     lay = placement(spec, cluster)
+    srun = opts.launcher == "srun"
     lines = ["#!/usr/bin/env bash", *_directives(lay, cluster, opts),
              f"# Rendered by `hvdtrain render slurm {source}`: edit the job spec and render again.",
              f"# {spec.np} ranks = {lay.nodes} node(s) x {lay.slots_per_node} tasks, {lay.gpus_per_node} GPU(s) per "
              f"node, launcher: {opts.launcher}. Submit: sbatch FILE"]
-    lines += [f"# Not used here: {item}" for item in ignored_keys(spec)]
+    lines += [f"# Not used here: {item}" for item in ignored_keys(spec, logs=False)]
     lines.append("set -euo pipefail")
-    lines += [f"export {name}={shlex.quote(value)}" for name, value in spec.env.items()]
-    if spec.workdir:
-        lines.append(f"cd -- {shlex.quote(spec.workdir)}  # workdir: the ranks start here")
-    body = _srun_lines(spec, lay, cluster, opts) if opts.launcher == "srun" else _horovodrun_lines(spec, lay, cluster)
+    run = run or SpecOnCluster(source)
+    body = _srun_lines(spec, cluster, opts, run) if srun else _hvdtrain_lines(spec, lay, cluster, run)
     return "\n".join(lines + body) + "\n"
