@@ -93,7 +93,9 @@ def main(argv: list[str]) -> NoReturn:
     for signum in FORWARDED:
         signal.signal(signum, lambda s, _f: pending.append(s))
     try:
-        child = subprocess.Popen([sys.executable, "-m", MAIN_MODULE, *argv], preexec_fn=die_with_parent(signal.SIGKILL))
+        env = {k: v for k, v in os.environ.items() if k != SLURM_SIGNALS_ENV}  # for this supervisor only
+        child = subprocess.Popen([sys.executable, "-m", MAIN_MODULE, *argv], env=env,
+                                 preexec_fn=die_with_parent(signal.SIGKILL))
     except OSError as exc:
         print(f"hvdtrain.rank: cannot start {sys.executable} {argv[0]}: {exc.strerror or exc}", file=sys.stderr)
         sys.exit(127)

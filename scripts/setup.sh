@@ -83,8 +83,16 @@ step() { CURRENT_STEP="$1"; echo "==> [$1] $2"; }
 apt_packages() {
   step apt "system packages (Open MPI, compilers, ssh client/server, Slurm and munge)"
   if [[ "${HVDTRAIN_SKIP_APT:-0}" == "1" ]]; then echo "    skipped (HVDTRAIN_SKIP_APT=1)"; return; fi
-  local want=(openmpi-bin libopenmpi-dev build-essential openssh-client openssh-server iproute2 procps patch
-              slurmctld slurmd slurm-client munge)
+  local want=(openmpi-bin libopenmpi-dev build-essential openssh-client openssh-server iproute2 procps patch)
+  # Slurm and munge are for the tests' private cluster (tests/slurm.py). A machine with a Slurm of its own (a
+  # cluster's login node: sbatch not from a Debian package) keeps it: Debian's would shadow or mismatch the site's.
+  local sbatch
+  sbatch="$(command -v sbatch || true)"
+  if [[ -n "$sbatch" ]] && ! dpkg -S "$sbatch" >/dev/null 2>&1; then
+    echo "    Slurm: this machine has its own ($sbatch); Debian's Slurm packages are not installed"
+  else
+    want+=(slurmctld slurmd slurm-client munge)
+  fi
   local missing=()
   for p in "${want[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -26,6 +26,16 @@ def private_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None
 
 
 @pytest.fixture(scope="session", autouse=True)
+def outside_slurm() -> Iterator[None]:
+    """Run inside a Slurm job, the tests would see its SLURM_* variables, and `hvdtrain run` of a spec without hosts
+    would plan on that job's allocation: every test starts outside Slurm (tests/slurm.py's cluster passes its own)."""
+    with pytest.MonkeyPatch.context() as mp:
+        for name in [n for n in os.environ if n.startswith("SLURM_")]:
+            mp.delenv(name)
+        yield
+
+
+@pytest.fixture(scope="session", autouse=True)
 def nothing_left_behind() -> Iterator[harness.OrphanReaper]:
     """Adopt every orphan for the whole session; at its end, fail if any process (of a module- or session-scoped
     fixture, say: the per-test check exempts those) or any new hvdtrain shared-memory segment is left."""

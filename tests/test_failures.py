@@ -54,7 +54,7 @@ def test_without_a_log_dir_the_failing_ranks_last_lines_are_shown():
     t.feed("Process 1 exit with status code 2.")
     report = t.report(None)
     assert report[1] == ("hvdtrain: its last 15 line(s) (set logs.dir in the spec to keep every rank's output and "
-                         "horovodrun's):")
+                         "the launcher's):")
     assert report[2:] == [f"  | line {i}" for i in range(5, 20)]
 
 

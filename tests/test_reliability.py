@@ -143,7 +143,8 @@ def test_a_failing_rank_ends_the_job_within_seconds_naming_rank_host_and_log(con
              r"rank 1 on host \S+ raised RuntimeError: rank 1 is failing on purpose mid-epoch"
              r"( and exited with code 1)? \((the first rank to fail|the cause)\)")
     assert re.search("hvdtrain: " + named, res.output), res.output
-    assert f"hvdtrain: its output: {tmp_path / 'logs' / 'rank.1.log'}" in res.output
+    log = tmp_path / "logs" / "rank.1.log"  # made at the rank's first line: a rank SIGKILLed early may have none
+    assert (f"hvdtrain: its output: {log}" if log.exists() else "hvdtrain: it printed nothing") in res.output
     if fault == "raise":
         assert "rank 1 is failing on purpose mid-epoch" in (tmp_path / "logs" / "rank.1.log").read_text()
     procs = [psutil.Process(p) for p in pids + producers if alive([p])]

@@ -264,8 +264,9 @@ def test_sbatch_srun_launcher_runs_hvdtrain_run_with_srun(tmp_path):
     assert out.startswith("# hosts from Slurm job 42: node01:4,node02:4")
     assert f"# working directory\n{workdir}\n" in out  # srun, and so every rank, starts there
     command = shlex.split(out.split("# command\n")[1].split("\n")[0])
-    assert command == ["srun", "--label", "--disable-status", "--ntasks=8", "--mpi=pmix", "--kill-on-bad-exit=1",
-                       sys.executable, "-m", "hvdtrain.rank", str(tmp_path / "train.py"), "x y", "$(id)"]
+    assert command == ["srun", "--label", "--disable-status", "--export=ALL", "--ntasks=8", "--mpi=pmix",
+                       "--kill-on-bad-exit=1", sys.executable, "-m", "hvdtrain.rank", str(tmp_path / "train.py"),
+                       "x y", "$(id)"]
     assert "NOTE='$HOME'" in out
 
 
@@ -282,6 +283,9 @@ def test_workdir_is_where_the_mpijob_launcher_starts(tmp_path):
 def test_srun_refuses_horovodrun_only_settings(tmp_path):
     with pytest.raises(RenderError, match=r"horovod\.fusion_threshold_mb.*use the horovodrun launcher"):
         render_file("slurm", write_spec(tmp_path, SPEC), cluster(), SlurmOptions(launcher="srun"))
+    with pytest.raises(RenderError, match=r"cannot apply controller: gloo"):  # --controller as well as the spec's
+        render_file("slurm", write_spec(tmp_path, "script: t.py\nnp: 2\n"), cluster(controller="gloo"),
+                    SlurmOptions(launcher="srun"))
 
 
 @pytest.mark.parametrize(("opts", "match"), [

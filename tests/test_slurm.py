@@ -8,14 +8,14 @@ slurmd), with real horovodrun jobs: issue 34's Slurm-aware `hvdtrain run` and th
   ras/slurm, by itself: on one node every rank is local, so no orted is started through srun). The shipped
   quickstart spec trains one epoch that way.
 - scancel of a running rendered job leaves no process of it and no /dev/shm segment of its data loaders (an MPI
-  job's Open MPI segments are a known defect: see the test).
+  job's Open MPI segments can stay: a known limitation, see the test).
 - `hvdtrain run` in an salloc shell uses the allocation; started once per task by `srun -n2` it refuses before
   anything starts; an np larger than the allocation is an exit-2 error naming it.
 - `--launcher srun` (`hvdtrain render slurm --launcher srun`, `hvdtrain run --launcher srun`): Slurm starts every
   rank as a task of one srun step (`--mpi=pmix`), under hvdtrain's supervisor; sbatch of the rendered script runs
   to the end with srun's labels turned into rank prefixes; a failing rank's own exit code is the job's (not srun's);
   scancel leaves no process or segment; SIGTERM to hvdtrain in an salloc shell stops every rank through one SIGINT
-  (a KeyboardInterrupt the rank handles) and exits 143, and a known defect: each rank gets that SIGINT twice.
+  (a KeyboardInterrupt the rank handles) and exits 143; each rank gets that SIGINT once, from Slurm.
 
 The node is this machine (its short hostname, 127.0.0.1), so horovodrun runs every rank locally, without ssh.
 Seen, not tested here: because mpirun takes the allocation from ras/slurm, a spec that keeps hosts of its own
@@ -320,7 +320,7 @@ def test_np_beyond_the_allocation_is_an_error_naming_it(slurm_cluster: SlurmClus
 # supervisor, and Horovod initialises through MPI from PMIx: no mpirun, no ssh. This machine's srun has the pmix
 # plugin (Debian's slurm-wlm: `srun --mpi=list` says pmix, pmix_v4, pmi2, cray_shasta, none).
 
-SRUN_ARGV = "srun --label --disable-status --ntasks=2 --mpi=pmix --kill-on-bad-exit=1"
+SRUN_ARGV = "srun --label --disable-status --export=ALL --ntasks=2 --mpi=pmix --kill-on-bad-exit=1"
 
 # ALLREDUCE, saying also which Slurm task and PMIx rank it is: a rank is Slurm's task, not mpirun's process.
 SRUN_ALLREDUCE = """\

@@ -152,12 +152,12 @@ def test_srun_launcher_errors(tmp_path, monkeypatch, capsys, spec, env, match):
 def test_srun_plan_puts_every_rank_under_the_supervisor(tmp_path, monkeypatch, capsys):
     (tmp_path / "t.py").write_text("")
     (tmp_path / "job.yaml").write_text("script: t.py\nnp: 4\nargs: [--x, 'a b']\nenv: {A: '1'}\n")
-    for name, value in alloc_env().items():
+    for name, value in alloc_env(SLURM_CPUS_PER_TASK="3").items():  # sbatch --cpus-per-task=3: srun does not inherit it
         monkeypatch.setenv(name, value)
     assert main(["run", str(tmp_path / "job.yaml"), "--launcher", "srun", "--srun-mpi", "pmi2", "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert (f"srun --label --disable-status --ntasks=4 --mpi=pmi2 --kill-on-bad-exit=1 {sys.executable} -m "
-            "hvdtrain.rank ") in out
+    assert (f"srun --label --disable-status --export=ALL --ntasks=4 --mpi=pmi2 --kill-on-bad-exit=1 "
+            f"--cpus-per-task=3 {sys.executable} -m hvdtrain.rank ") in out
     assert "\nA=1\nHVDTRAIN_SLURM_SIGNALS=1\n" in out and "--x 'a b'" in out
     (tmp_path / "job.yaml").write_text("script: t.py\nnp: 3\n")  # fewer ranks than tasks: srun would spread them
     assert main(["run", str(tmp_path / "job.yaml"), "--launcher", "srun", "--dry-run"]) == 2

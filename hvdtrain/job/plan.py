@@ -105,10 +105,12 @@ def srun_problem(spec: JobSpec) -> str | None:
             "HOROVOD_* variables in env:")
 
 
-def build_srun_plan(spec: JobSpec, *, mpi: str = "pmix", srun: str = "srun") -> LaunchPlan:
+def build_srun_plan(spec: JobSpec, *, mpi: str = "pmix", cpus_per_task: str | None = None,
+                    srun: str = "srun") -> LaunchPlan:
     """Slurm starts the ranks (`srun --mpi=MPI`) on the allocation that `spec.hosts` came from, each under hvdtrain's
     supervisor, and Horovod initialises through MPI. `--kill-on-bad-exit` ends the others when a rank fails (they
-    would wait in a collective); the job's exit code then comes from the ranks' records, as with horovodrun."""
+    would wait in a collective); the job's exit code then comes from the ranks' records, as with horovodrun.
+    `cpus_per_task`: the job's SLURM_CPUS_PER_TASK (Slurm 22.05's srun does not inherit --cpus-per-task)."""
     problem = srun_problem(spec)
     if problem:
         raise ValueError(problem)
@@ -120,7 +122,9 @@ def build_srun_plan(spec: JobSpec, *, mpi: str = "pmix", srun: str = "srun") -> 
                          f"{total_slots(hosts)} task(s) ({hosts_arg(hosts)}); set np to {total_slots(hosts)} "
                          f"(-o np={total_slots(hosts)}), ask Slurm for {spec.np} tasks, or use the horovodrun launcher")
     # --disable-status: SIGINT goes to the tasks (NOTE [srun signals] in hvdtrain/launch/runner.py)
-    argv = [srun, "--label", "--disable-status", f"--ntasks={spec.np}", f"--mpi={mpi}", "--kill-on-bad-exit=1",
+    # --export=ALL: the ranks need this environment (records, the spec's env) even under sbatch --export=NONE.
+    argv = [srun, "--label", "--disable-status", "--export=ALL", f"--ntasks={spec.np}", f"--mpi={mpi}",
+            "--kill-on-bad-exit=1", *([f"--cpus-per-task={cpus_per_task}"] if cpus_per_task else []),
             spec.python, "-m", RANK_MODULE, spec.script, *spec.args]
     # Slurm signals every process of the step: the supervisors must not pass a second copy on (hvdtrain/rank.py).
     env = {**spec.env, "HVDTRAIN_SLURM_SIGNALS": "1"}

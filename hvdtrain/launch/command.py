@@ -19,7 +19,8 @@ if TYPE_CHECKING:
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser],
                add_job_args: Callable[[argparse.ArgumentParser], None]) -> None:
     """Add `run` to hvdtrain's subcommands (`add_job_args`: the JOB.yaml and -o arguments `validate` shares)."""
-    p = sub.add_parser("run", help="launch a job spec with horovodrun (--dry-run: print the command only)")
+    p = sub.add_parser("run", help="launch a job spec with horovodrun, or srun in a Slurm allocation (--dry-run: "
+                                   "print the command only)")
     add_job_args(p)
     p.add_argument("--dry-run", action="store_true", help="print the exact argv and added env; start nothing")
     p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
@@ -69,7 +70,8 @@ def _plan(args: argparse.Namespace, spec: JobSpec, in_allocation: bool) -> Launc
                               "script or a salloc shell, for a spec that sets no hosts or hostfile (the allocation "
                               "gives them)")
         try:
-            return build_srun_plan(spec, mpi=args.srun_mpi)
+            cpus = os.environ.get("SLURM_CPUS_PER_TASK", "")
+            return build_srun_plan(spec, mpi=args.srun_mpi, cpus_per_task=cpus if cpus.isdigit() else None)
         except ValueError as exc:
             raise LaunchError(str(exc)) from None
     controller = spec.controller or default_controller(spec.python, save=not args.dry_run)  # a dry run writes nothing

@@ -205,7 +205,7 @@ class FailureTracker:
         if not tail:
             return []
         return [f"hvdtrain: its last {len(tail)} line(s) (set logs.dir in the spec to keep every rank's output "
-                "and horovodrun's):", *(f"  | {t}" for t in tail)]
+                "and the launcher's):", *(f"  | {t}" for t in tail)]
 
     def _lost_hosts(self) -> list[str]:
         """A lost host is the cause whatever rank exited first: say so first."""

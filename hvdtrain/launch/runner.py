@@ -36,6 +36,7 @@ POLL_S = 0.5
 GUARD_MODULE = "hvdtrain.launch.lifeline"  # `python -m hvdtrain.launch.lifeline PGID`: see NOTE [no orphans]
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # each stops the whole job; exit 128 + N
 RECORDS_TMP = "hvdtrain-records-"  # the ranks' records without logs.dir: a temporary directory
+SWEEP_POLL_S = 0.05  # how often the sweep looks whether horovodrun's group has stopped
 SRUN_ABORT_S = 10.0  # after SIGTERM, how long srun may take to kill its step through Slurm before SIGKILL
 SNAPSHOT_S = 2.0  # a process-tree walk costs CPU that the ranks need: not every poll
 
@@ -117,10 +118,11 @@ def find_horovodrun() -> str:
 #    sweep first lets the rest of the grace run: mpirun takes a second signal as "exit at once, clean nothing up".
 # NOTE [srun signals]: with `--launcher srun` the ranks are slurmstepd's children on every node, not srun's: they
 # are in no process group or snapshot of ours, and only Slurm reaches them. srun (started with --disable-status)
-# forwards SIGINT to every task, where each rank's supervisor passes it on (hvdtrain/rank.py): a stop signal of
-# any kind is forwarded to srun as SIGINT, so the ranks stop as they would under horovodrun. srun takes SIGTERM
+# forwards SIGINT to the step, and slurmstepd signals every process of it, each rank included (its supervisor
+# passes nothing on: HVDTRAIN_SLURM_SIGNALS, hvdtrain/rank.py): a stop signal of any kind is forwarded to srun as
+# SIGINT, so the ranks stop as they would under horovodrun. srun takes SIGTERM
 # as "kill the step" (a SIGKILL of every task, through slurmctld): that is the escalation when the grace runs out,
-# and what the guard does if hvdtrain dies. Only if srun itself outlives SRUN_ABORT_S after it is srun SIGKILLed;
+# and what the guard does if hvdtrain dies. Only if srun itself outlives SRUN_ABORT_S after that is it SIGKILLed;
 # Slurm then ends the step when the job ends (scancel, or the batch script's exit).
 class _Job:
     def __init__(self, router: OutputRouter) -> None:
@@ -244,20 +246,18 @@ class _Job:
 
     def sweep(self) -> None:
         alive = [p for p in self.seen.values() if _alive(p)]
-        # After a forwarded stop signal, what is left is already stopping (MPI: the group leader `sh -c mpirun` dies
-        # at once while mpirun stops its ranks): it keeps the rest of the grace, and so does horovodrun's group (the
-        # snapshot may predate mpirun). A signal now would cut mpirun's teardown short: a second SIGTERM within 5 s
-        # of the first makes it exit at once, as SIGKILL does, and its PMIx server then never runs the cleanup each
-        # rank registered (the unlink of the rank's /dev/shm/vader_segment.* file). A second signal to hvdtrain ends
-        # the wait (on_signal sets kill_at to now).
-        while self.kill_at is not None and (alive or group_alive(self.pid)):
-            left = self.kill_at - time.monotonic()
-            if left <= 0:
-                break
-            if alive:
-                _, alive = psutil.wait_procs(alive, timeout=min(POLL_S, left))
-            else:
-                time.sleep(min(POLL_S, left))
+        # After a forwarded stop signal, what is left in horovodrun's group is already stopping (MPI: the leader
+        # `sh -c mpirun` dies at once while mpirun stops its ranks): it keeps the rest of the grace. A signal now
+        # would cut mpirun's teardown short: a second SIGTERM within 5 s of the first makes it exit at once, as
+        # SIGKILL does, and its PMIx server then never runs the cleanup each rank registered (the unlink of the
+        # rank's /dev/shm/vader_segment.* file). Members outside the group are not waited for; a signal received
+        # meanwhile ends the wait, and a second one (NOTE [console]: "killing every rank now") kills at once.
+        deadline, settled = self.kill_at, len(self.signals)
+        while (deadline is not None and len(self.signals) == settled and time.monotonic() < deadline
+               and group_alive(self.pid)):
+            time.sleep(SWEEP_POLL_S)
+        if len(self.signals) > settled:
+            self.kill_all()
         for p in alive:
             with contextlib.suppress(psutil.Error):
                 p.terminate()
@@ -394,8 +394,9 @@ def _exit_code(returncode: int, router: OutputRouter, signum: int | None, timed_
     failure = router.failures.exit_failure()
     if returncode != 0:
         said = router.launcher.hidden  # horovodrun's own account, when its traceback was kept off the console
+        launcher = "srun" if router.srun_labels else "horovodrun"
         for line in router.failures.report(router.logs.dir) or [
-                f"hvdtrain: horovodrun exited with code {returncode} and no rank reported a failure", *said]:
+                f"hvdtrain: {launcher} exited with code {returncode} and no rank reported a failure", *said]:
             router.note(line)
     if returncode != 0 and failure is not None:
         if failure.code:

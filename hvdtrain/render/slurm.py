@@ -96,12 +96,13 @@ def _run_argv(spec: JobSpec, cluster: ClusterOptions, run: SpecOnCluster) -> lis
 
 def _hvdtrain_lines(spec: JobSpec, lay: Placement, cluster: ClusterOptions, run: SpecOnCluster) -> list[str]:
     return [f"# hvdtrain run: {lay.nodes} host(s) x {lay.slots_per_node} slots from the allocation "
-            "(SLURM_JOB_NODELIST, SLURM_TASKS_PER_NODE), then horovodrun over ssh.",
+            "(SLURM_JOB_NODELIST, SLURM_TASKS_PER_NODE), then horovodrun (Gloo: ssh to the other nodes).",
             "exec " + shlex.join(_run_argv(spec, cluster, run))]
 
 
 def _srun_lines(spec: JobSpec, cluster: ClusterOptions, opts: SlurmOptions, run: SpecOnCluster) -> list[str]:
-    problem = srun_problem(spec)
+    controller = spec.controller or cluster.controller
+    problem = srun_problem(spec.model_copy(update={"controller": controller}))
     if problem:
         raise RenderError(f"--launcher srun: {problem.removeprefix('the srun launcher ')}")
     _sbatch_value(opts.srun_mpi, "--srun-mpi", "pmix")
