@@ -239,12 +239,7 @@ def test_scancel_leaves_no_process_and_no_segment(slurm_cluster: SlurmCluster, t
     spec = write_spec(tmp_path, LOADER_FOREVER, str(tmp_path))
     job = submit(slurm_cluster, render(spec, f"controller={controller}"))
     ready = [tmp_path / f"ready.{rank}" for rank in (0, 1)]
-    deadline = time.monotonic() + READY_S
-    while not all(p.exists() for p in ready):
-        fields = slurm_cluster.job_fields(job)
-        assert fields.get("JobState") in ("PENDING", "RUNNING"), fields
-        assert time.monotonic() < deadline, f"the ranks never got a batch: {fields}"
-        time.sleep(0.2)
+    wait_ready(slurm_cluster, job, ready)
     pids = job_pids(slurm_cluster, job)
     rank_pids = {int(p.read_text()) for p in ready}
     assert rank_pids <= set(pids), (rank_pids, slurm_cluster.processes(job))  # the ranks are the job's processes
@@ -257,10 +252,7 @@ def test_scancel_leaves_no_process_and_no_segment(slurm_cluster: SlurmCluster, t
     mapped = mapped_shm_files(pids)
 
     slurm_cluster.scancel(job)
-    cancelled_at = time.monotonic()
-    while left := alive(pids) + [f"{pid}: {cmd}" for pid, cmd in slurm_cluster.processes(job).items()]:
-        assert time.monotonic() - cancelled_at < GONE_S, "still running after scancel:\n" + "\n".join(left)
-        time.sleep(0.2)
+    wait_all_gone(slurm_cluster, job, pids, "scancel")
     assert segments_of(pids) == []
     result = slurm_cluster.wait(job, JOB_TIMEOUT_S)
     assert result.state == "CANCELLED", result
