@@ -136,7 +136,7 @@ def _cmd_data_convert(args: argparse.Namespace) -> int:
     try:
         summary = convert(args.src, args.dst, shard_bytes=args.shard_size, compression=args.compression,
                           image_size=args.image_size, val_fraction=args.val_fraction, progress=args.progress,
-                          shuffle=args.shuffle, seed=args.seed)
+                          shuffle=args.shuffle, seed=args.seed, encoded=args.encoded)
     except DataError as exc:
         print(f"hvdtrain data convert: error: {exc}", file=sys.stderr)
         return exitcodes.INVALID_INPUT
@@ -222,6 +222,10 @@ def _add_data_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
                         "node; default: none")
     p.add_argument("--image-size", type=_convert_arg("parse_image_size"), default=None, metavar="HxW",
                    help="resize every image to this (default: all images must have one size)")
+    p.add_argument("--encoded", action="store_true",
+                   help="images: keep each JPEG/PNG file as it is (a jpeg column, any sizes; typically 5-10x smaller "
+                        "than pixels), decoded and augmented per batch by the loader's producers at the training's "
+                        "--image-size; default: decoded pixels")
     p.add_argument("--val-fraction", type=_fraction, default=0.0, metavar="F",
                    help="for a SRC without train/ and val/: hold out this fraction, evenly spaced, as val/")
     p.add_argument("--seed", type=int, default=0, metavar="N",

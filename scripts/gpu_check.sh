@@ -16,6 +16,11 @@
 #                channels-last; their summary.json (samples/s, host data wait, GPU idle between steps)
 #   feed         bench/gpu_feed.py (B8): the recipe's loop fed by hvdtrain vs data already on the GPU vs torch's
 #                DataLoader(pin_memory=True), bf16 + channels-last; its goals marked met / NOT met
+#   decode       bench/jpeg_decode.py: decoded + augmented 224 px JPEGs/s per core and on all cores for each decoder
+#                (Pillow, OpenCV, simplejpeg if carried in .gpu-extra/, torchvision), nvJPEG on the GPU, and the
+#                rate a ResNet-50 at bf16 + channels-last trains at (what the feed must reach)
+#   jpeg         bench/gpu_jpeg.py (B9): a ResNet-50 on 224 px JPEGs, bf16 + channels-last, fed by hvdtrain (decode +
+#                augment in the producers) vs decoded batches already on the GPU vs DataLoader; goals met / NOT met
 #   prefetch     tests/test_prefetch_cuda.py + tests/test_prefetch.py under TORCH_CUDA_SANITIZER=1
 #   h2d          bench/h2d_overlap.py: step time with the prefetcher vs synchronous copies vs data on the GPU
 #   racecheck    compute-sanitizer --tool racecheck over a few of those tests (skipped where it is missing)
@@ -30,7 +35,7 @@
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-STEPS=(env venv build collectives recipe feed prefetch h2d racecheck keras)
+STEPS=(env venv build collectives recipe feed decode jpeg prefetch h2d racecheck keras)
 OUT_DIR="$PWD/gpu-check-out" VENDOR="$ROOT/.gpu-vendor" PY=python3 WORK="" SKIP="" ONLY="" DRY=0 NEED_GPU=1 BUDGET=540
 HOROVOD_VERSION="0.28.1"
 HOROVOD_SHA256="92a43f5a94c43907a56805bad15f19700c62ffc83b7ca483f9e104e229f67ef0"  # as in scripts/setup.sh
@@ -154,6 +159,8 @@ run_step build 420
 run_step collectives 120
 run_step recipe 150
 run_step feed 150
+run_step decode 120
+run_step jpeg 150
 run_step prefetch 180
 run_step h2d 180
 run_step racecheck 100

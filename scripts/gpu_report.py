@@ -40,6 +40,8 @@ def build_report(steps: list[dict[str, Any]], out: Path, work: Path) -> dict[str
         "h2d_overlap": _load(out / "h2d_overlap.json"),
         "recipe": _load(out / "recipe_summary.json"),
         "recipe_bf16": _load(work / "recipe_bf16_summary.json"),
+        "jpeg_decode": _load(work / "jpeg_decode.json"),
+        "gpu_jpeg": {k: v for k, v in (_load(work / "gpu_jpeg.json") or {}).items() if k != "windows"} or None,
         "gpu_feed": {k: v for k, v in (_load(out / "gpu_feed.json") or {}).items() if k != "windows"} or None,
     }
 
@@ -60,6 +62,13 @@ def summary_text(report: dict[str, Any]) -> str:
                   f"{m['gpu_idle_share']:.2%}  host wait {m['data_wait_share']:.2%}"
                   for name, m in feed["median"].items()]
         lines += [f"  goal {k}: {g['value']:.4g} {'met' if g['met'] else 'NOT met'}" for k, g in feed["goals"].items()]
+    jpeg = report.get("gpu_jpeg")
+    if jpeg and isinstance(jpeg.get("goals"), dict):
+        lines += ["", f"B9 (gpu_check.json gpu_jpeg): {jpeg.get('config')}"]
+        lines += [f"  {name:<11} {m['samples_per_s']:>9.0f} samples/s  step {m['step_ms']:.3f} ms  GPU idle "
+                  f"{m['gpu_idle_share'] or 0:.2%}  host wait {m['data_wait_share']:.2%}"
+                  for name, m in jpeg["median"].items()]
+        lines += [f"  goal {k}: {g['value']:.4g} {'met' if g['met'] else 'NOT met'}" for k, g in jpeg["goals"].items()]
     h2d = report["h2d_overlap"]
     if h2d:
         lines += ["", "h2d_overlap.json:", json.dumps(h2d, indent=1)[:3000]]

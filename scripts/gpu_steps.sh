@@ -23,6 +23,15 @@ elif kind == "feed":  # B8: hvdtrain's feed vs data on the GPU vs DataLoader, wi
     line = (", ".join(f"{f} {m['samples_per_s']:.0f}/s" for f, m in med.items())
             + "; " + "; ".join(f"{k}: {g['value']:.3g} {'met' if g['met'] else 'NOT met'}"
                                for k, g in d["goals"].items()))
+elif kind == "decode":  # images/s on all cores per decoder, nvJPEG, what a ResNet-50 consumes
+    line = (", ".join(f"{k} {v.get('all_cores', 'skipped')}" for k, v in d["decoders"].items())
+            + f"; nvjpeg {d.get('nvjpeg_batch_64')}/s; ResNet-50 bf16 trains at {d.get('resnet50_bf16_cl_batch_256')}/s")
+elif kind == "jpeg":  # B9: ResNet-50 on JPEGs fed by hvdtrain vs data on the GPU vs DataLoader, with the goals
+    med = d["median"]
+    line = (", ".join(f"{f} {m['samples_per_s']:.0f}/s" for f, m in med.items())
+            + " (feed alone: " + ", ".join(f"{f} {v:.0f}/s" for f, v in d["feed_only_samples_per_s"].items())
+            + f"); hvdtrain GPU idle {med['hvdtrain']['gpu_idle_share']:.2%}; "
+            + "; ".join(f"{k}: {g['value']:.3g} {'met' if g['met'] else 'NOT met'}" for k, g in d["goals"].items()))
 else:  # h2d: per workload, the step time vs data already on the GPU and the host's wait in next()
     line = ("; ".join(
         f"{n} {w['modes']['prefetch']['ratio_vs_resident']:.3f}x resident (goal <= 1.02 "
@@ -167,6 +176,26 @@ step_feed() {
   "$VENV/bin/horovodrun" -np 1 -H localhost:1 --gloo "$VPY" bench/gpu_feed.py --json "$OUT_DIR/gpu_feed.json"
   local rc=$?
   note "B8 bench/gpu_feed.py exit $rc: $(numbers feed "$OUT_DIR/gpu_feed.json") (gpu_feed.json)"
+  return $rc
+}
+
+step_decode() {
+  # Optional wheels for the decoder comparison (simplejpeg): .gpu-extra/*.whl, carried with the working tree.
+  compgen -G "$ROOT/.gpu-extra/*.whl" >/dev/null \
+    && "$VPY" -m pip install -q --no-index --no-deps --no-cache-dir "$ROOT"/.gpu-extra/*.whl
+  # kept in WORK (gpu_check.json embeds it): the device tool brings back at most 8 files from OUT
+  "$VPY" bench/jpeg_decode.py --json "$WORK/jpeg_decode.json"
+  local rc=$?
+  note "bench/jpeg_decode.py exit $rc: $(numbers decode "$WORK/jpeg_decode.json") (in gpu_check.json)"
+  return $rc
+}
+
+step_jpeg() {
+  df -h /dev/shm  # its producers' slots and the DataLoader's batches in flight: ~3 GB at the defaults
+  # kept in WORK (gpu_check.json embeds it): the device tool brings back at most 8 files from OUT
+  "$VPY" bench/gpu_jpeg.py --json "$WORK/gpu_jpeg.json"
+  local rc=$?
+  note "B9 bench/gpu_jpeg.py exit $rc: $(numbers jpeg "$WORK/gpu_jpeg.json") (in gpu_check.json)"
   return $rc
 }
 

@@ -81,7 +81,7 @@ def test_dry_run_prints_the_nccl_build_flags(vendor: Path) -> None:
                  "CMAKE_POLICY_VERSION_MINIMUM=3.5"):
         assert flag in build, (flag, build)
     steps = next(line for line in r.stdout.splitlines() if line.startswith("steps:")).split()[1:]
-    assert steps == ["env", "venv", "build", "collectives", "recipe", "feed", "prefetch", "h2d"]
+    assert steps == ["env", "venv", "build", "collectives", "recipe", "feed", "decode", "jpeg", "prefetch", "h2d"]
 
 
 def test_a_tampered_vendor_folder_is_refused_naming_the_file(vendor: Path, tmp_path: Path) -> None:

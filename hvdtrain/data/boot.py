@@ -14,8 +14,8 @@ multiprocessing's default start method):
     objects defined in `__main__` included, so it needs none; `import_main=True` runs it, as multiprocessing would
     (`spawn.prepare`), and a loader that such a run starts at module level is refused (`ImportingMainError`).
 (c) Math threads. numpy's OpenBLAS starts one thread per core at import (a large share of a producer's start-up
-    CPU), and N producers' pools would oversubscribe the cores the trainer needs. `main` sets OPENBLAS, OMP and
-    MKL to one thread (unless the user set them: the child inherits the trainer's environment) before it imports
+    CPU), and N producers' pools would oversubscribe the cores the trainer needs. `main` sets OPENBLAS, OMP, MKL
+    and OpenCV to one thread (unless the user set them: the child inherits the trainer's environment) before it imports
     anything that imports numpy, like torch's DataLoader workers' `torch.set_num_threads(1)`.
 (d) Liveness. The child holds the write end of a pipe and nothing else does; its read end, `sentinel`, reports EOF
     when the child is gone (multiprocessing's sentinel, made the same way), for the loader's poll set.
@@ -50,7 +50,8 @@ import time
 from typing import Any
 
 WAIT_S = 1.0  # the longest a producer waits for producer 0's first batch before it starts anyway
-SINGLE_THREADED = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")  # NOTE [producer start] (c)
+# NOTE [producer start] (c); OpenCV's own pool (image decoding, hvdtrain.stream.images) reads the last one
+SINGLE_THREADED = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENCV_FOR_THREADS_NUM")
 BOOTSTRAP = ("import pickle, sys; boot = pickle.load(sys.stdin.buffer); sys.path[:] = boot['sys_path']; "
              "from hvdtrain.data.boot import main; main(boot)")  # NOTE [producer start] (a)
 _importing_main = False  # this process is a producer running the training script (NOTE [producer start] (b))

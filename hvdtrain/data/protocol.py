@@ -130,6 +130,20 @@ class PlansEpochs(Protocol):
     def plan_epoch(self, seed: int, epoch: int, last: bool = False, leads: bool = True) -> None: ...
 
 
+@runtime_checkable
+class BeginsEpochs(Protocol):
+    """A dataset whose samples depend on the epoch (random augmentation: `hvdtrain.train.streamed.StreamSplit`).
+    Each producer of a dataset-mode ShmLoader calls `begin_epoch(seed, epoch)` at the start of every epoch it makes,
+    shuffled or not, before its first read: the loader's `seed` and the epoch about to be read."""
+
+    def begin_epoch(self, seed: int, epoch: int) -> None: ...
+
+
+def begins_epochs(dataset: Any) -> TypeGuard[BeginsEpochs]:
+    """Whether `dataset` has a callable `begin_epoch` (BeginsEpochs), looked up as `plans_epochs` does."""
+    return callable(getattr(dataset, "begin_epoch", None))
+
+
 def plans_epochs(dataset: Any) -> TypeGuard[PlansEpochs]:
     """Whether `dataset` has a callable `plan_epoch` (PlansEpochs). Looked up as any attribute, unlike
     `isinstance(dataset, PlansEpochs)` on Python 3.12, which does not ask `__getattr__`: a wrapper that forwards

@@ -37,6 +37,7 @@ from hvdtrain.data.protocol import (
     StartEpoch,
     Stop,
     WorkerFailed,
+    begins_epochs,
     plans_epochs,
 )
 from hvdtrain.data.ring import Ring
@@ -237,6 +238,8 @@ class _Worker:
         if state is not None:
             sampler.load_state_dict(state)
         mine = sampler.batches()[cfg.local_id::cfg.workers_per_rank]  # 0 makes the rank's next batch
+        if begins_epochs(cfg.dataset):  # its augmentation is keyed on (seed, epoch)
+            cfg.dataset.begin_epoch(sampler.seed, sampler.epoch)
         if plans_epochs(cfg.dataset) and sampler.shuffle:  # a streamed dataset fetches ahead (hvdtrain.stream.fetcher)
             last = cfg.epochs is not None and sampler.epoch >= cfg.epochs - 1  # the job's last: fetch no more
             cfg.dataset.plan_epoch(sampler.seed, sampler.epoch, last=last, leads=cfg.local_id == 0 and len(mine) > 0)

@@ -12,14 +12,14 @@ every bad shard.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from hvdtrain.data.errors import DataError
-from hvdtrain.stream import labels, mds, store, verify
+from hvdtrain.stream import encodings, labels, mds, store, verify
 from hvdtrain.stream.errors import StreamError
 from hvdtrain.stream.splits import find_splits, human_bytes
 
@@ -146,13 +146,15 @@ class SplitCheck:
 
 class _Columns:
     """Every array column's dtype and shape as first seen in the split: a batch needs one (images of other sizes
-    decode but do not stack)."""
+    decode but do not stack), except in the columns `free` (image files: the readers decode and crop them to one
+    size per batch, hvdtrain/stream/images.py)."""
 
-    def __init__(self) -> None:
+    def __init__(self, free: Collection[str] = ()) -> None:
         self.seen: dict[str, tuple[str, tuple[int, ...], str, int]] = {}
+        self.free = frozenset(free)
 
     def problem(self, name: str, value: Any, shard: str, row: int) -> str | None:
-        if not isinstance(value, np.ndarray | np.generic):
+        if not isinstance(value, np.ndarray | np.generic) or name in self.free:
             return None
         kind = (value.dtype.str, value.shape)
         first = self.seen.setdefault(name, (*kind, shard, row))
@@ -177,7 +179,7 @@ def verify_split(name: str, where: str, index: mds.Index, field_name: str,
         result.problems.append(Problem(name, source.url(mds.INDEX), None, what, RELABEL))
     num_classes = index.meta.get("num_classes")
     num_classes = num_classes if isinstance(num_classes, int) and num_classes > 0 else None
-    shapes = _Columns()
+    shapes = _Columns([n for n, enc in columns.items() if enc.text in encodings.IMAGE_FILES])
     per_shard = [np.empty(0, np.int64) for _ in index.shards]  # each shard's labels (none: not read)
     for s, info in enumerate(index.shards):
         shard = source.url(info.remote_file.basename)

@@ -6,7 +6,9 @@ Sources (a split layout when SRC has both `train/` and `val/`; else SRC is the o
   time.
 - images: `<class>/*.jpg|jpeg|png` (class directories directly under SRC or under each split). Classes are numbered
   by their sorted directory names (over every split); images are decoded to RGB, resized to `image_size` (H, W)
-  when given (else all must have one size), and stored channels first (uint8 3 × H × W).
+  when given (else all must have one size), and stored channels first (uint8 3 × H × W); with `encoded`
+  (`--encoded`) the JPEG/PNG files are stored as they are (a `jpeg` column, `png` if all are PNG), of any sizes,
+  decoded and augmented per batch by the readers (hvdtrain/stream/images.py).
 
 DST gets `train/` and `val/` (Mosaic's layout; `val/` only if SRC has one or `val_fraction` > 0, which holds out
 evenly spaced samples of an unsplit SRC: sample i is val when floor((i+1)·f) > floor(i·f)). Columns: `x`
@@ -118,7 +120,7 @@ def parse_compression(text: str) -> str:
 
 def convert(src: Path, dst: Path, *, shard_bytes: int = DEFAULT_SHARD_BYTES, compression: str | None = None,
             image_size: tuple[int, int] | None = None, val_fraction: float = 0.0, progress: bool = True,
-            shuffle: bool = True, seed: int = 0) -> Summary:
+            shuffle: bool = True, seed: int = 0, encoded: bool = False) -> Summary:
     """Write `src` (see the module docstring) as an MDS dataset root in `dst`, which must not exist or be empty;
     each split in a uniform shuffle drawn from `seed` unless `shuffle` is False. A DataError (StreamError,
     DatasetError) naming the file and what is wrong for bad input, raised before anything is written where possible."""
@@ -135,7 +137,7 @@ def convert(src: Path, dst: Path, *, shard_bytes: int = DEFAULT_SHARD_BYTES, com
     if val_fraction and len(dirs) > 1:
         raise StreamError(f"{src} has train/ and val/ splits: --val-fraction applies only to a source without them")
     _check_dst(src, dst)
-    source = sources.scan(dirs, image_size)
+    source = sources.scan(dirs, image_size, encoded)
     source.meta["source"] = str(src.resolve())
     source.meta["order"] = f"shuffled (seed {seed})" if shuffle else "source order"
     outputs = ["train", "val"] if val_fraction else list(dirs)
@@ -224,14 +226,14 @@ def _rng(seed: int, output: str) -> np.random.Generator:
     return np.random.default_rng([seed, 0xC0417, SPLITS.index(output)])
 
 
-def _in_order(source: sources.Source, val_fraction: float, bar: Any) -> Iterator[tuple[str, np.ndarray, int]]:
+def _in_order(source: sources.Source, val_fraction: float, bar: Any) -> Iterator[tuple[str, np.ndarray | bytes, int]]:
     for split, items in source.items.items():
         for i, (x, y) in enumerate(sources.samples(source, items, bar)):
             yield _output(split, i, val_fraction), x, y
 
 
 def _shuffled_images(source: sources.Source, outputs: list[str], val_fraction: float, seed: int,
-                     bar: Any) -> Iterator[tuple[str, np.ndarray, int]]:
+                     bar: Any) -> Iterator[tuple[str, np.ndarray | bytes, int]]:
     """Each output split's images in a uniform shuffle (a list of files: nothing decoded is held)."""
     files: dict[str, list[Any]] = {name: [] for name in outputs}
     for split, items in source.items.items():
@@ -244,7 +246,7 @@ def _shuffled_images(source: sources.Source, outputs: list[str], val_fraction: f
 
 
 def _shuffled_arrays(source: sources.Source, outputs: list[str], val_fraction: float, seed: int, tmp: Path,
-                     bar: Any) -> Iterator[tuple[str, np.ndarray, int]]:
+                     bar: Any) -> Iterator[tuple[str, np.ndarray | bytes, int]]:
     """Each output split's array samples in a uniform shuffle, one source file and one bucket in memory at a time:
     every sample goes to a random bucket file in `tmp`, then each bucket is read back and permuted (the module
     docstring). `tmp` is removed when done (and by `convert` on failure)."""

@@ -22,7 +22,7 @@ import numpy as np
 from hvdtrain.data.errors import DataError
 from hvdtrain.datasets import cachedir
 from hvdtrain.datasets.openfiles import MAX_OPEN
-from hvdtrain.stream import mds, store, verify
+from hvdtrain.stream import encodings, mds, store, verify
 from hvdtrain.stream.errors import StreamError
 from hvdtrain.stream.fetcher import Fetcher
 from hvdtrain.stream.nodecache import NodeCache
@@ -39,11 +39,14 @@ class StreamingDataset:
     least recently used is unmapped beyond it: each mapping holds a file descriptor; default two blocks, at most
     `openfiles.MAX_OPEN`); `ranged`: the share of the dataset's bytes a node may read by range for a cold
     start's first batches (NOTE [first batches by range] in ranged.py; 0: never; default
-    `$HVDTRAIN_STREAM_RANGED`, else 1.5%). Safe to read from several threads (tf.data's)."""
+    `$HVDTRAIN_STREAM_RANGED`, else 1.5%); `raw_images`: `take()` returns the `fields` that hold image files (jpeg,
+    png: `raw_fields`) undecoded, as an object array of each sample's bytes (decoded and augmented by the caller:
+    hvdtrain.stream.images). Safe to read from several threads (tf.data's)."""
 
     def __init__(self, source: str | Path, *, fields: tuple[str, ...] | None = None, block_shards: int | None = None,
                  cache_dir: str | Path | None = None, max_open: int | None = None, cache_limit: int | None = None,
-                 ahead: int | None = None, fetch_threads: int = 2, ranged: float | None = None) -> None:
+                 ahead: int | None = None, fetch_threads: int = 2, ranged: float | None = None,
+                 raw_images: bool = False) -> None:
         self.source = store.normalise(source)
         self.store = store.open_store(self.source)
         text = self._index_text()
@@ -57,6 +60,7 @@ class StreamingDataset:
             if not self.columns[name].array_like:
                 raise StreamError(f"{self.source}: column {name!r} is {self.columns[name].text!r}, which does not "
                                   f"decode to an array; batchable columns: {list(arrays)}")
+        self.raw_fields = tuple(n for n in self.fields if raw_images and self.columns[n].text in encodings.IMAGE_FILES)
         sizes = np.asarray([s.samples for s in self.index.shards], dtype=np.int64)
         self.ends = np.cumsum(sizes)
         self.starts = self.ends - sizes
@@ -165,9 +169,13 @@ class StreamingDataset:
             block = reader.column_block(rows, self.fields)
             if block is not None:
                 return block
-            samples = [reader.sample(int(r), self.fields) for r in rows]
+            samples = [reader.sample(int(r), self.fields, self.raw_fields) for r in rows]
         out = {}
         for name in self.fields:
+            if name in self.raw_fields:  # encoded bytes, one object per sample
+                out[name] = np.empty(len(samples), object)
+                out[name][:] = [sample[name] for sample in samples]
+                continue
             values = [np.asarray(sample[name]) for sample in samples]
             shapes = {v.shape for v in values}
             if len(shapes) > 1:

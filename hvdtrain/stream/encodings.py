@@ -26,6 +26,7 @@ DTYPE_CODES = {v: k for k, v in VALUE_DTYPES.items()}
 SHAPE_DTYPES = {0: "uint8", 1: "uint16", 2: "uint32", 3: "uint64"}
 TEXT = ("str", "bytes", "json", "str_int", "str_float", "str_decimal")
 IMAGES = ("jpeg", "png", "pil")
+IMAGE_FILES = ("jpeg", "png")  # encoded image files: the loaders decode and augment them per batch (images.py)
 KNOWN = (*SCALARS, "int", "ndarray", *TEXT, *IMAGES)
 
 

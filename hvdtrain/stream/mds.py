@@ -16,7 +16,7 @@ import hashlib
 import json
 import mmap
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -208,13 +208,16 @@ class ShardReader:
                               "(corrupt shard)")
         return offsets
 
-    def sample(self, i: int, fields: Sequence[str] | None = None) -> dict[str, Any]:
-        """Sample `i`'s columns (only `fields`, if given) decoded and copied out of the mapping."""
+    def sample(self, i: int, fields: Sequence[str] | None = None, raw: Collection[str] = ()) -> dict[str, Any]:
+        """Sample `i`'s columns (only `fields`, if given) decoded and copied out of the mapping; those in `raw` as
+        their stored bytes (an image column's encoded file, decoded by the caller)."""
         begin, end = int(self.offsets[i]), int(self.offsets[i + 1])
         sizes = self._column_sizes(i, end - begin)
         pos, out = begin + 4 * len(self.variable), {}
         for (name, enc), size in zip(self.info.columns, sizes, strict=True):
-            if fields is None or name in fields:
+            if name in raw:
+                out[name] = bytes(self.map[pos:pos + size])
+            elif fields is None or name in fields:
                 try:
                     value = encodings.decode(enc, self.map[pos:pos + size])
                 except (EncodingError, ValueError, IndexError, ArithmeticError, OSError) as e:

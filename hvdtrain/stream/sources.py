@@ -15,6 +15,7 @@ from hvdtrain.stream import encodings
 from hvdtrain.stream.errors import StreamError
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")  # Pillow decodes them
+ENCODED_SUFFIXES = (".jpg", ".jpeg", ".png")  # kept as files by --encoded (a jpeg/png column; OpenCV decodes them)
 
 
 @dataclass
@@ -27,14 +28,15 @@ class Source:
     x_encoding: str
     meta: dict[str, Any] = field(default_factory=dict)
     image_size: tuple[int, int] | None = None  # images: resize to (H, W)
+    encoded: bool = False  # images: the files' bytes as they are (a jpeg/png column), not decoded pixels
     notes: list[str] = field(default_factory=list)
 
 
-def samples(source: Source, items: list[Any], bar: Any) -> Iterator[tuple[np.ndarray, int]]:
+def samples(source: Source, items: list[Any], bar: Any) -> Iterator[tuple[np.ndarray | bytes, int]]:
     """(x, label) of each sample of one split's items, in order."""
     if source.kind == "images":
         for path, label in items:
-            yield _decode_image(path, source.image_size), label
+            yield (_read_file(path) if source.encoded else _decode_image(path, source.image_size)), label
             bar.update(1)
         return
     for src in items:
@@ -50,13 +52,16 @@ def samples(source: Source, items: list[Any], bar: Any) -> Iterator[tuple[np.nda
 ShardSrc = Path | tuple[Path, Path]  # a .npz file or (NAME_x.npy, NAME_y.npy), from npyfiles.shard_files
 
 
-def scan(dirs: dict[str, Path], image_size: tuple[int, int] | None) -> Source:
+def scan(dirs: dict[str, Path], image_size: tuple[int, int] | None, encoded: bool = False) -> Source:
     if any(next(d.glob("*.np[yz]"), None) for d in dirs.values()):
-        if image_size is not None:
-            raise StreamError(f"{next(iter(dirs.values()))} holds array shards: --image-size applies to image "
-                              "folders only")
+        if image_size is not None or encoded:
+            raise StreamError(f"{next(iter(dirs.values()))} holds array shards: "
+                              f"{'--encoded' if encoded else '--image-size'} applies to image folders only")
         return _scan_arrays(dirs)
-    return _scan_images(dirs, image_size)
+    if encoded and image_size is not None:
+        raise StreamError("--encoded keeps each image file as it is, so --image-size (which resizes decoded pixels) "
+                          "does not apply: give one of them (training picks the size: the recipes' --image-size)")
+    return _scan_images(dirs, image_size, encoded)
 
 
 def _scan_arrays(dirs: dict[str, Path]) -> Source:
@@ -178,7 +183,7 @@ def load_array(src: ShardSrc, key: str) -> np.ndarray:
 
 # ---- image folders ----------------------------------------------------------------------------------------
 
-def _scan_images(dirs: dict[str, Path], image_size: tuple[int, int] | None) -> Source:
+def _scan_images(dirs: dict[str, Path], image_size: tuple[int, int] | None, encoded: bool = False) -> Source:
     classes = sorted({d.name for root in dirs.values() for d in root.iterdir()
                       if d.is_dir() and not d.name.startswith(".")})
     items: dict[str, list[Any]] = {}
@@ -194,7 +199,10 @@ def _scan_images(dirs: dict[str, Path], image_size: tuple[int, int] | None) -> S
             for path in sorted(p for p in found if p.suffix.lower() in IMAGE_SUFFIXES):
                 size = _image_size(path)
                 first = first or (path, size)
-                if image_size is None and size != first[1]:
+                if encoded and path.suffix.lower() not in ENCODED_SUFFIXES:
+                    raise StreamError(f"{path}: --encoded keeps JPEG and PNG files only ({'/'.join(ENCODED_SUFFIXES)}"
+                                      "); convert this folder without --encoded, or convert the file to JPEG")
+                if image_size is None and not encoded and size != first[1]:
                     raise StreamError(f"{path}: image is {size[0]}x{size[1]} (HxW) but {first[0]} is "
                                       f"{first[1][0]}x{first[1][1]}; pass --image-size HxW to resize every image")
                 items[split].append((path, label))
@@ -205,10 +213,15 @@ def _scan_images(dirs: dict[str, Path], image_size: tuple[int, int] | None) -> S
     if hw is None:  # never: a split without images was refused above
         raise StreamError(f"{', '.join(map(str, dirs.values()))}: no images found")
     height, width = hw
-    # x_scale: readers train on x * x_scale (pixels 0..255 -> 0..1); array datasets are trained on as stored.
-    meta = {"num_classes": len(classes), "x_shape": [3, height, width], "classes": classes, "x_scale": 1 / 255}
-    source = Source("images", items, {k: len(v) for k, v in items.items()}, f"ndarray:uint8:3,{height},{width}",
-                    meta, image_size)
+    counts = {k: len(v) for k, v in items.items()}
+    if encoded:  # decoded (and augmented) per batch by the readers: hvdtrain.stream.images
+        jpeg = any(p.suffix.lower() != ".png" for split in items.values() for p, _ in split)
+        meta = {"num_classes": len(classes), "classes": classes}
+        source = Source("images", items, counts, "jpeg" if jpeg else "png", meta, None, encoded=True)
+    else:
+        # x_scale: readers train on x * x_scale (pixels 0..255 -> 0..1); array datasets are trained on as stored.
+        meta = {"num_classes": len(classes), "x_shape": [3, height, width], "classes": classes, "x_scale": 1 / 255}
+        source = Source("images", items, counts, f"ndarray:uint8:3,{height},{width}", meta, image_size)
     if skipped:
         kinds = ", ".join(f"{suffix}: {n}" for suffix, n in sorted(skipped.items()))
         source.notes.append(f"skipped {sum(skipped.values())} files of the class directories that are not images "
@@ -225,6 +238,13 @@ def _image_size(path: Path) -> tuple[int, int]:
             return image.height, image.width
     except (OSError, ValueError, Image.DecompressionBombError) as e:
         raise StreamError(f"{path}: cannot read as an image ({e})") from None
+
+
+def _read_file(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        raise StreamError(f"{path}: cannot read ({e.strerror})") from None
 
 
 def _decode_image(path: Path, size: tuple[int, int] | None) -> np.ndarray:

@@ -25,6 +25,8 @@ def take_channels_last(ds: Any, indices: np.ndarray) -> tuple[np.ndarray, np.nda
 
     In a producer the moved axes stay a view: the one copy is the loader's write into shared memory."""
     x, y = ds.take(indices)
+    if x.dtype == np.uint8 and x.ndim == 4:  # decoded images, already N×H×W×C (hvdtrain.stream.images)
+        return (x * np.float32(1 / 255)), np.asarray(y).astype(np.int64, copy=False).reshape(len(x))
     if x.ndim == 4:
         x = np.moveaxis(x, 1, -1)
     return x.astype(np.float32, copy=False), np.asarray(y).astype(np.int64, copy=False).reshape(len(x))

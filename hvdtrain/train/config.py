@@ -134,6 +134,12 @@ class RecipeConfig:
     cache_limit: str | None = field(default=None, metadata={
         "help": "streamed datasets: bytes of shards the node's cache keeps, e.g. 20GiB (none: no limit); the "
                 "shards needed furthest in the future are evicted first"})
+    image_size: int | None = field(default=None, metadata={
+        "help": "MDS datasets of image files (jpeg/png columns): output squares of this many pixels, decoded in the "
+                "loader's producers (none: the first training image's shorter side)"})
+    augment: bool = field(default=True, metadata={
+        "help": "MDS datasets of image files: random-resized-crop and flip the training images (off: centre crop, "
+                "as validation)"})
     momentum: float = field(default=0.9, metadata={"help": "SGD momentum"})
     lr_milestones: tuple[int, ...] = field(default=(), metadata={"help": "epochs where LR ×= gamma, e.g. 10,20"})
     lr_gamma: float = field(default=0.1, metadata={"help": "LR factor at each of --lr-milestones"})
@@ -163,6 +169,8 @@ class RecipeConfig:
         for name in ("threads", "stop_after_epoch"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1 (or none), got {getattr(self, name)}")
+        if self.image_size is not None and not 8 <= self.image_size <= 4096:
+            raise ValueError(f"--image-size must be 8..4096 pixels (or none), got {self.image_size}")
         if self.num_classes is not None and self.num_classes < 2:
             raise ValueError(f"--num-classes must be >= 2 (or none), got {self.num_classes}")
         if self.cache_limit is not None:
@@ -207,4 +215,4 @@ class RecipeConfig:
                              synthetic_shape=self.synthetic_shape, synthetic_samples=self.synthetic_samples,
                              num_classes=self.num_classes, seed=self.seed, check_finite=self.check_finite,
                              x_field=self.x_field, y_field=self.y_field, shuffle_block=self.shuffle_block_shards,
-                             cache_limit=self.cache_limit_bytes)
+                             cache_limit=self.cache_limit_bytes, image_size=self.image_size, augment=self.augment)

@@ -25,12 +25,14 @@ def load(
     synthetic_shape: tuple[int, ...] = (3, 32, 32), synthetic_samples: int = 1024,
     num_classes: int | None = None, seed: int = 0, check_finite: bool = True,
     x_field: str = "x", y_field: str = "y", shuffle_block: int | None = None, cache_limit: int | None = None,
+    image_size: int | None = None, augment: bool = True,
 ) -> Splits:
     """`source` is "digits", "synthetic" or a directory of .npy/.npz shards.
 
     `num_classes` declares the number of classes (labels must be below it); None: 10 for digits and synthetic,
     inferred from the labels of a shard directory (see `LabelStats.num_classes`). `check_finite`: samples holding
-    NaN/Inf are an error naming the shard and the sample, raised where their batch is read (`take`).
+    NaN/Inf are an error naming the shard and the sample, raised where their batch is read (`take`). `image_size`,
+    `augment`: MDS datasets of image files (streamed.load_splits).
     """
     if num_classes is not None and num_classes < 2:
         raise DatasetError(f"--num-classes must be >= 2, got {num_classes!r}")
@@ -42,7 +44,8 @@ def load(
     from hvdtrain.train import streamed
 
     load_streamed = functools.partial(streamed.load_splits, num_classes=num_classes, x_field=x_field, y_field=y_field,
-                                      check_finite=check_finite, block_shards=shuffle_block, cache_limit=cache_limit)
+                                      check_finite=check_finite, block_shards=shuffle_block, cache_limit=cache_limit,
+                                      image_size=image_size, augment=augment)
     try:
         remote = store.is_url(source)
     except DataError as e:

@@ -98,5 +98,11 @@ def prepare_model(model: nn.Module, channels_last: bool, compile_model: bool) ->
 
 
 def as_input(x: torch.Tensor, channels_last: bool) -> torch.Tensor:
-    """A batch of images in the layout the model was prepared for (channels-last for 4-D input if asked)."""
+    """A batch in the layout the model was prepared for (channels-last for 4-D input if asked). A uint8 N×H×W×C
+    batch (decoded images: hvdtrain.stream.images) is scaled to [0, 1] float32 here, on the batch's device: its
+    N×C×H×W view is already channels-last, so with --channels-last no copy is made beyond the conversion."""
+    if x.dtype == torch.uint8 and x.dim() == 4:
+        x = x.permute(0, 3, 1, 2)
+        x = (x if channels_last else x.contiguous()).float().mul_(1 / 255)
+        return x.contiguous(memory_format=torch.channels_last) if channels_last else x
     return x.contiguous(memory_format=torch.channels_last) if channels_last and x.dim() == 4 else x
