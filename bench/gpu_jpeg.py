@@ -267,7 +267,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--steps", type=int, default=40, help="counted steps per window (more if --images needs more)")
     p.add_argument("--rounds", type=int, default=3, help="windows per feed (medians reported)")
-    p.add_argument("--skip", type=int, help="uncounted steps at each window's start (default: workers x 2 + 2 on "
+    p.add_argument("--skip", type=int, help="uncounted steps at each window's start (default: workers x 4 + 4 on "
                                             "a GPU, the batches the feeds' buffers hold; 1 on CPU)")
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--workers", type=int, default=max(1, cores - 2), help="hvdtrain producers = DataLoader workers")
@@ -276,7 +276,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, help="write the results here")
     args = p.parse_args(argv)
-    args.skip = (args.workers * 2 + 2 if gpu else 1) if args.skip is None else args.skip
+    # a ShmLoader producer holds prefetch + 1 slots and a batch waiting for one (NOTE [epoch ahead]); 2026-11-27's
+    # runs skipped workers x 2 + 2 (bench/results/gpu-h200-2026-11-27/summary.txt says what that means)
+    args.skip = (args.workers * 4 + 4 if gpu else 1) if args.skip is None else args.skip
     if min(args.steps, args.rounds, args.skip, args.workers) < 1:
         p.error("--steps, --rounds, --skip and --workers must be >= 1 (a window's first step has no idle gap)")
     if args.images < args.batch_size or args.images % args.batch_size:

@@ -22,7 +22,8 @@ What each rank does, in order (Horovod's six Keras steps, plus resume):
  1. hvd.init(); pin one GPU per process (visible device = local rank, memory growth), or on CPU split the
     cores between the local ranks (tf.config.threading); rank 0 locks the run directory (a second job on it
     stops with exit 2, naming the holder).
- 2. The model; LR = base LR × world size; wrap the optimizer in hvd.DistributedOptimizer.
+ 2. The model (--precision bf16/fp16: a mixed dtype policy); LR = base LR × world size; wrap the optimizer in
+    hvd.DistributedOptimizer (fp16: that in a LossScaleOptimizer, NOTE [Keras loss scaling with Horovod]).
  3. Resume: rank 0 loads the newest checkpoint; the epoch and history are broadcast, the weights and optimizer
     state too (before fit, and by the callback after the first batch).
  4. Callbacks in Horovod's order: BroadcastGlobalVariablesCallback(0), MetricAverageCallback(),
@@ -67,6 +68,9 @@ class Config(RecipeConfig):
     warmup_epochs: int = field(default=2, metadata={"help": "epochs of linear LR warmup (0: none)"})
     run_dir: str = field(default="runs/keras", metadata={"help": "checkpoints, TensorBoard, summary.json"})
     verbose: int = field(default=2, metadata={"choices": (0, 1, 2), "help": "Keras fit verbosity on rank 0"})
+    precision: str = field(default="fp32", metadata={
+        "choices": ("fp32", "bf16", "fp16"), "help": "mixed precision: layers compute in bf16 or fp16 (fp16: with "
+        "dynamic loss scaling, checkpointed; slow on CPU), the last layer, the loss and the weights in fp32"})
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -121,11 +125,28 @@ def lr_callback(hvd: Any, schedule: LRSchedule, steps: int) -> Any:
 # TensorFlow.
 
 def build_model(cfg: Config, splits: arrays.Splits) -> Any:
-    """The model for N×H×W×C batches, its weights seeded alike on every rank (rank 0's are broadcast anyway)."""
+    """The model for N×H×W×C batches under --precision's dtype policy (bf16/fp16 layers, fp32 weights and output),
+    its weights seeded alike on every rank (rank 0's are broadcast anyway)."""
     from hvdtrain.train import keraskit
 
+    keraskit.set_precision(cfg.precision)  # the global Keras policy: before any layer is made
     keraskit.tf.keras.utils.set_random_seed(cfg.seed)
     return keraskit.build_model(channels_last_shape(splits.train.sample_shape), splits.num_classes, cfg.width)
+
+
+def make_optimizer(cfg: Config, hvd: Any, lr: float) -> Any:
+    """SGD at `lr` (the schedule's first step) wrapped in Horovod's DistributedOptimizer; fp16: that in a
+    LossScaleOptimizer."""
+    from hvdtrain.train import keraskit
+
+    sgd = keraskit.tf.keras.optimizers.SGD(learning_rate=lr, momentum=cfg.momentum)
+    # Horovod: wrap the optimizer: gradients are averaged over all ranks by allreduce before they are applied.
+    opt = hvd.DistributedOptimizer(sgd, compression=hvd.Compression.fp16 if cfg.fp16_allreduce else
+                                   hvd.Compression.none)
+    # Horovod: fp16: the loss scale wraps the DistributedOptimizer (not the reverse), so the scaled gradients are
+    # averaged before the scale decides: every rank skips the same overflowing steps, see
+    # NOTE [Keras loss scaling with Horovod] in hvdtrain/train/keraskit.py.
+    return keraskit.loss_scaled(opt, cfg.precision)
 
 
 def compile_model(model: Any, optimizer: Any) -> None:
@@ -146,7 +167,7 @@ def start_line(cfg: Config, size: int, where: str, splits: arrays.Splits, first:
 
     return (f"{size} ranks on {where}  dataset {splits.name}: {len(splits.train)} train / {len(splits.val)} val  "
             f"{tfkeras.keras_info(keraskit.tf).describe()}  epochs {first + 1}..{epochs}  batch {cfg.batch_size}×"
-            f"{size} ranks  {steps} steps/epoch  peak lr {lr:g}")
+            f"{size} ranks  {steps} steps/epoch  peak lr {lr:g}  {cfg.precision}")
 
 
 def rank_0_callbacks(cfg: Config, run_dir: Path, history: History) -> list[Any]:
@@ -248,10 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     # Horovod: scale the LR by the number of workers (the effective batch is hvd.size() × larger; Goyal et al.).
     lr = cfg.base_lr * hvd.size()
     schedule = lr_schedule(cfg, lr)  # warmup from lr / hvd.size() to lr, then the milestones
-    # Horovod: wrap the optimizer: gradients are averaged over all ranks by allreduce before they are applied.
-    opt = hvd.DistributedOptimizer(tf.keras.optimizers.SGD(learning_rate=schedule.lr_at(0), momentum=cfg.momentum),
-                                   compression=hvd.Compression.fp16 if cfg.fp16_allreduce else hvd.Compression.none)
-    compile_model(model, opt)
+    compile_model(model, make_optimizer(cfg, hvd, schedule.lr_at(0)))
     epochs = scaled_epochs(cfg.epochs, size, cfg.scale_epochs_by_size)  # Horovod: ceil(epochs / size) if asked
     # ---- 3. resume: rank 0 restores the newest intact checkpoint; every rank starts from rank 0's
     first, rows = keraskit.load_latest(run_dir / "checkpoints", model) if rank == 0 and cfg.resume else (0, [])
@@ -260,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     first = hvd_tf.broadcast_object(first, root_rank=0, name="resume.epoch")
     history = History(hvd_tf.broadcast_object(rows, root_rank=0, name="resume.history"))
     if first:
-        hvd_tf.broadcast_variables(model.variables + list(model.optimizer.variables), root_rank=0)
+        hvd_tf.broadcast_variables(model.variables + list(model.optimizer.variables)
+                                   + keraskit.loss_scale_variables(model.optimizer), root_rank=0)  # fp16's scale
     log(rank, start_line(cfg, size, where, splits, first, epochs, steps, lr))
     # ---- 4. callbacks in Horovod's order, then fit on this rank's shard
     samples = math.ceil(len(splits.train) / size) * size  # per epoch, over all ranks

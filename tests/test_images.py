@@ -145,6 +145,9 @@ def test_bytes_that_are_not_an_image_are_named_with_their_sample() -> None:
     assert err.value.index == 12 and "cannot decode" in str(err.value)
     with pytest.raises(ImageDecodeError):
         decode_augment(good[: len(good) // 3][:40], ImageAugment(16), sample_rng(0, 0, 0))
+    for nothing in (b"", b"\x00"):  # OpenCV raises its own error on an empty buffer: still an ImageDecodeError
+        with pytest.raises(ImageDecodeError):
+            decode_augment(nothing, ImageAugment(16), sample_rng(0, 0, 0))
 
 
 @pytest.mark.parametrize("kwargs, message", [

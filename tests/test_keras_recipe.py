@@ -205,6 +205,53 @@ def test_the_lr_schedule_is_the_pytorch_recipes_epoch_by_epoch(straight):
     assert [row["lr"] for row in history] == pytest.approx([0.1, 0.1, 0.01])
 
 
+def checkpoint_parts(run: Run, epoch: int) -> dict[str, list]:
+    """A checkpoint's array parts (model, optimizer, loss_scale) from the file on disk: dtypes and values."""
+    path = run.run_dir / "checkpoints" / f"ckpt-epoch{epoch:04d}.pt"
+    with np.load(io.BytesIO(checkpoint.verified_payload(path)), allow_pickle=False) as z:
+        parts: dict[str, list] = {}
+        for name in sorted(n for n in z.files if n != "meta"):
+            parts.setdefault(name.split("/")[0], []).append(z[name])
+    return parts
+
+
+@pytest.fixture(scope="module")
+def bf16(tmp_path_factory) -> Run:
+    tmp = tmp_path_factory.mktemp("keras-bf16")
+    return run_recipe(tmp, tmp / "run", *ARGS, "--precision", "bf16", controller="gloo")
+
+
+def test_bf16_learns_on_cpu_with_identical_fp32_weights(bf16):
+    """mixed_bfloat16 on 2 CPU ranks: it learns, the ranks end identical, and the checkpoints hold the float32
+    weights (the variables; the layers compute in bf16) that the ranks ended with."""
+    summary = bf16.summary()
+    assert summary["config"]["precision"] == "bf16" and summary["config"]["flags"]["precision"] == "bf16"
+    assert "peak lr 0.1  bf16" in bf16.output
+    digests = summary["weights_sha256_by_rank"]
+    assert digests[0] == digests[1] == checkpoint_digest(bf16, 2), digests
+    assert summary["epochs_completed"] == 2 and summary["val_accuracy"] > 0.7, summary
+    parts = checkpoint_parts(bf16, 2)
+    assert {w.dtype.name for w in parts["model"]} == {"float32"} and "loss_scale" not in parts
+
+
+def test_fp16_checkpoints_its_loss_scale_and_resumes_with_it(tmp_path):
+    """fp16 runs on CPU (TensorFlow's float16 kernels, slow without AVX-512); the dynamic loss scale and its count
+    of finite steps are part of each checkpoint and continue on resume (23 steps an epoch, no overflow here: the
+    count goes on from 23 to 46 rather than restarting at 0)."""
+    run_dir = tmp_path / "run"
+    first = run_recipe(tmp_path, run_dir, *ARGS, "--precision", "fp16", "--stop-after-epoch", "1", controller="gloo")
+    assert epoch_lines(first.output) == [1]
+    assert [float(v) for v in checkpoint_parts(first, 1)["loss_scale"]] == [2.0 ** 15, 23]
+    second = run_recipe(tmp_path, run_dir, *ARGS, "--precision", "fp16", controller="gloo")
+    assert re.search(r"resuming from \S+ckpt-epoch0001\.pt \(epoch 1 done\)", second.output), second.output
+    assert epoch_lines(second.output) == [2]
+    assert [float(v) for v in checkpoint_parts(second, 2)["loss_scale"]] == [2.0 ** 15, 46]
+    summary = second.summary()
+    assert summary["config"]["precision"] == "fp16" and summary["epochs_completed"] == 2
+    assert summary["weights_sha256_by_rank"][0] == summary["weights_sha256_by_rank"][1] == checkpoint_digest(second, 2)
+    assert summary["val_accuracy"] > 0.7, summary
+
+
 def test_recipe_stops_with_the_fix_on_keras_3_and_trains_nothing(tmp_path):
     result = horovodrun(RECIPE, "--run-dir", str(tmp_path / "run"), *ARGS, controller="gloo", timeout=TIMEOUT,
                         env={**ENV, "TF_USE_LEGACY_KERAS": "0"})
@@ -225,4 +272,4 @@ def test_importing_the_recipe_or_asking_for_help_imports_no_tensorflow():
     assert out == ["False", "None"]
     help_text = subprocess.run([sys.executable, str(RECIPE), "--help"], capture_output=True, text=True,
                                timeout=120, env=env, check=True).stdout
-    assert "--run-dir" in help_text
+    assert "--run-dir" in help_text and "--precision {fp32,bf16,fp16}" in help_text

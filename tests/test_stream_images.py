@@ -16,6 +16,7 @@ from PIL import Image
 
 from hvdtrain.data import ShmLoader, WorkerError
 from hvdtrain.datasets import arrays, cachedir
+from hvdtrain.datasets.arrays import DatasetError
 from hvdtrain.stream import StreamError, StreamingDataset
 from hvdtrain.stream.convert import convert
 from hvdtrain.stream.mds import MDSWriter
@@ -51,16 +52,17 @@ def image_folder(root: Path, per_class: int, seed: int = 0) -> Path:
     return root
 
 
-def jpeg_dataset(root: Path, n: int, *, corrupt_at: int | None = None) -> Path:
-    """An MDS root whose train/ holds n JPEGs (sample i of width 40 + i) and val/ a few."""
+def jpeg_dataset(root: Path, n: int, *, corrupt_at: int | None = None, corrupt: bytes = b"\xff\xd8garbage",
+                 width: int = 40, height: int = 50) -> Path:
+    """An MDS root whose train/ holds n JPEGs (sample i of `width` + i x `height`) and val/ a few."""
     photo = photos()[0]
     for split, count in (("train", n), ("val", 4)):
         with MDSWriter(root / split, {"x": "jpeg", "y": "int64"}, size_limit=20_000,
                        meta={"num_classes": 2}) as w:
             for i in range(count):
                 buf = io.BytesIO()
-                photo.crop((i, i, i + 40 + i, i + 50)).save(buf, format="JPEG", quality=90)
-                data = b"\xff\xd8garbage" if i == corrupt_at and split == "train" else buf.getvalue()
+                photo.crop((i, i, i + width + i, i + height)).save(buf, format="JPEG", quality=90)
+                data = corrupt if i == corrupt_at and split == "train" else buf.getvalue()
                 w.write({"x": data, "y": i % 2})
     return root
 
@@ -135,6 +137,26 @@ def test_a_corrupt_image_in_a_shard_is_named_by_the_producer(tmp_path: Path) -> 
     assert err.value.message.startswith(f"{root / 'train'}/shard.{int(shard[0]):05}.mds sample {int(row[0])} "
                                         "(index 7) field 'x': ")
     assert "cannot decode" in err.value.message
+
+
+@pytest.mark.parametrize("corrupt", [b"\xff\xd8garbage", b""])
+def test_a_first_image_that_does_not_decode_is_named_when_it_would_set_the_size(tmp_path: Path,
+                                                                                corrupt: bytes) -> None:
+    root = jpeg_dataset(tmp_path / "d", 6, corrupt_at=0, corrupt=corrupt)
+    splits = load_splits(root, num_classes=None, image_size=16)  # a size given: nothing is read here
+    assert splits.sample_shape == (3, 16, 16)
+    with pytest.raises(DatasetError) as err:
+        load_splits(root, num_classes=None)
+    shard, row = splits.train.data.locate(np.array([0]))
+    assert str(err.value).startswith(f"{root / 'train'}/shard.{int(shard[0]):05}.mds sample {int(row[0])} "
+                                     "(index 0) field 'x': ")
+    assert "unless --image-size is given" in str(err.value)
+
+
+def test_the_default_size_is_the_first_images_shorter_side_up_to_224(tmp_path: Path) -> None:
+    assert load_splits(jpeg_dataset(tmp_path / "a", 2, height=50), num_classes=None).sample_shape == (3, 40, 40)
+    big = jpeg_dataset(tmp_path / "b", 2, width=400, height=300)
+    assert load_splits(big, num_classes=None).sample_shape == (3, 224, 224)
 
 
 @pytest.mark.parametrize("channels_last", [False, True])

@@ -375,14 +375,28 @@ if __name__ == "__main__":
     # "exit": leave without close(): the atexit hook must clean up
 """
 
+# A producer that has exited but is not reaped yet is a zombie, and its /proc entry stays: the trainer's death makes
+# it an orphan of the nearest subreaper (pytest's, tests/harness.py OrphanReaper), which reaps it on its own
+# schedule. Exited is what the test asks for, so a zombie counts as gone.
 WATCHER = r"""
 import os, subprocess, sys, time
 out = subprocess.run([sys.executable, "-c", sys.argv[1], sys.argv[2]], capture_output=True, text=True, timeout=60)
 pids = [int(p) for line in out.stdout.splitlines() if line.startswith("PIDS") for p in line.split()[1:]]
+
+def state(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
+
+def running(pid):
+    return state(pid) not in (None, "Z", "X")
+
 deadline = time.time() + 10
-while time.time() < deadline and any(os.path.exists(f"/proc/{p}") for p in pids[1:]):
+while time.time() < deadline and any(running(p) for p in pids[1:]):
     time.sleep(0.1)
-alive = [p for p in pids[1:] if os.path.exists(f"/proc/{p}")]
+alive = [(p, state(p)) for p in pids[1:] if running(p)]
 left = [n for n in os.listdir("/dev/shm") if pids and n.startswith(f"hvdtrain_{pids[0]}_")]
 print("RC", out.returncode, "ALIVE", alive, "LEFT", left, "PIDS", pids)
 print(out.stderr[-2000:])

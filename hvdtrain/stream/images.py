@@ -7,8 +7,10 @@ memory and PCIe; the trainer scales them on its device (`hvdtrain.train.precisio
 
 Decoder: OpenCV (libjpeg-turbo), measured against Pillow, simplejpeg, torchvision and nvJPEG on an H200 host's
 16 cores (bench/jpeg_decode.py, docs/performance.md B7): 736 vs 311-615 images/s on one core. A JPEG whose crop
-stays at least `size` pixels at 1/2, 1/4 or 1/8 scale is decoded at that scale (DCT-domain scaling), so a large
-photo costs little more than a small one.
+keeps at least 2x, 4x or 8x `size` pixels each way is decoded at 1/2, 1/4 or 1/8 scale (DCT-domain scaling),
+which saves the inverse transforms and most of the resize (not the entropy decoding, which grows with the file).
+The crop is resized with area averaging when it shrinks more than 2x and bilinearly otherwise: cheaper than
+torchvision's antialiased bilinear at the mild shrinks of ImageNet-sized photos, with slightly more aliasing there.
 
 NOTE [augmentation is a function of the sample]
 Each sample's crop and flip come from a generator seeded by (seed, epoch, sample index) alone (`sample_rng`), not
@@ -131,6 +133,27 @@ def decode_augment(data: bytes | memoryview, aug: ImageAugment, rng: np.random.G
                    out: np.ndarray | None = None) -> np.ndarray:
     """One image's bytes as `aug.shape` uint8 RGB (written into `out` if given), or ImageDecodeError."""
     cv2 = _cv2()
+    try:
+        img, (left, top, w, h) = _decode_box(cv2, data, aug, rng)
+        flip = aug.train and aug.flip and rng.random() < 0.5
+        shrink = min(w, h) / aug.size  # antialiased (area) beyond 2x, bilinear below (NOTE in the module docstring)
+        resized = cv2.resize(img[top:top + h, left:left + w], (aug.size, aug.size),
+                             interpolation=cv2.INTER_AREA if shrink > 2 else cv2.INTER_LINEAR)
+        if flip:
+            resized = cv2.flip(resized, 1)
+        target = out if out is not None else np.empty(aug.shape, np.uint8)
+        cv2.cvtColor(resized, cv2.COLOR_BGR2RGB, dst=target)
+    except cv2.error as e:  # an empty or odd buffer OpenCV refuses outright
+        raise ImageDecodeError(f"{len(data)} bytes that OpenCV cannot decode as an image "
+                               f"({str(e).strip().splitlines()[-1]})") from None
+    return target
+
+
+def _decode_box(cv2: Any, data: bytes | memoryview, aug: ImageAugment,
+                rng: np.random.Generator) -> tuple[np.ndarray, tuple[int, int, int, int]]:
+    """The decoded BGR image (at 1/2, 1/4 or 1/8 scale where the crop allows) and the crop box on it."""
+    if len(data) == 0:
+        raise ImageDecodeError("an empty value (0 bytes) where an image file should be")
     buf = np.frombuffer(data, np.uint8)
     size = jpeg_size(data)
     # EXIF orientation is not applied (as Pillow's and torchvision's decoders do not): the pixels keep the header's
@@ -142,28 +165,17 @@ def decode_augment(data: bytes | memoryview, aug: ImageAugment, rng: np.random.G
             if min(w, h) >= aug.size * f:
                 flags, factor = getattr(cv2, name) | cv2.IMREAD_IGNORE_ORIENTATION, f
                 break
-        img = cv2.imdecode(buf, flags)
-    else:  # PNG and others: the size is known once decoded
-        img = cv2.imdecode(buf, flags)
-        if img is not None:
-            left, top, w, h = aug.box(img.shape[1], img.shape[0], rng)
+    img = cv2.imdecode(buf, flags)
     if img is None:
         raise ImageDecodeError(f"{len(buf)} bytes that OpenCV cannot decode as an image")
-    if factor > 1:  # map the box onto the decoded scale (libjpeg rounds the scaled size up)
-        sx, sy = img.shape[1] / size[0], img.shape[0] / size[1]  # type: ignore[index]
-        left, top = int(left * sx), int(top * sy)
+    if size is None:  # PNG and others: the size is known once decoded
+        left, top, w, h = aug.box(img.shape[1], img.shape[0], rng)
+    elif factor > 1:  # the box on the decoded scale (libjpeg rounds the scaled size up)
+        sx, sy = img.shape[1] / size[0], img.shape[0] / size[1]
+        left, top = min(round(left * sx), img.shape[1] - 1), min(round(top * sy), img.shape[0] - 1)
         w = max(1, min(img.shape[1] - left, round(w * sx)))
         h = max(1, min(img.shape[0] - top, round(h * sy)))
-    flip = aug.train and aug.flip and rng.random() < 0.5
-    region = img[top:top + h, left:left + w]
-    shrink = min(w, h) / aug.size
-    resized = cv2.resize(region, (aug.size, aug.size),
-                         interpolation=cv2.INTER_AREA if shrink > 2 else cv2.INTER_LINEAR)
-    if flip:
-        resized = cv2.flip(resized, 1)
-    target = out if out is not None else np.empty(aug.shape, np.uint8)
-    cv2.cvtColor(resized, cv2.COLOR_BGR2RGB, dst=target)
-    return target
+    return img, (left, top, w, h)
 
 
 def decode_batch(datas: list[bytes | memoryview], aug: ImageAugment, seed: int, epoch: int,

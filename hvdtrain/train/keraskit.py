@@ -8,6 +8,29 @@ otherwise); it sets nothing. The process selects Keras 2 first (TF_USE_LEGACY_KE
 imported): the recipe does, at the top of main(), and imports this module after that. The loader's `fetch`
 (`take_channels_last`) lives in hvdtrain/train/channels_last.py, which does not import TensorFlow: the producer
 processes import only that.
+
+Mixed precision (`--precision`): bf16 and fp16 set the global Keras dtype policy (mixed_bfloat16, mixed_float16)
+before the model is built: layers compute in 16 bits, their variables (what is checkpointed, broadcast and
+averaged) stay float32, and the last layer computes in float32, so the loss is an fp32 loss. fp16 adds dynamic loss
+scaling, NOTE [Keras loss scaling with Horovod].
+
+NOTE [Keras loss scaling with Horovod]
+fp16 gradients can overflow or vanish, so a LossScaleOptimizer multiplies the loss by a scale before the gradients
+and divides them back after, and with a dynamic scale skips every step whose gradients are not finite (halving the
+scale; doubling it after 2000 finite steps in a row). It wraps Horovod's DistributedOptimizer, never the other way
+round:
+    opt = hvd.DistributedOptimizer(tf.keras.optimizers.SGD(...))
+    opt = tf.keras.mixed_precision.LossScaleOptimizer(opt)
+In fit, LossScaleOptimizer.compute_gradients scales the loss and asks the inner optimizer for the gradients; that
+is Horovod's compute_gradients, which allreduces them (the *scaled* gradients, the same scale on every rank); then
+the averages are unscaled, and apply_gradients decides from them whether to step and how to move the scale. An
+overflow on any rank makes the average inf/NaN on every rank, so every rank skips the same step and keeps the same
+scale: the weights stay identical. Wrapped the other way (hvd.DistributedOptimizer(LossScaleOptimizer(...))) Horovod
+rebuilds the optimizer from its class and config, which a LossScaleOptimizer does not survive (horovod/horovod
+#2989, #3807), and each rank would decide from its own gradients. The scale and its counter are not optimizer
+variables (`optimizer.variables` are the inner one's): the checkpoint keeps them as their own part, and they are
+broadcast from rank 0 with the rest on resume (`loss_scale_variables`). TensorFlow's CPU kernels compute float16
+(without AVX-512, slower than float32): fp16 runs on CPU, for testing; bf16 is the CPU's 16-bit format.
 """
 
 from __future__ import annotations
@@ -40,6 +63,8 @@ T = TypeVar("T")
 # TensorFlow is untyped here (`tf` is Any): mypy cannot resolve `tf.keras.callbacks.Callback` as a base class.
 Callback: Any = tf.keras.callbacks.Callback
 
+POLICIES = {"fp32": "float32", "bf16": "mixed_bfloat16", "fp16": "mixed_float16"}  # --precision: Keras's policy
+
 
 def setup_process(threads: int | None, local_size: int) -> str:
     """hvdtrain's own per-process set-up (call once, after the recipe pinned its GPU, before TensorFlow starts its
@@ -57,7 +82,30 @@ def setup_process(threads: int | None, local_size: int) -> str:
     return f"CPU ({n} threads)"
 
 
+def set_precision(precision: str) -> None:
+    """The global dtype policy for --precision (fp32, bf16, fp16); set it before the model is built."""
+    if precision not in POLICIES:
+        raise ValueError(f"precision must be one of {', '.join(POLICIES)}; got {precision!r}")
+    tf.keras.mixed_precision.set_global_policy(POLICIES[precision])
+
+
+def loss_scaled(optimizer: Any, precision: str) -> Any:
+    """fp16: `optimizer` (Horovod's DistributedOptimizer) in a dynamic LossScaleOptimizer, the order of
+    NOTE [Keras loss scaling with Horovod]; fp32, bf16: `optimizer` itself."""
+    return tf.keras.mixed_precision.LossScaleOptimizer(optimizer) if precision == "fp16" else optimizer
+
+
+def loss_scale_variables(optimizer: Any) -> list[Any]:
+    """A dynamic LossScaleOptimizer's scale and its counter of finite steps (not among `optimizer.variables`);
+    [] for any other optimizer."""
+    if not isinstance(optimizer, tf.keras.mixed_precision.LossScaleOptimizer) or not optimizer.dynamic:
+        return []
+    return [optimizer._loss_scale.current_loss_scale, optimizer.dynamic_counter]
+
+
 def build_model(sample_shape: tuple[int, ...], num_classes: int, width: int) -> Any:
+    """The model under the global dtype policy (`set_precision`); its last layer computes in float32 whatever the
+    policy, so the loss (from these logits) is computed in float32."""
     layers = tf.keras.layers
     if len(sample_shape) == 3:  # images, H×W×C
         body = [layers.Conv2D(width, 3, padding="same", activation="relu"),
@@ -66,7 +114,8 @@ def build_model(sample_shape: tuple[int, ...], num_classes: int, width: int) -> 
     else:
         body = [layers.Flatten(), layers.Dense(4 * width, activation="relu")]
     return tf.keras.Sequential([tf.keras.Input(sample_shape), *body,
-                                layers.Dense(4 * width, activation="relu"), layers.Dense(num_classes)])
+                                layers.Dense(4 * width, activation="relu"),
+                                layers.Dense(num_classes, dtype="float32")])
 
 
 def model_info(model: Any, width: int) -> dict[str, Any]:
@@ -84,10 +133,14 @@ def weights_digest(model: Any) -> str:
     return h.hexdigest()
 
 
+_PARTS = ("model", "optimizer", "loss_scale")  # lists of arrays; the rest of a checkpoint is JSON
+
+
 def write_npz(state: Mapping[str, Any], f: BinaryIO) -> None:
     arrays = {f"model/{i:04d}": w for i, w in enumerate(state["model"])}
     arrays |= {f"optimizer/{i:04d}": w for i, w in enumerate(state["optimizer"])}
-    meta = {k: v for k, v in state.items() if k not in ("model", "optimizer")}
+    arrays |= {f"loss_scale/{i:04d}": w for i, w in enumerate(state.get("loss_scale", []))}
+    meta = {k: v for k, v in state.items() if k not in _PARTS}
     buf = io.BytesIO()
     np.savez(buf, meta=np.array(json.dumps(meta)), **arrays)
     f.write(buf.getvalue())
@@ -96,27 +149,33 @@ def write_npz(state: Mapping[str, Any], f: BinaryIO) -> None:
 def read_npz(f: Any) -> dict[str, Any]:
     with np.load(f, allow_pickle=False) as z:
         state = json.loads(str(z["meta"]))
-        for part in ("model", "optimizer"):
+        for part in _PARTS:  # a checkpoint from before --precision has no loss_scale part: []
             state[part] = [z[k] for k in sorted(n for n in z.files if n.startswith(part + "/"))]
     return state
 
 
 def load_latest(ckpt_dir: Path, model: Any) -> tuple[int, list[dict[str, Any]]]:
-    """Load the newest intact checkpoint into `model` and its optimizer (built: `model.optimizer.build`); (epochs it
-    completed, history), (0, []) if none."""
+    """Load the newest intact checkpoint into `model` and its optimizer (built: `model.optimizer.build`), and fp16's
+    loss scale if the checkpoint has one; (epochs it completed, history), (0, []) if none."""
     found = checkpoint.find_latest(ckpt_dir, read_npz, required_keys=("model", "optimizer", "history"),
                                    warn=lambda msg: print(f"WARNING: {msg}", flush=True))
     if found is None:
         return 0, []
     model.set_weights(found.state["model"])
-    model.optimizer.set_weights(found.state["optimizer"])
+    # a LossScaleOptimizer builds (and holds the variables of) the optimizer it wraps, not itself: set them there
+    inner = getattr(model.optimizer, "inner_optimizer", model.optimizer)
+    inner.set_weights(found.state["optimizer"])
+    scale = loss_scale_variables(model.optimizer)
+    if scale and len(found.state["loss_scale"]) == len(scale):  # else (fp32/bf16 before): the initial scale
+        for variable, value in zip(scale, found.state["loss_scale"], strict=True):
+            variable.assign(value)
     print(f"resuming from {found.path} (epoch {found.epoch} done)", flush=True)
     return found.epoch, list(found.state["history"])
 
 
 class Checkpoint(Callback):
-    """Rank 0's ModelCheckpoint: weights + optimizer state + history after each epoch, written atomically
-    (temp file + rename, SHA-256 verified on load, the newest `keep` kept) with hvdtrain.train.checkpoint.
+    """Rank 0's ModelCheckpoint: weights + optimizer state (+ fp16's loss scale) + history after each epoch, written
+    atomically (temp file + rename, SHA-256 verified on load, the newest `keep` kept) with hvdtrain.train.checkpoint.
     Keras's own ModelCheckpoint writes in place, so a crash mid-write would leave a torn file to resume from."""
 
     def __init__(self, directory: Path, keep: int, history: History) -> None:
@@ -125,7 +184,8 @@ class Checkpoint(Callback):
 
     def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         state = {"model": self.model.get_weights(), "history": self.history.epochs,
-                 "optimizer": [np.asarray(v.numpy()) for v in self.model.optimizer.variables]}
+                 "optimizer": [np.asarray(v.numpy()) for v in self.model.optimizer.variables],
+                 "loss_scale": [np.asarray(v.numpy()) for v in loss_scale_variables(self.model.optimizer)]}
         checkpoint.save(self.directory, epoch + 1, state, write_npz, keep=self.keep)
 
 

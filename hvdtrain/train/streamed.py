@@ -23,8 +23,8 @@ import numpy as np
 
 from hvdtrain.data.errors import DataError
 from hvdtrain.datasets import arrays
-from hvdtrain.stream import StreamingDataset, encodings, store
-from hvdtrain.stream.images import ImageAugment, ImageDecodeError, decode_batch
+from hvdtrain.stream import StreamingDataset, store
+from hvdtrain.stream.images import ImageAugment, ImageDecodeError, decode_batch, jpeg_size
 from hvdtrain.stream.order import BlockShuffle
 
 
@@ -133,7 +133,8 @@ def load_splits(root: str | Path, *, num_classes: int | None, x_field: str = "x"
                 image_size: int | None = None, augment: bool = True) -> arrays.Splits:
     """The train/ and val/ splits under `root` (a directory or a URL; Mosaic's layout), or DatasetError saying what
     is missing. A jpeg/png x column is decoded per batch to `image_size` squares (None: the first training image's
-    shorter side), the training split augmented (`augment`; else centre-cropped like the validation split)."""
+    shorter side, at most DEFAULT_IMAGE_SIZE), the training split augmented (`augment`; else centre-cropped like the
+    validation split)."""
     if not store.is_url(root) and (Path(root) / "index.json").is_file() and not (Path(root) / "train").is_dir():
         raise arrays.DatasetError(f"{root} is one MDS split; a dataset root holds train/ and val/ splits (each with "
                                     "its index.json), as `hvdtrain data convert SRC DST --val-fraction 0.1` writes "
@@ -153,26 +154,49 @@ def load_splits(root: str | Path, *, num_classes: int | None, x_field: str = "x"
     if not isinstance(classes, int) or classes < 2:
         raise arrays.DatasetError(f"{root}: its index says num_classes={classes!r}; training needs 2 or more "
                                     "classes (labels 0..N-1): fix the labels, or pass --num-classes N")
-    size = _image_size(splits["train"], x_field, image_size)
-    augments = (None, None) if size is None else (ImageAugment(size, train=augment), ImageAugment(size, train=False))
-    train, val = (StreamSplit(splits[n], x_field, y_field, classes, check_finite, aug)
-                  for n, aug in zip(("train", "val"), augments, strict=True))
+    train, val = (StreamSplit(splits[n], x_field, y_field, classes, check_finite) for n in ("train", "val"))
+    size = _image_size(train, image_size)
+    if size is not None:
+        train.augment, val.augment = ImageAugment(size, train=augment), ImageAugment(size, train=False)
     return arrays.Splits(train=train, val=val, num_classes=classes, name=root)
 
 
-def _image_size(train: StreamingDataset, x_field: str, image_size: int | None) -> int | None:
+DEFAULT_IMAGE_SIZE = 224  # the largest size picked for a dataset of image files when --image-size is not given
+
+
+def _image_size(train: StreamSplit, image_size: int | None) -> int | None:
     """The output size of a split whose x column holds image files (None for other columns): `image_size`, else the
-    first training image's shorter side."""
-    if x_field not in train.raw_fields:
+    first training image's shorter side, at most DEFAULT_IMAGE_SIZE (a folder of phone photos would otherwise
+    make 4000 px squares)."""
+    if train.x_field not in train.data.raw_fields:
         return None
     if image_size is None:
-        first = train.take(np.array([0]))[x_field][0]
-        shape = encodings.decode(train.columns[x_field], first).shape
-        image_size = min(shape[0], shape[1])
+        first = train.data.take(np.array([0]))[train.x_field][0]
+        try:
+            image_size = min(_stored_size(first), DEFAULT_IMAGE_SIZE)
+        except ImageDecodeError as e:
+            raise arrays.DatasetError(f"{train._where(0)} field {train.x_field!r}: {e}; the image size comes from "
+                                      "this first training image unless --image-size is given") from None
     try:
         return ImageAugment(image_size).size
     except ValueError as e:
         raise arrays.DatasetError(f"--image-size: {e}") from None
+
+
+def _stored_size(data: bytes) -> int:
+    """An image file's shorter side, at least 8 (the JPEG header; else a decode), or ImageDecodeError."""
+    size = jpeg_size(data)
+    if size is None:
+        import cv2
+
+        try:
+            img = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_UNCHANGED | cv2.IMREAD_IGNORE_ORIENTATION)
+        except cv2.error:  # an empty buffer
+            img = None
+        if img is None:
+            raise ImageDecodeError(f"{len(data)} bytes that OpenCV cannot decode as an image")
+        size = (img.shape[1], img.shape[0])
+    return max(8, min(size))
 
 
 def _split_error(root: str, name: str, e: DataError) -> str:

@@ -236,9 +236,9 @@ def load_latest(ckpt_dir: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     except (RuntimeError, ValueError, KeyError) as e:
         what = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
         raise checkpoint.CheckpointMismatch(
-            f"{found.path} does not fit this model or optimizer ({what}): it was written with another --model or "
-            "--model-width, or by an earlier version of the model; train in a new --run-dir, or pass --no-resume "
-            "to start from scratch") from None
+            f"{found.path} does not fit this model or optimizer ({what}): it was written with another --model, "
+            "--model-width or input shape (--image-size, the dataset), or by an earlier version of the model; train "
+            "in a new --run-dir, or pass --no-resume to start from scratch") from None
     if precision is not None:
         precision.load_state_dict(found.state.get("precision", {}))
     print(f"resuming from {found.path} (epoch {found.epoch} done)", flush=True)
