@@ -26,6 +26,13 @@ def write_json(path: Path, data: Any) -> Path:
     return path
 
 
+def goal_lines(goals: dict[str, Any] | str) -> list[str]:
+    """A GPU bench's judged goals, one line each (met / NOT met), or the one line saying why none were judged."""
+    if isinstance(goals, str):
+        return [goals]
+    return [f"goal {k}: {g['value']:.4g} -> {'met' if g['met'] else 'NOT met'}" for k, g in goals.items()]
+
+
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 now (for a server or a rendezvous the caller starts next)."""
     with socket.socket() as s:

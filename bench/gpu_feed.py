@@ -38,6 +38,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "recipes"))
 import pytorch_train as recipe  # noqa: E402  (the recipe is a script beside its models, not a package)
+from _common import goal_lines  # noqa: E402  (bench/, this script's folder, is on sys.path)
 
 from hvdtrain.data import DevicePrefetcher, ShmLoader  # noqa: E402
 from hvdtrain.datasets import arrays  # noqa: E402
@@ -222,12 +223,7 @@ def table(result: dict[str, Any]) -> str:
                            ("step_ms", "gpu_idle_ms"))
         lines.append(f"{f:<11} {m['samples_per_s']:>10.0f} {m['step_ms']:>8.3f} {idle:>9} {idle_ms:>8} "
                      f"{m['data_wait_share']:>9.2%}  {phases}".rstrip())
-    goals = result["goals"]
-    if isinstance(goals, str):
-        lines.append(goals)
-    else:
-        lines += [f"goal {k}: {g['value']:.4g} -> {'met' if g['met'] else 'NOT met'}" for k, g in goals.items()]
-    return "\n".join(lines)
+    return "\n".join(lines + goal_lines(result["goals"]))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -60,6 +60,7 @@ import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO / "bench"), str(REPO / "recipes")]
+from _common import goal_lines  # noqa: E402
 from jpeg_decode import crop_box, sample_jpegs  # noqa: E402  (bench/ and recipes/ are scripts, not packages)
 
 from hvdtrain.data.idle import GpuIdleMeter  # noqa: E402
@@ -252,12 +253,7 @@ def table(result: dict[str, Any]) -> str:
         alone = result["feed_only_samples_per_s"].get(f)
         lines.append(f"{f:<11} {m['samples_per_s']:>10.0f} {m['step_ms']:>8.2f} {idle:>9} {idle_ms:>8} "
                      f"{m['data_wait_share']:>9.2%} {'-' if alone is None else f'{alone:.0f}':>11}")
-    goals = result["goals"]
-    if isinstance(goals, str):
-        lines.append(goals)
-    else:
-        lines += [f"goal {k}: {g['value']:.4g} -> {'met' if g['met'] else 'NOT met'}" for k, g in goals.items()]
-    return "\n".join(lines)
+    return "\n".join(lines + goal_lines(result["goals"]))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -46,6 +46,18 @@ def build_report(steps: list[dict[str, Any]], out: Path, work: Path) -> dict[str
     }
 
 
+def feed_lines(title: str, feed: dict[str, Any] | None) -> list[str]:
+    """A feed bench's (B8, B9) medians and judged goals; nothing if it did not run or judged nothing (no GPU)."""
+    if not feed or not isinstance(feed.get("goals"), dict):
+        return []
+    lines = ["", f"{title}: {feed.get('config')}"]
+    lines += [f"  {name:<11} {m['samples_per_s']:>9.0f} samples/s  step {m['step_ms']:.3f} ms  GPU idle "
+              f"{m['gpu_idle_share'] or 0:.2%}  host wait {m['data_wait_share']:.2%}"
+              for name, m in feed["median"].items()]
+    return lines + [f"  goal {k}: {g['value']:.4g} {'met' if g['met'] else 'NOT met'}"
+                    for k, g in feed["goals"].items()]
+
+
 def summary_text(report: dict[str, Any]) -> str:
     lines = [f"hvdtrain GPU check, {report['date']}: {'ALL PASSED' if report['ok'] else 'FAILED'}"]
     m = report["machine"] or {}
@@ -55,20 +67,8 @@ def summary_text(report: dict[str, Any]) -> str:
     lines.append("")
     for s in report["steps"]:
         lines.append(f"  {s['name']:<12} {s['status']:<8} {s['seconds']:>7.1f} s  {s['note']}")
-    feed = report.get("gpu_feed")
-    if feed and isinstance(feed.get("goals"), dict):
-        lines += ["", f"B8 gpu_feed.json: {feed.get('config')}"]
-        lines += [f"  {name:<11} {m['samples_per_s']:>9.0f} samples/s  step {m['step_ms']:.3f} ms  GPU idle "
-                  f"{m['gpu_idle_share']:.2%}  host wait {m['data_wait_share']:.2%}"
-                  for name, m in feed["median"].items()]
-        lines += [f"  goal {k}: {g['value']:.4g} {'met' if g['met'] else 'NOT met'}" for k, g in feed["goals"].items()]
-    jpeg = report.get("gpu_jpeg")
-    if jpeg and isinstance(jpeg.get("goals"), dict):
-        lines += ["", f"B9 (gpu_check.json gpu_jpeg): {jpeg.get('config')}"]
-        lines += [f"  {name:<11} {m['samples_per_s']:>9.0f} samples/s  step {m['step_ms']:.3f} ms  GPU idle "
-                  f"{m['gpu_idle_share'] or 0:.2%}  host wait {m['data_wait_share']:.2%}"
-                  for name, m in jpeg["median"].items()]
-        lines += [f"  goal {k}: {g['value']:.4g} {'met' if g['met'] else 'NOT met'}" for k, g in jpeg["goals"].items()]
+    lines += feed_lines("B8 gpu_feed.json", report.get("gpu_feed"))
+    lines += feed_lines("B9 (gpu_check.json gpu_jpeg)", report.get("gpu_jpeg"))
     h2d = report["h2d_overlap"]
     if h2d:
         lines += ["", "h2d_overlap.json:", json.dumps(h2d, indent=1)[:3000]]
