@@ -24,7 +24,6 @@ dataloader in samples/s. On a CPU the idle share is not measured and the goals a
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -38,7 +37,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "recipes"))
 import pytorch_train as recipe  # noqa: E402  (the recipe is a script beside its models, not a package)
-from _common import goal_lines  # noqa: E402  (bench/, this script's folder, is on sys.path)
+from _common import goal_lines, write_json  # noqa: E402  (bench/, this script's folder, is on sys.path)
 
 from hvdtrain.data import DevicePrefetcher, ShmLoader  # noqa: E402
 from hvdtrain.datasets import arrays  # noqa: E402
@@ -292,8 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     if hvd.rank() == 0:
         print(table(result), flush=True)
         if args.json:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(result, indent=1) + "\n")
+            write_json(args.json, result)
     return 0
 
 

@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import io
 import itertools
-import json
 import os
 import random
 import shutil
@@ -60,7 +59,7 @@ import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO / "bench"), str(REPO / "recipes")]
-from _common import goal_lines  # noqa: E402
+from _common import goal_lines, write_json  # noqa: E402
 from jpeg_decode import crop_box, sample_jpegs  # noqa: E402  (bench/ and recipes/ are scripts, not packages)
 
 from hvdtrain.data.idle import GpuIdleMeter  # noqa: E402
@@ -352,8 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     result.update(judge(result), seconds=round(time.perf_counter() - t0, 1))
     print(table(result), flush=True)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1) + "\n")
+        write_json(args.json, result)
     return 0
 
 

@@ -251,18 +251,11 @@ def test_scancel_leaves_no_process_and_no_segment(slurm_cluster: SlurmCluster, t
     assert workers == ["hvdtrain-data-r0-w0", "hvdtrain-data-r1-w0"], commands
     mapped = mapped_shm_files(pids)
 
-    slurm_cluster.scancel(job)
-    wait_all_gone(slurm_cluster, job, pids, "scancel")
-    assert segments_of(pids) == []
-    result = slurm_cluster.wait(job, JOB_TIMEOUT_S)
-    assert result.state == "CANCELLED", result
+    leaked = cancel_and_sweep(slurm_cluster, job, pids, mapped)
     # Open MPI's own files (vader_segment.*, which its PMIx server unlinks as the ranks end) can outlive a cancelled
     # MPI job: scancel SIGTERMs mpirun and hvdtrain at once, hvdtrain forwards its SIGTERM, and mpirun takes the
     # second within 5 s of the first as "exit now, clean nothing up". A known limitation (README, "What is not
-    # verified"); a SIGTERM to hvdtrain alone no longer does it (tests/test_launch.py). Removed here, 4 MiB each.
-    leaked = sorted(p for p in mapped if p.exists())
-    for path in leaked:
-        path.unlink(missing_ok=True)
+    # verified"); a SIGTERM to hvdtrain alone no longer does it (tests/test_launch.py). Removed (4 MiB each).
     assert not [p for p in leaked if not p.name.startswith("vader_segment.")], leaked
 
 
@@ -474,6 +467,20 @@ def wait_ready(cluster: SlurmCluster, job: int | None, ready: list[Path], proc: 
         time.sleep(0.2)
 
 
+def cancel_and_sweep(cluster: SlurmCluster, job: int, pids: dict[int, float], mapped: set[Path]) -> list[Path]:
+    """scancel the job; check every process of it is gone, no hvdtrain segment left and the job CANCELLED; then
+    remove and return the files of `mapped` (/dev/shm files the ranks had mapped) that outlived it."""
+    cluster.scancel(job)
+    wait_all_gone(cluster, job, pids, "scancel")
+    assert segments_of(pids) == []
+    result = cluster.wait(job, JOB_TIMEOUT_S)
+    assert result.state == "CANCELLED", result
+    leaked = sorted(p for p in mapped if p.exists())
+    for path in leaked:
+        path.unlink(missing_ok=True)
+    return leaked
+
+
 def wait_all_gone(cluster: SlurmCluster, job: int, pids: dict[int, float], after: str) -> None:
     """Wait (GONE_S) until none of `pids`, no process of the job and none of its slurmstepds is left."""
     since = time.monotonic()
@@ -505,14 +512,7 @@ def test_srun_launcher_scancel_leaves_no_process_and_no_segment(slurm_cluster: S
     # Open MPI's shared-memory transport between the two ranks (vader_segment.*): what the last check is about.
     assert mapped, "the ranks map no named file in /dev/shm"
 
-    slurm_cluster.scancel(job)
-    wait_all_gone(slurm_cluster, job, pids, "scancel")
-    assert segments_of(pids) == []
-    result = slurm_cluster.wait(job, JOB_TIMEOUT_S)
-    assert result.state == "CANCELLED", result
-    leaked = sorted(p for p in mapped if p.exists())
-    for path in leaked:
-        path.unlink(missing_ok=True)
+    leaked = cancel_and_sweep(slurm_cluster, job, pids, mapped)
     assert leaked == [], f"shared-memory files of the cancelled job's processes outlived it: {leaked}"
 
 
