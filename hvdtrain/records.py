@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 ENV = "HVDTRAIN_RECORDS"
+STOP_FILE = "stop-requested"  # `hvdtrain run` creates it on SIGUSR1: the recipes checkpoint and exit (preempt.py)
 TRACEBACK_CHARS = 8000  # the end of a long traceback is the part that names the error
 
 
@@ -75,6 +76,17 @@ def directory(env: Mapping[str, str] = os.environ) -> Path | None:
     """Where this rank writes its records, or None (not started by `hvdtrain run`, or the directory is not here)."""
     path = env.get(ENV)
     return Path(path) if path and os.path.isdir(path) else None
+
+
+def request_stop(where: Path) -> None:
+    """Ask every rank that reads this records directory to checkpoint at its next step boundary and exit
+    (exitcodes.PREEMPTED): what `hvdtrain run` does on SIGUSR1 (hvdtrain.train.preempt reads it)."""
+    (where / STOP_FILE).touch()
+
+
+def stop_requested(where: Path | None) -> bool:
+    """True once `request_stop(where)` was called (False without a records directory)."""
+    return where is not None and (where / STOP_FILE).exists()
 
 
 def _name(kind: str, pid: int, env: Mapping[str, str] = os.environ) -> str:

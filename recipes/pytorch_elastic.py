@@ -57,6 +57,7 @@ from hvdtrain.atomic import atomic_write
 from hvdtrain.data import DevicePrefetcher, ShmLoader, StallMeter
 from hvdtrain.datasets import arrays
 from hvdtrain.train import divergence, torchkit
+from hvdtrain.train.checkpoint import CheckpointMismatch
 from hvdtrain.train.config import parse_config
 from hvdtrain.train.entry import exit_with
 from hvdtrain.train.lr import LRSchedule
@@ -337,7 +338,12 @@ def main(argv: list[str] | None = None) -> int:
         backward_passes_per_step=cfg.backward_passes_per_step)
     # Rank 0 alone loads the newest checkpoint; the others get it from TorchState's sync in train().
     resume = rank == 0 and cfg.resume
-    first, rows = torchkit.load_latest(run_dir / "checkpoints", model, optimizer) if resume else (0, [])
+    first, rows, position = (torchkit.load_latest(run_dir / "checkpoints", model, optimizer) if resume
+                             else (0, [], None))
+    if position is not None:  # written by pytorch_train.py stopped mid-epoch (exit 75): only it resumes there
+        raise CheckpointMismatch(f"the newest checkpoint in {run_dir / 'checkpoints'} was written mid-epoch by "
+                                 "recipes/pytorch_train.py when it was asked to stop: resume it with that recipe, "
+                                 "or train this one in a new --run-dir")
 
     # ---- 4. the elastic state
     # Horovod: everything every rank must agree on after a reset; rank 0's copy is broadcast by state.sync().

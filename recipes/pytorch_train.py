@@ -31,6 +31,9 @@ What each rank does, in order:
     (allreduce) and validate; rank 0 alone writes the checkpoint (atomically, keeping the last K), TensorBoard
     scalars and the progress bar.
  6. Rank 0 writes <run-dir>/summary.json; every rank checks that the weights are identical everywhere.
+Asked to stop (SIGUSR1 or SIGTERM to any rank; `hvdtrain run` given SIGUSR1, as a Slurm job is before its time
+limit) every rank stops after the same step, rank 0 checkpoints there (mid-epoch, with the loader's position and
+each rank's own state) and all exit 75; run the same command again to resume at that step.
 """
 
 from __future__ import annotations
@@ -47,10 +50,10 @@ import torch
 from pytorch_models import make_model
 from torch import nn
 
-from hvdtrain import rundir
+from hvdtrain import exitcodes, records, rundir
 from hvdtrain.data import DevicePrefetcher, ShmLoader
 from hvdtrain.datasets import arrays
-from hvdtrain.train import checkpoint, divergence, torchkit
+from hvdtrain.train import checkpoint, divergence, preempt, torchkit
 from hvdtrain.train.config import parse_config
 from hvdtrain.train.entry import exit_with
 from hvdtrain.train.lr import LRSchedule, scaled_epochs
@@ -67,7 +70,9 @@ from hvdtrain.train.torchkit import (
     load_latest,
     model_info,
     model_name,
+    rank_state,
     report_epoch,
+    restore_rank_state,
     save_checkpoint,
     sgd,
     tensorboard_writer,
@@ -123,15 +128,36 @@ def allreduce_sum(values: np.ndarray) -> np.ndarray:
     return hvd.allreduce(torch.from_numpy(values), op=hvd.Sum).numpy()
 
 
+def stop_vote(cfg: Config) -> preempt.StopVote:
+    """SIGUSR1, SIGTERM or `hvdtrain run`'s stop file on any rank stops every rank after the same step (NOTE [stop
+    requests] in hvdtrain/train/preempt.py)."""
+    request = preempt.StopRequest(records.directory(), sigterm_grace_s=cfg.sigterm_grace).install()
+    # Horovod: each rank's 0/1 flag, summed by an allreduce that rides along with the next step.
+    return preempt.StopVote(
+        request, lambda flag: hvd.allreduce_async(torch.tensor([flag], dtype=torch.int32), op=hvd.Sum,
+                                                  name="stop.vote"),
+        lambda handle: int(hvd.synchronize(handle)[0]))
+
+
+@dataclass(frozen=True)
+class Stopped:
+    """The ranks agreed to stop after `step` steps of the epoch (NOTE [stop requests])."""
+
+    step: int
+    sums: MetricSums
+
+
 def train_epoch(cfg: Config, epoch: int, epochs: int, net: nn.Module, optimizer: HvdOptimizer,
-                schedule: LRSchedule, loader: DevicePrefetcher, meters: Meters, precision: Precision
-                ) -> dict[str, float]:
+                schedule: LRSchedule, loader: DevicePrefetcher, meters: Meters, precision: Precision,
+                sums: MetricSums, start: int, vote: preempt.StopVote) -> int | None:
+    """Train the epoch from step `start` (0, or where a stop left it), adding to `sums`; the steps done if the ranks
+    agreed to stop before the epoch's end, else None."""
     net.train()
-    sums, steps = MetricSums(), len(loader)
+    steps = start + len(loader)
     # Horovod: only rank 0 shows progress (every rank's bar would interleave in the output).
-    bar = progress_bar(meters.wrap(loader), steps, f"epoch {epoch + 1}/{epochs}",
+    bar = progress_bar(meters.wrap(loader), steps - start, f"epoch {epoch + 1}/{epochs}",
                        enabled=hvd.rank() == 0 and cfg.progress)
-    for step, (x, y) in enumerate(bar):  # meters time the host's wait for each batch and the GPU's idle gap
+    for step, (x, y) in enumerate(bar, start):  # meters time the host's wait for each batch and the GPU's idle gap
         lr = schedule.lr_for_step(epoch, step, steps)
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -150,9 +176,12 @@ def train_epoch(cfg: Config, epoch: int, epochs: int, net: nn.Module, optimizer:
             precision.step(optimizer)
         if bar.disable is False and (step % 50 == 0 or step == steps - 1):  # reading the loss waits for the GPU
             bar.set_postfix(loss=f"{float(losses[-1]):.3f}", lr=f"{lr:.3g}", refresh=False)
+        if vote.after_step() and step + 1 < steps:  # Horovod: every rank gets the same sum, so all stop here
+            bar.close()
+            return step + 1
     bar.close()
-    # Horovod: average loss and accuracy over all ranks' samples (one allreduce).
-    return sums.reduce(allreduce_sum)
+    vote.drain()
+    return None
 
 
 def evaluate(cfg: Config, model: nn.Module, val_set: arrays.Split, device: torch.device,
@@ -165,15 +194,37 @@ def evaluate(cfg: Config, model: nn.Module, val_set: arrays.Split, device: torch
                            cfg.channels_last).reduce(allreduce_sum)
 
 
+def resume_rank(position: dict[str, Any] | None, model: nn.Module) -> tuple[MetricSums, int]:
+    """(the epoch's metric sums so far, its steps done): this rank's own state from a checkpoint written mid-epoch
+    (its RNG and BatchNorm statistics put back), else a fresh start."""
+    if position is None:
+        return MetricSums(), 0
+    ranks = position["ranks"]
+    if len(ranks) != hvd.size():  # the loader re-shards; what was each rank's own cannot be matched to a rank
+        log(hvd.rank(), f"the checkpoint stopped mid-epoch with {len(ranks)} ranks, this run has {hvd.size()}: each "
+                        "rank's RNG, BatchNorm statistics and metric sums start afresh (not bit-identical)")
+        return MetricSums(), position["step"]
+    return restore_rank_state(ranks[hvd.rank()], model), position["step"]
+
+
 def train_and_validate(cfg: Config, epoch: int, epochs: int, model: nn.Module, net: nn.Module,
                        optimizer: HvdOptimizer, schedule: LRSchedule, precision: Precision,
                        loader: DevicePrefetcher, meters: Meters, val_set: arrays.Split, device: torch.device,
-                       history: History) -> tuple[dict[str, float], float, float]:
-    """One epoch: train, validate, check, record in `history`. Returns (the epoch's row, samples trained, seconds)."""
+                       history: History, vote: preempt.StopVote, position: dict[str, Any] | None
+                       ) -> tuple[dict[str, float], float, float] | Stopped:
+    """One epoch (from `position`, where a stop mid-epoch left it): train, validate, check, record in `history`.
+    Returns (the epoch's row, samples trained, seconds), or Stopped if the ranks agreed to stop inside it."""
     torch.manual_seed(epoch_seed(cfg.seed, epoch, hvd.rank()))
-    loader.set_epoch(epoch)  # a new shuffle each epoch, the same permutation on every rank
+    loader.set_epoch(epoch)  # a new shuffle each epoch, the same permutation on every rank (a resumed one: its place)
+    sums, first_step = resume_rank(position, model)
     start, mark = time.perf_counter(), meters.mark()
-    train = train_epoch(cfg, epoch, epochs, net, optimizer, schedule, loader, meters, precision)
+    steps = first_step + len(loader)
+    stopped = train_epoch(cfg, epoch, epochs, net, optimizer, schedule, loader, meters, precision, sums, first_step,
+                          vote)
+    if stopped is not None:
+        return Stopped(stopped, sums)
+    # Horovod: average loss and accuracy over all ranks' samples (one allreduce).
+    train = sums.reduce(allreduce_sum)
     took = time.perf_counter() - start
     val = evaluate(cfg, model, val_set, device, precision)
     if cfg.check_finite:  # before anything records or checkpoints the epoch (NOTE [divergence checks])
@@ -181,9 +232,10 @@ def train_and_validate(cfg: Config, epoch: int, epochs: int, model: nn.Module, n
     # the epoch's LR: its first step's and its last step's (they differ during the warmup)
     row = history.record(epoch + 1, train_loss=train["loss"], train_accuracy=train["accuracy"],
                          val_loss=val["loss"], val_accuracy=val["accuracy"],
-                         lr_first=schedule.lr_for_step(epoch, 0, len(loader)), lr=optimizer.param_groups[0]["lr"],
-                         samples_per_sec=train["samples"] / took, **meters.epoch_shares(mark))
-    return row, train["samples"], took
+                         lr_first=schedule.lr_for_step(epoch, 0, steps), lr=optimizer.param_groups[0]["lr"],
+                         samples_per_sec=train["samples"] * (steps - first_step) / steps / took,
+                         **meters.epoch_shares(mark))
+    return row, train["samples"] * (steps - first_step) / steps, took
 
 
 def start_line(cfg: Config, where: str, splits: arrays.Splits, model: nn.Module, first: int, epochs: int,
@@ -200,6 +252,27 @@ def stop_asked(cfg: Config, done: int, epochs: int) -> bool:
         log(hvd.rank(), f"stopping after epoch {done} as asked (--stop-after-epoch); run again without it to resume")
         return True
     return False
+
+
+def save_stop(cfg: Config, ckpt_dir: Path, epoch: int, stopped: Stopped, model: nn.Module, optimizer: HvdOptimizer,
+              history: History, precision: Precision, loader: DevicePrefetcher) -> str:
+    """Every rank, after the step the ranks agreed to stop at: rank 0 writes the checkpoint of this point in the
+    epoch; returns its path."""
+    # Horovod: rank 0 keeps what of every rank no collective has made equal (NOTE [stop requests]): gather it.
+    ranks = hvd.allgather_object(rank_state(model, stopped.sums), name="stop.ranks")
+    path = ""
+    if hvd.rank() == 0:  # the loader's position: the batches trained on (its look-ahead given back)
+        position = {"epoch": epoch, "step": stopped.step, "loader": loader.state_dict(), "ranks": ranks}
+        path = str(save_checkpoint(cfg, ckpt_dir, epoch, model, optimizer, history, precision, position))
+    # Horovod: no rank exits before the checkpoint is written (under horovodrun the first exit ends the job).
+    return str(hvd.broadcast_object(path, root_rank=0, name="stop.saved"))
+
+
+def stop_line(request: preempt.StopRequest, path: str) -> str:
+    """Rank 0's last words after a stop."""
+    heard = f"asked to stop ({request.reason} here)" if request.reason else "asked to stop (on another rank)"
+    return (f"{heard}: checkpoint {path}; run the same command again to resume from it "
+            f"(exit {exitcodes.PREEMPTED})")
 
 
 def finish(cfg: Config, run_dir: Path, first: int, done: int, epochs: int, model: nn.Module, lr: float,
@@ -265,10 +338,15 @@ def main(argv: list[str] | None = None) -> int:
         compression=hvd.Compression.fp16 if cfg.fp16_allreduce else hvd.Compression.none,
         backward_passes_per_step=cfg.backward_passes_per_step)
     # ---- 4. resume on rank 0, then the same starting point on every rank
-    first, rows = load_latest(ckpt_dir, model, optimizer, precision) if rank == 0 and cfg.resume else (0, [])
-    # Horovod: every rank resumes at rank 0's epoch, with rank 0's history.
+    first, rows, position = (load_latest(ckpt_dir, model, optimizer, precision) if rank == 0 and cfg.resume
+                             else (0, [], None))
+    # Horovod: every rank resumes at rank 0's epoch, with rank 0's history; from a checkpoint written mid-epoch,
+    # at its step with each rank's own state (NOTE [stop requests] in hvdtrain/train/preempt.py).
     first = hvd.broadcast_object(first, root_rank=0, name="resume.epoch")
     history = History(hvd.broadcast_object(rows, root_rank=0, name="resume.history"))
+    position = hvd.broadcast_object(position, root_rank=0, name="resume.position")
+    if position is not None:
+        loader.load_state_dict(position["loader"])
     # Horovod: start every rank from rank 0's optimizer state (momentum buffers, LR), then its weights: on a rank with
     # an empty state, broadcast_optimizer_state takes a zero-gradient step, which with weight decay moves the weights.
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
@@ -279,21 +357,33 @@ def main(argv: list[str] | None = None) -> int:
     # ---- 5. train and validate; checkpoint each epoch on rank 0
     meters = Meters.on(device)  # the host's wait for data and, on a GPU, the GPU's idle gap, per step
     writer = tensorboard_writer(rank == 0 and cfg.tensorboard, run_dir)  # Horovod: TensorBoard on rank 0 only.
-    done, samples, seconds = first, 0.0, 0.0
+    vote = stop_vote(cfg)  # SIGUSR1/SIGTERM: checkpoint at the next step boundary, exit 75
+    done, samples, seconds, stop = first, 0.0, 0.0, ""
     try:
         for epoch in range(first, epochs):
-            row, trained, took = train_and_validate(cfg, epoch, epochs, model, net, optimizer, schedule, precision,
-                                                    loader, meters, splits.val, device, history)
+            result = train_and_validate(cfg, epoch, epochs, model, net, optimizer, schedule, precision, loader,
+                                        meters, splits.val, device, history, vote, position if epoch == first else None)
+            if isinstance(result, Stopped):
+                stop = save_stop(cfg, ckpt_dir, epoch, result, model, optimizer, history, precision, loader)
+                break
+            row, trained, took = result
             done, samples, seconds = epoch + 1, samples + trained, seconds + took
             if rank == 0:  # Horovod: only rank 0 reports and writes checkpoints (all ranks hold the same weights).
                 report_epoch(row, epochs, writer)
                 save_checkpoint(cfg, ckpt_dir, done, model, optimizer, history, precision)
             if stop_asked(cfg, done, epochs):
                 break
+            if done < epochs and vote.now():  # asked during validation or the epoch's last step: stop here
+                stop = str(checkpoint.checkpoint_path(ckpt_dir, done))
+                break
     finally:
         loader.close()  # stops the producer processes, frees the shared memory
         if writer is not None:
             writer.close()
+    if stop:
+        if rank == 0:
+            print(stop_line(vote.request, stop), flush=True)
+        return exitcodes.PREEMPTED
     # ---- 6. the end: identical weights everywhere; rank 0 writes summary.json
     finish(cfg, run_dir, first, done, epochs, model, lr, splits, history, meters, samples, seconds, writer)
     return 0

@@ -54,9 +54,27 @@ def hook(event, args):
     elif event == "os.rename" and under_watch(args[1]):
         writes.append(["rename", os.path.realpath(args[1])])
 
+def signal_at(rank):
+    """HVDTRAIN_TEST_SIGNAL=RANK:STEP:SIGNAME: that rank sends itself that signal after its STEP-th optimizer step
+    (counted over epochs), a stop request landing at a known point of the epoch (NOTE [stop requests])."""
+    target, step, name = os.environ.get("HVDTRAIN_TEST_SIGNAL", "-1:0:SIGUSR1").split(":")
+    if int(target) != rank:
+        return
+    import signal
+    from hvdtrain.train import preempt
+    original, count = preempt.StopVote.after_step, [0]
+
+    def after_step(self):
+        count[0] += 1
+        if count[0] == int(step):
+            os.kill(os.getpid(), getattr(signal, name))
+        return original(self)
+    preempt.StopVote.after_step = after_step
+
 if __name__ == "__main__":  # not in the recipe's data producer processes, which re-import the main module
     log_path, script, watch = sys.argv[1], sys.argv[2], os.path.realpath(sys.argv[3])
     rank = int(os.environ.get("HOROVOD_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "-1")))
+    signal_at(rank)
     sys.addaudithook(hook)
     sys.argv = [script, *sys.argv[4:]]
     sys.path.insert(0, os.path.dirname(script))
@@ -86,13 +104,17 @@ class Run:
         return [p.name for _, p in checkpoint.list_checkpoints(self.run_dir / "checkpoints")]
 
 
-def run_recipe(tmp: Path, run_dir: Path, *args: str, controller: str = "gloo") -> Run:
+def run_recipe(tmp: Path, run_dir: Path, *args: str, controller: str = "gloo", exit_code: int = 0,
+               env: dict[str, str] | None = None) -> Run:
     wrapper = tmp / "audit_wrapper.py"
     wrapper.write_text(WRAPPER)
     log = tmp / f"audit-{len(list(tmp.glob('audit-*')))}"
     result = horovodrun(wrapper, str(log), str(RECIPE), str(run_dir), "--run-dir", str(run_dir), *args,
-                        controller=controller, timeout=TIMEOUT)
-    expect_ok(result)
+                        controller=controller, timeout=TIMEOUT, env=env)
+    if exit_code == 0:
+        expect_ok(result)
+    elif result.returncode != exit_code:
+        pytest.fail(f"expected exit code {exit_code}\n{result.describe()}", pytrace=False)
     audit = {int(p.name.rsplit(".rank", 1)[1].split(".")[0]): json.loads(p.read_text())
              for p in tmp.glob(f"{log.name}.rank*.json")}
     return Run(result, run_dir, audit)
@@ -201,6 +223,34 @@ def test_stopped_runs_resume_from_the_last_intact_checkpoint_and_match_an_uninte
     assert history_without_timing(summary) == history_without_timing(reference)
     assert summary["weights_sha256_by_rank"] == reference["weights_sha256_by_rank"], \
         "resumed training ended with different weights than the uninterrupted run"
+
+
+@pytest.mark.slow
+def test_a_stop_request_mid_epoch_checkpoints_there_and_resumes_to_the_same_weights(uninterrupted, tmp_path):
+    """SIGTERM to rank 1 alone after its 30th step (the 7th of epoch 2, 23 steps an epoch): both ranks stop after
+    the same step (the vote rides one step behind), rank 0 checkpoints there with each rank's own state, every rank
+    exits 75; the run again resumes at that step and ends exactly as the uninterrupted run."""
+    run_dir, ckpts = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    first = run_recipe(tmp_path, run_dir, *DIGITS_ARGS, "--sigterm-grace", "60", exit_code=1,  # horovodrun's 1
+                       env={"HVDTRAIN_TEST_SIGNAL": "1:30:SIGTERM"})
+    # The first rank to exit 75 makes horovodrun SIGTERM the other, which may still be on its way out (143).
+    codes = re.findall(r"Process \d exit with status code (\d+)", first.output)
+    assert "75" in codes and set(codes) <= {"75", "143"}, first.output
+    names = first.checkpoints()
+    assert names[0] == "ckpt-epoch0001.pt" and re.fullmatch(r"ckpt-epoch0001-step00000[78]\.pt", names[1]), names
+    assert epoch_lines(first.output) == [1]
+    assert f"asked to stop (on another rank): checkpoint {ckpts / names[1]}; run the same command again" \
+        in first.output, first.output
+    assert not (run_dir / "summary.json").exists()
+    step = int(names[1][-9:-3])
+
+    second = run_recipe(tmp_path, run_dir, *DIGITS_ARGS)
+    assert f"resuming from {ckpts / names[1]} (epoch 1 done, then {step} steps of epoch 2)" in second.output
+    assert epoch_lines(second.output) == [2, 3]
+    summary, reference = second.summary(), uninterrupted.summary()
+    assert history_without_timing(summary) == history_without_timing(reference)
+    assert summary["weights_sha256_by_rank"] == reference["weights_sha256_by_rank"], \
+        "training resumed mid-epoch ended with different weights than the uninterrupted run"
 
 
 @pytest.mark.slow

@@ -220,14 +220,15 @@ def test_sbatch_runs_hvdtrain_run_on_the_spec_with_every_value_intact(tmp_path):
     text = render_file("slurm", path, cluster(python=str(bin_dir / "python")), opts, overrides=["args=[--epochs, 3]"])
     for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=4", "#SBATCH --gpus-per-node=4",
                  "#SBATCH --time=02:00:00", "#SBATCH --partition=gpu", "#SBATCH --account=proj42",
-                 "#SBATCH --cpus-per-task=8", "#SBATCH --job-name=job"):
+                 "#SBATCH --cpus-per-task=8", "#SBATCH --job-name=job", "#SBATCH --signal=B:USR1@120",
+                 "#SBATCH --requeue", "#SBATCH --open-mode=append"):
         assert line in text.splitlines()
     assert "NCCL_DEBUG" not in text and "PWNED" not in text  # env stays in the spec: no secrets in the script
     assert "--ssh-port" not in text and "2222" not in text and "/opt/hvdtrain" not in text
     proc, argv, _ = run_sbatch(tmp_path, text, bin_dir)
     assert proc.returncode == 0, proc.stderr
     assert argv == ["python", "-m", "hvdtrain.cli", "run", str(path), "-o", "args=[--epochs, 3]",
-                    "-o", "hosts=null", "-o", "hostfile=null"]
+                    "-o", "hosts=null", "-o", "hostfile=null", "--requeue"]
     out = dry_run_in_allocation(argv)
     assert "# hosts from Slurm job 42: node01:4,node02:4" in out
     command = shlex.split(out.split("# command\n")[1].split("\n")[0])
@@ -259,7 +260,7 @@ def test_sbatch_srun_launcher_runs_hvdtrain_run_with_srun(tmp_path):
     proc, argv, _ = run_sbatch(tmp_path, text, bin_dir)
     assert proc.returncode == 0, proc.stderr
     assert argv == ["python", "-m", "hvdtrain.cli", "run", str(path), "-o", "hosts=null", "-o", "hostfile=null",
-                    "--launcher", "srun", "--srun-mpi", "pmix"]
+                    "--launcher", "srun", "--srun-mpi", "pmix", "--requeue"]
     out = dry_run_in_allocation(argv)
     assert out.startswith("# hosts from Slurm job 42: node01:4,node02:4")
     assert f"# working directory\n{workdir}\n" in out  # srun, and so every rank, starts there
@@ -294,10 +295,54 @@ def test_srun_refuses_horovodrun_only_settings(tmp_path):
     ({"time": "two hours"}, r"--time 'two hours' is not a Slurm time"),
     ({"cpus_per_task": 0}, r"--cpus-per-task 0"),
     ({"launcher": "mpirun"}, r"--launcher 'mpirun'"),
+    ({"signal_before": -5}, r"--signal-before -5 is not allowed: use a whole number of seconds from 0 to 65535"),
+    ({"signal_before": 70000}, r"--signal-before 70000 is not allowed"),
+    ({"signal_before": 1.5}, r"--signal-before 1\.5 is not allowed"),
+    ({"time": "3"}, r"--signal-before 120 with --time 3 \(180 s\): Slurm may send SIGUSR1 up to 60 s early.*"
+                    r"use --signal-before below 120, a longer --time, or --signal-before 0"),
+    ({"time": "00:02:30"}, r"--signal-before 120 with --time 00:02:30 \(150 s\)"),
+    ({"time": "0-0:3", "signal_before": 120}, r"--signal-before 120 with --time 0-0:3 \(180 s\)"),
+    ({"time": "1", "signal_before": 1}, r"with --time 1 \(60 s\).*use a longer --time, or --signal-before 0"),
 ])
 def test_sbatch_option_errors(tmp_path, opts, match):
     with pytest.raises(RenderError, match=match):
         render_file("slurm", write_spec(tmp_path, SPEC), cluster(), SlurmOptions(**opts))
+
+
+SBATCH_PREEMPTION = ("#SBATCH --signal=", "#SBATCH --requeue", "#SBATCH --open-mode=")
+
+
+@pytest.mark.parametrize("launcher", ["horovodrun", "srun"])
+@pytest.mark.parametrize(("flags", "lines", "requeue"), [
+    ([], ["#SBATCH --signal=B:USR1@120", "#SBATCH --requeue", "#SBATCH --open-mode=append"], True),
+    (["--signal-before", "300", "--time", "1-00:00"], ["#SBATCH --signal=B:USR1@300", "#SBATCH --requeue",
+                                                       "#SBATCH --open-mode=append"], True),
+    (["--signal-before", "0"], ["#SBATCH --requeue", "#SBATCH --open-mode=append"], True),
+    (["--no-requeue"], ["#SBATCH --signal=B:USR1@120"], False),
+    (["--signal-before", "0", "--no-requeue"], [], False),
+])
+def test_sbatch_signals_before_the_time_limit_and_requeues(tmp_path, capsys, launcher, flags, lines, requeue):
+    """The render CLI's --signal-before/--no-requeue become #SBATCH lines (before the first command, where sbatch
+    reads them) and `hvdtrain run --requeue`, with either launcher; the header says what they do."""
+    path = write_spec(tmp_path, "script: t.py\nnp: 2\ncontroller: mpi\n")
+    assert main(["render", "slurm", str(path), "--launcher", launcher, *flags]) == 0
+    text = capsys.readouterr().out.splitlines()
+    directives = [line for line in text if line.startswith(SBATCH_PREEMPTION)]
+    assert directives == lines
+    assert all(text.index(line) < text.index("set -euo pipefail") for line in directives)
+    run = [line for line in text if line.startswith("exec ")]
+    assert len(run) == 1 and run[0].endswith(" --requeue") == requeue and run[0].count("--requeue") == requeue
+    if "#SBATCH --signal=B:USR1@120" in lines:
+        assert "# Slurm sends SIGUSR1 120 s before the time limit (it may be up to 60 s early) to the batch shell " \
+               "(B:), which" in text
+
+
+@pytest.mark.parametrize("value", ["-5", "abc", "1.5", "", "70000"])
+def test_render_cli_refuses_a_bad_signal_before(tmp_path, capsys, value):
+    assert main(["render", "slurm", str(write_spec(tmp_path, SPEC)), f"--signal-before={value}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hvdtrain render: error: --signal-before ") and "is not allowed: use a whole number of " \
+        "seconds from 0 to 65535 (0: no signal before the time limit)" in err, err
 
 
 def test_cli_prints_writes_and_exits_2_on_errors(tmp_path, capsys):

@@ -178,6 +178,50 @@ def test_rendered_quickstart_trains(slurm_cluster: SlurmCluster, tmp_path: Path)
     assert summary["val_accuracy"] > 0.5, summary  # ~0.94 after one epoch; a broken allreduce would not train
 
 
+def test_the_warning_signal_checkpoints_requeues_and_resumes_to_the_same_weights(slurm_cluster: SlurmCluster,
+                                                                                   tmp_path: Path) -> None:
+    """The signal Slurm sends before a job's time limit (`#SBATCH --signal=B:USR1@T` goes to the batch shell, which
+    is `exec hvdtrain run`), sent here at a chosen moment with `scancel --signal=USR1 --batch` once epoch 1's
+    checkpoint is written: the ranks checkpoint at a step boundary and exit 75, hvdtrain requeues the job
+    (`--requeue`), Slurm runs it again (appending to its output), it resumes there and ends with the weights and
+    history of the same training run in one go outside Slurm."""
+    args = ("--dataset", "digits", "--epochs", "3", "--warmup-epochs", "1", "--batch-size", "4", "--no-tensorboard",
+            "--no-progress")
+    def override(run_dir: Path) -> str:
+        return "args=[" + ", ".join(f"'{a}'" for a in (*args, "--run-dir", str(run_dir))) + "]"
+
+    reference = run_bounded([sys.executable, "-m", "hvdtrain.cli", "run", str(REPO / "jobs" / "quickstart.yaml"),
+                             "-o", override(tmp_path / "reference")], timeout=JOB_TIMEOUT_S, cwd=tmp_path)
+    assert reference.returncode == 0, reference.describe()
+
+    run_dir = tmp_path / "run"
+    script = render(REPO / "jobs" / "quickstart.yaml", override(run_dir), out=tmp_path / "q.sbatch")
+    text = script.read_text().splitlines()
+    assert {"#SBATCH --signal=B:USR1@120", "#SBATCH --requeue", "#SBATCH --open-mode=append"} <= set(text), text
+    job = submit(slurm_cluster, script)
+    deadline = time.monotonic() + READY_S
+    while not (run_dir / "checkpoints" / "ckpt-epoch0001.pt").exists():
+        assert time.monotonic() < deadline, slurm_cluster.job_fields(job)
+        time.sleep(0.05)
+    slurm_cluster.scancel(job, "--signal=USR1", "--batch")
+    result = slurm_cluster.wait(job, 2 * JOB_TIMEOUT_S)
+    out = result.output_text
+    assert (result.state, result.exit_code, result.signal) == ("COMPLETED", 0, 0), out
+    assert result.fields.get("Restarts") == "1", result.fields
+    assert "hvdtrain: SIGUSR1: asking the ranks to checkpoint" in out, out
+    assert f"hvdtrain: requeued Slurm job {job}" in out, out
+    stopped = re.search(r"asked to stop \(hvdtrain run \(SIGUSR1\) here\): checkpoint (\S+);", out)
+    assert stopped, out
+    name = Path(stopped[1]).name  # mid-epoch 2 almost always (its 180 steps take ~1 s); at its end if it came late
+    assert re.fullmatch(r"ckpt-epoch000[12](-step\d{6})?\.pt", name), name
+    assert f"resuming from {stopped[1]}" in out, out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    expected = json.loads((tmp_path / "reference" / "summary.json").read_text())
+    assert summary["weights_sha256_by_rank"] == expected["weights_sha256_by_rank"], out
+    assert [(r["train_loss"], r["val_accuracy"]) for r in summary["history"]] == \
+        [(r["train_loss"], r["val_accuracy"]) for r in expected["history"]]
+
+
 @pytest.mark.parametrize("controller", ["gloo", "mpi"])
 def test_a_failing_ranks_exit_code_is_the_jobs(slurm_cluster: SlurmCluster, tmp_path: Path, controller: str) -> None:
     """Rank 1 exits 3 while rank 0 waits in an allreduce: Slurm's ExitCode is 3:0 (not horovodrun's 1), the output

@@ -1,15 +1,21 @@
 """`hvdtrain run JOB.yaml`: spec -> LaunchPlan -> run it (or print it with --dry-run); hvdtrain/cli.py adds it with
 one call. Inside a Slurm allocation a spec without hosts runs on the allocation's nodes (hvdtrain.job.slurm), started
-by horovodrun or, with `--launcher srun`, by srun.
+by horovodrun or, with `--launcher srun`, by srun; with `--requeue` a job that stopped to be resumed (exit 75, after
+SIGUSR1: NOTE [job shutdown] in runner.py) is put back in Slurm's queue.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shlex
+import signal
+import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
+
+from hvdtrain import exitcodes
 
 if TYPE_CHECKING:
     from hvdtrain.job.model import JobSpec
@@ -29,6 +35,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser],
                    help="what starts the ranks: horovodrun (default; over ssh on other hosts) or, inside a Slurm "
                         "allocation, srun (Horovod through MPI)")
     p.add_argument("--srun-mpi", default="pmix", metavar="PLUGIN", help="srun --mpi plugin (default pmix)")
+    p.add_argument("--requeue", action="store_true",
+                   help=f"in a Slurm batch job: when the job stops to be resumed (exit {exitcodes.PREEMPTED}, after "
+                        "SIGUSR1), requeue it with `scontrol requeue` so that it resumes from the checkpoint "
+                        "(`hvdtrain render slurm` adds this)")
     p.set_defaults(func=cmd_run)
 
 
@@ -36,7 +46,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     from hvdtrain.job.load import load_spec_file
     from hvdtrain.job.slurm import Allocation, allocation_from_env, srun_task_problem
     from hvdtrain.launch.runner import LaunchError, check_rank_module, run_plan
+    from hvdtrain.launch.stops import StopRequests
 
+    if args.requeue and (problem := requeue_problem(os.environ)):
+        raise LaunchError(problem)
+    # From here on SIGUSR1 asks the ranks to stop and never kills hvdtrain (not for --dry-run: nothing runs).
+    stops = None if args.dry_run else StopRequests().install()
     problem = srun_task_problem(os.environ)
     if problem:
         raise LaunchError(problem)
@@ -56,7 +71,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"hvdtrain: {slurm}", file=sys.stderr)
     check_rank_module(spec.python)
     check_run_dir(spec.args)
-    return run_plan(plan, spec.logs, timeout_s=args.timeout, ssh=spec.ssh)
+    code = run_plan(plan, spec.logs, timeout_s=args.timeout, ssh=spec.ssh, stops=stops)
+    if args.requeue and code == exitcodes.PREEMPTED:
+        requeue_slurm_job(os.environ["SLURM_JOB_ID"])
+    return code
 
 
 def _plan(args: argparse.Namespace, spec: JobSpec, in_allocation: bool) -> LaunchPlan:
@@ -89,3 +107,44 @@ def check_run_dir(script_args: list[str]) -> None:
     holder = held_here(run_dir)
     if holder is not None:
         raise LaunchError(busy_message(run_dir, holder))
+
+
+REQUEUE_TIMEOUT_S = 30.0
+
+
+def requeue_problem(env: Mapping[str, str]) -> str | None:
+    """Why `--requeue` cannot work here (no Slurm job to requeue); None when it can."""
+    if env.get("SLURM_JOB_ID"):
+        return None
+    return ("--requeue puts this Slurm job back in the queue when it stops to be resumed (exit "
+            f"{exitcodes.PREEMPTED}), but SLURM_JOB_ID is not set: this is not running in a Slurm job. Use --requeue "
+            "in an sbatch script (`hvdtrain render slurm JOB.yaml` adds it), or leave it out")
+
+
+def requeue_slurm_job(job_id: str) -> bool:
+    """`scontrol requeue JOB_ID` once the job stopped to be resumed: Slurm runs the batch script again and the ranks
+    resume from their checkpoint. What happened is printed; a failure is not an error (hvdtrain still exits 75).
+
+    Requeueing a running job makes Slurm end its batch step, hvdtrain included, with SIGTERM: the job has ended,
+    so from here on SIGTERM is ignored, and hvdtrain says what it did and exits 75."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    argv = ["scontrol", "requeue", job_id]
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=REQUEUE_TIMEOUT_S, check=False,
+                              stdin=subprocess.DEVNULL)
+    except FileNotFoundError:
+        why = "scontrol is not on PATH"
+    except subprocess.TimeoutExpired:
+        why = f"scontrol did not answer within {REQUEUE_TIMEOUT_S:g} s"
+    except OSError as exc:
+        why = f"cannot run scontrol: {exc.strerror or exc}"
+    else:
+        if proc.returncode == 0:
+            print(f"hvdtrain: requeued Slurm job {job_id}: it runs again and resumes from the checkpoint",
+                  file=sys.stderr, flush=True)
+            return True
+        said = (proc.stderr.strip() or proc.stdout.strip() or "no output").splitlines()[-1]
+        why = f"it exited with code {proc.returncode}: {said}"
+    print(f"hvdtrain: could not requeue Slurm job {job_id} ({shlex.join(argv)}: {why}); submit the job again to "
+          "resume from the checkpoint", file=sys.stderr, flush=True)
+    return False

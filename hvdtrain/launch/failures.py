@@ -21,6 +21,7 @@ from collections import deque
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from hvdtrain import exitcodes
 from hvdtrain.records import RankRecord
 
 GLOO_EXIT = re.compile(r"^Process (\d+) exit with status code (-?\d+)\.?\s*$")
@@ -142,6 +143,18 @@ class FailureTracker:
         if (r := self.cause_record()) is None:
             return self.first
         return RankFailure(r.rank, code=r.code, signum=r.signum, host=r.host)
+
+    def preempted(self) -> bool:
+        """The ranks stopped to be resumed, not failed: at least one rank's record says exit 75 (it checkpointed at a
+        step boundary: exitcodes.PREEMPTED), every other record says 0, 75 or a teardown signal (horovodrun stops
+        the rest once the first exits non-zero), and horovodrun's or mpirun's first report, if any, agrees (a rank
+        that left no record, on a host that does not share the records directory, is named there)."""
+        if not any(r.code == exitcodes.PREEMPTED for r in self.records):
+            return False
+        if not all(r.code in (0, exitcodes.PREEMPTED) or r.signum in TEARDOWN_SIGNALS for r in self.records):
+            return False
+        f = self.first
+        return f is None or f.code == exitcodes.PREEMPTED or f.signum in TEARDOWN_SIGNALS
 
     def _set(self, failure: RankFailure) -> None:
         r = failure.rank

@@ -1,6 +1,6 @@
 """Run a LaunchPlan: start horovodrun (argv list, new session), stream rank-prefixed output, per-rank log files,
-forward SIGINT/SIGTERM/SIGHUP, leave no process behind (also when hvdtrain itself is killed), and exit with the
-job's exit code.
+forward SIGINT/SIGTERM/SIGHUP, turn SIGUSR1 into a request that the ranks checkpoint and stop (exit 75), leave no
+process behind (also when hvdtrain itself is killed), and exit with the job's exit code.
 
 Also the two look-ups a plan needs from this machine: the default controller and the horovodrun executable.
 """
@@ -30,6 +30,7 @@ from hvdtrain.job.plan import RANK_MODULE, LaunchPlan
 from hvdtrain.launch.console import OutputRouter, pump
 from hvdtrain.launch.failures import FailureTracker
 from hvdtrain.launch.lifeline import DONE, die_with_parent, group_alive
+from hvdtrain.launch.stops import StopRequests
 
 GRACE_S = 20.0  # horovodrun itself gives ranks 5 s after SIGTERM, then 5 s more before SIGKILL
 POLL_S = 0.5
@@ -39,6 +40,8 @@ RECORDS_TMP = "hvdtrain-records-"  # the ranks' records without logs.dir: a temp
 SWEEP_POLL_S = 0.05  # how often the sweep looks whether horovodrun's group has stopped
 SRUN_ABORT_S = 10.0  # after SIGTERM, how long srun may take to kill its step through Slurm before SIGKILL
 SNAPSHOT_S = 2.0  # a process-tree walk costs CPU that the ranks need: not every poll
+PREEMPTED = (f"hvdtrain: the job stopped to be resumed: the ranks checkpointed at a step boundary (exit "
+             f"{exitcodes.PREEMPTED}); run it again to resume from the checkpoint")
 
 
 class LaunchError(RuntimeError):
@@ -111,6 +114,14 @@ def find_horovodrun() -> str:
 #    A handler only records the signal and forwards it to horovodrun's group; the main loop does the rest (and
 #    prints what is happening: NOTE [console] in hvdtrain/launch/console.py). SIGHUP (the terminal closed) is
 #    forwarded as SIGTERM (horovodrun has no SIGHUP handler) and exits 129.
+#  - SIGUSR1 (Slurm's warning before the time limit: `#SBATCH --signal=B:USR1@N` from `hvdtrain render slurm`) is
+#    not forwarded and does not stop the job: `stops.StopRequests` (installed first thing by `hvdtrain run`, so that
+#    SIGUSR1 never kills it, and again with the handlers above) creates records.STOP_FILE in the job's records
+#    directory; the ranks see it, agree, checkpoint at their next step boundary and exit 75 (hvdtrain/train), and
+#    `_exit_code` calls that ending "preempted" (FailureTracker.preempted) and exits 75 (--requeue then requeues
+#    the Slurm job: command.requeue_slurm_job). Repeating it changes nothing; a rank that ignores it just goes on.
+#    With `--launcher srun` the same: Slurm's `B:` signal reaches the batch shell (hvdtrain) only, not the step.
+#    The file is removed when the next run prepares the same records directory.
 #  - After a forwarded signal we wait GRACE_S; a second signal, or the grace running out, SIGKILLs the group and
 #    every descendant in the snapshot (psutil checks create times, so a recycled pid is never hit).
 #  - However horovodrun ends, `_Job.sweep` terminates snapshot members still alive, and the output reader thread is
@@ -125,8 +136,9 @@ def find_horovodrun() -> str:
 # and what the guard does if hvdtrain dies. Only if srun itself outlives SRUN_ABORT_S after that is it SIGKILLed;
 # Slurm then ends the step when the job ends (scancel, or the batch script's exit).
 class _Job:
-    def __init__(self, router: OutputRouter) -> None:
+    def __init__(self, router: OutputRouter, stops: StopRequests) -> None:
         self.router = router
+        self.stops = stops
         self.proc: subprocess.Popen[bytes] | None = None
         self.seen: dict[int, psutil.Process] = {}
         self.signals: list[int] = []  # every stop signal received, in order
@@ -278,10 +290,12 @@ def _alive(p: psutil.Process) -> bool:
         return False
 
 
-def run_plan(plan: LaunchPlan, logs: Logs, *, timeout_s: float | None = None, ssh: Ssh | None = None) -> int:
+def run_plan(plan: LaunchPlan, logs: Logs, *, timeout_s: float | None = None, ssh: Ssh | None = None,
+             stops: StopRequests | None = None) -> int:
     """Run the plan to completion (see NOTE [job shutdown]); returns the exit code hvdtrain should exit with.
 
-    `ssh`: how to reach the hosts, to find which one was lost when a rank timed out waiting for a peer.
+    `ssh`: how to reach the hosts, to find which one was lost when a rank timed out waiting for a peer. `stops`:
+    the SIGUSR1 handler `hvdtrain run` installed first thing (default: a new one, installed here).
     """
     if threading.current_thread() is not threading.main_thread():
         # Signal handlers can only be installed there, and PR_SET_PDEATHSIG fires when the starting thread ends.
@@ -294,11 +308,14 @@ def run_plan(plan: LaunchPlan, logs: Logs, *, timeout_s: float | None = None, ss
     with _records_dir(logs.dir) as where:
         router = OutputRouter(logs, sys.stdout, sys.stderr, FailureTracker(plan.rank_hosts, elastic=plan.elastic),
                               srun_labels=plan.launcher == "srun")
-        job = _Job(router)
+        job = _Job(router, stops or StopRequests())
         old = {s: signal.signal(s, job.on_signal) for s in STOP_SIGNALS}
+        old[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, job.stops.on_signal)
+        job.stops.attach(where)
         try:
             return _supervise(plan, job, timeout_s, ssh or Ssh(), where)
         finally:
+            job.stops.attach(None)
             router.close()
             for s, handler in old.items():
                 signal.signal(s, handler)
@@ -313,7 +330,7 @@ def _records_dir(logs_dir: str | None) -> Iterator[Path]:
         where = Path(logs_dir) / "records"
         try:
             where.mkdir(exist_ok=True)
-            for old in [*where.glob("rank.*.json"), *where.glob("exception.*.json")]:
+            for old in [*where.glob("rank.*.json"), *where.glob("exception.*.json"), where / records.STOP_FILE]:
                 old.unlink(missing_ok=True)
         except OSError as exc:
             raise LaunchError(f"cannot prepare {where} for the ranks' records: {exc.strerror or exc}") from None
@@ -351,6 +368,7 @@ def _supervise(plan: LaunchPlan, job: _Job, timeout_s: float | None, ssh: Ssh, w
                 timed_out = True
                 job.on_signal(signal.SIGTERM, None)
             job.tell(timed_out, timeout_s)
+            job.stops.tell(router)
             if job.kill_at is not None and time.monotonic() >= job.kill_at:
                 job.kill_all()
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -358,12 +376,13 @@ def _supervise(plan: LaunchPlan, job: _Job, timeout_s: float | None, ssh: Ssh, w
     finally:
         # The job has ended: a signal from now on (during the cleanup below) neither changes its verdict nor is
         # announced as stopping it.
-        stopped_by, settled = job.signum, len(job.signals)
+        stopped_by, settled, asked = job.signum, len(job.signals), job.stops.received
         job.sweep()
         job.release_guard()
         reader.join(timeout=10)
         router.failures.records = records.read_records(where)
     job.tell(timed_out, timeout_s, upto=settled)
+    job.stops.tell(router, upto=asked)
     if proc.returncode != 0 and router.failures.peer_timed_out and stopped_by is None:
         _find_lost_hosts(router.failures, plan, ssh)
     return _exit_code(proc.returncode, router, stopped_by, timed_out)
@@ -381,7 +400,7 @@ def _find_lost_hosts(failures: FailureTracker, plan: LaunchPlan, ssh: Ssh) -> No
 
 def _exit_code(returncode: int, router: OutputRouter, signum: int | None, timed_out: bool) -> int:
     """The job's exit code: the failing rank's (the cause's, from the ranks' records; else the first to exit); 128 +
-    N when signal N killed it."""
+    N when signal N killed it; 75 when, and only when, the ranks stopped to be resumed (FailureTracker.preempted)."""
     if timed_out:
         router.note("hvdtrain: job timed out and was stopped")
         return exitcodes.TIMED_OUT
@@ -391,6 +410,9 @@ def _exit_code(returncode: int, router: OutputRouter, signum: int | None, timed_
         return code
     if returncode < 0:
         return exitcodes.SIGNALLED - returncode
+    if returncode != 0 and router.failures.preempted():
+        router.note(PREEMPTED)
+        return exitcodes.PREEMPTED
     failure = router.failures.exit_failure()
     if returncode != 0:
         said = router.launcher.hidden  # horovodrun's own account, when its traceback was kept off the console
@@ -398,9 +420,10 @@ def _exit_code(returncode: int, router: OutputRouter, signum: int | None, timed_
         for line in router.failures.report(router.logs.dir) or [
                 f"hvdtrain: {launcher} exited with code {returncode} and no rank reported a failure", *said]:
             router.note(line)
+    code = returncode
     if returncode != 0 and failure is not None:
-        if failure.code:
-            return failure.code
-        if failure.signum:
-            return exitcodes.SIGNALLED + failure.signum
-    return returncode
+        code = failure.code or (exitcodes.SIGNALLED + failure.signum if failure.signum else returncode)
+    if code == exitcodes.PREEMPTED:  # 75 says "run it again to resume" (`--requeue` does): not after a failure
+        router.note(f"hvdtrain: exit code 1, not {code}: a rank failed, so the job did not just stop to be resumed")
+        return 1
+    return code

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from hvdtrain import exitcodes
 from hvdtrain.render.common import IMAGE_PYTHON, IMAGE_REMOTE_DIR, IMAGE_SSH_PORT, ClusterOptions, RenderError
+from hvdtrain.render.slurm import SIGNAL_BEFORE_S, signal_before_arg
 
 if TYPE_CHECKING:
     from hvdtrain.render import K8sOptions, SlurmOptions
@@ -64,6 +65,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--cpus-per-task", type=int, metavar="N", help="#SBATCH --cpus-per-task")
     p.add_argument("--log-file", metavar="PATTERN", help="#SBATCH --output (default NAME-%%j.out)")
     p.add_argument("--srun-mpi", default="pmix", help="srun --mpi plugin for --launcher srun (default pmix)")
+    p.add_argument("--signal-before", default=str(SIGNAL_BEFORE_S), metavar="SECONDS",
+                   help=f"#SBATCH --signal=B:USR1@SECONDS: this long before the time limit (Slurm may be up to 60 s "
+                        f"early) hvdtrain run asks the ranks to checkpoint and stop, exit {exitcodes.PREEMPTED} "
+                        f"(default {SIGNAL_BEFORE_S}; 0: no signal)")
+    p.add_argument("--no-requeue", dest="requeue", action="store_false",
+                   help="leave out #SBATCH --requeue, --open-mode=append and `hvdtrain run --requeue` (default: a "
+                        "job that stopped to be resumed is requeued and resumes from its checkpoint)")
     p.set_defaults(func=cmd_render)
 
 
@@ -74,7 +82,8 @@ def _target_options(args: argparse.Namespace) -> K8sOptions | SlurmOptions:
         return K8sOptions(image=args.image, namespace=args.namespace, image_pull_policy=args.pull_policy,
                           shm_size=args.shm_size, ssh_port=args.ssh_port)
     return SlurmOptions(launcher=args.launcher, time=args.time, partition=args.partition, account=args.account,
-                        cpus_per_task=args.cpus_per_task, output=args.log_file, srun_mpi=args.srun_mpi)
+                        cpus_per_task=args.cpus_per_task, output=args.log_file, srun_mpi=args.srun_mpi,
+                        signal_before=signal_before_arg(args.signal_before), requeue=args.requeue)
 
 
 def cmd_render(args: argparse.Namespace) -> int:

@@ -4,7 +4,9 @@ Framework-neutral: the caller passes how to serialize (`write(state, fileobj)`, 
 to read back (`read(fileobj)`, e.g. `torch.load`). Nothing here calls Horovod: the recipe decides that only
 rank 0 saves and looks for a checkpoint, and broadcasts what rank 0 found.
 
-Layout: `<directory>/ckpt-epoch0003.pt` holds the state after epoch 3 (1-based: epochs completed). A write
+Layout: `<directory>/ckpt-epoch0003.pt` holds the state after epoch 3 (1-based: epochs completed);
+`ckpt-epoch0003-step000150.pt` the state 150 steps into the next epoch (a recipe stopped mid-epoch to be resumed:
+hvdtrain/train/preempt.py), newer than the first and older than `ckpt-epoch0004.pt`. A write
 goes to a temporary file in the same directory, is flushed and fsync'ed, then `os.replace`d over the final
 name and the directory is fsync'ed — a crash leaves either the old set of checkpoints or the new one, never a
 partial file under a checkpoint name.
@@ -33,7 +35,7 @@ from typing import Any, BinaryIO
 from hvdtrain.atomic import TMP_MARK, atomic_write
 
 PREFIX = "ckpt-epoch"
-_NAME = re.compile(rf"^{PREFIX}(\d{{4,}})\.pt$")
+_NAME = re.compile(rf"^{PREFIX}(\d{{4,}})(?:-step(\d{{6,}}))?\.pt$")
 MAGIC = b"HVDCKPT1"
 _HEADER = struct.Struct("<8sQ32s")  # magic, payload length, sha256(payload)
 
@@ -49,30 +51,42 @@ class CheckpointMismatch(Exception):
 
 @dataclass(frozen=True)
 class Found:
-    """The newest checkpoint that loaded: its path, the epochs it completed, and its state."""
+    """The newest checkpoint that loaded: its path, the epochs it completed, its state, and the steps it trained
+    into the next epoch (0: an epoch's end)."""
 
     path: Path
     epoch: int
     state: dict[str, Any]
+    step: int = 0
 
 
-def checkpoint_path(directory: Path | str, epoch: int) -> Path:
-    if not isinstance(epoch, int) or epoch < 1:
-        raise ValueError(f"epoch must be an int >= 1 (epochs completed), got {epoch!r}")
-    return Path(directory) / f"{PREFIX}{epoch:04d}.pt"
+def checkpoint_path(directory: Path | str, epoch: int, step: int = 0) -> Path:
+    """`ckpt-epochEEEE.pt`, or with `step` > 0 (steps into epoch `epoch` + 1) `ckpt-epochEEEE-stepSSSSSS.pt`."""
+    if not isinstance(epoch, int) or epoch < 0 or (epoch == 0 and not step):
+        raise ValueError(f"epoch must be an int >= 1 (epochs completed; 0 only with a step), got {epoch!r}")
+    if not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be an int >= 0 (steps into the next epoch), got {step!r}")
+    return Path(directory) / (f"{PREFIX}{epoch:04d}-step{step:06d}.pt" if step else f"{PREFIX}{epoch:04d}.pt")
+
+
+def parse_name(name: str) -> tuple[int, int] | None:
+    """(epochs completed, steps into the next one) from a checkpoint's file name; None for any other name."""
+    m = _NAME.match(name)
+    return (int(m.group(1)), int(m.group(2) or 0)) if m else None
 
 
 def list_checkpoints(directory: Path | str) -> list[tuple[int, Path]]:
-    """(epoch, path) of every file named like a checkpoint, oldest first. Temp files are not listed."""
+    """(epoch, path) of every file named like a checkpoint, oldest first (by epoch, then step). Temp files are not
+    listed."""
     directory = Path(directory)
     if not directory.is_dir():
         return []
     found = []
     for entry in directory.iterdir():
-        m = _NAME.match(entry.name)
-        if m and entry.is_file():
-            found.append((int(m.group(1)), entry))
-    return sorted(found)
+        at = parse_name(entry.name)
+        if at is not None and entry.is_file():
+            found.append((at, entry))
+    return [(at[0], path) for at, path in sorted(found)]
 
 
 def save(
@@ -82,14 +96,16 @@ def save(
     write: Callable[[Mapping[str, Any], BinaryIO], None],
     *,
     keep: int,
+    step: int = 0,
 ) -> Path:
-    """Atomically write `state` (plus an "epoch" key) as the checkpoint for `epoch`; keep the newest `keep`.
+    """Atomically write `state` (plus "epoch" and "step" keys) as the checkpoint for `epoch` (and `step` into the
+    next epoch); keep the newest `keep`.
 
     Call on one process only (rank 0). Leftover temp files from a crashed write are removed.
     """
     if not isinstance(keep, int) or keep < 1:
         raise ValueError(f"keep must be an int >= 1 (checkpoints to keep), got {keep!r}")
-    path = write_file(checkpoint_path(directory, epoch), {**state, "epoch": epoch}, write)
+    path = write_file(checkpoint_path(directory, epoch, step), {**state, "epoch": epoch, "step": step}, write)
     prune(directory, keep=keep)
     return path
 
@@ -173,18 +189,19 @@ def find_latest(
     that is a code or version mismatch, not damage, and silently restarting from scratch would hide it.
     """
     warn = warn or (lambda msg: warnings.warn(msg, stacklevel=3))
-    for epoch, path in reversed(list_checkpoints(directory)):
+    for _, path in reversed(list_checkpoints(directory)):
+        epoch, step = parse_name(path.name) or (0, 0)
         try:
             state = load(path, read)
-            _validate(state, epoch, required_keys)
+            _validate(state, epoch, step, required_keys)
         except (OSError, CheckpointInvalid) as e:
             warn(f"skipping checkpoint {path}: {e}")
             continue
-        return Found(path=path, epoch=epoch, state=state)
+        return Found(path=path, epoch=epoch, state=state, step=step)
     return None
 
 
-def _validate(state: Any, epoch: int, required_keys: tuple[str, ...]) -> None:
+def _validate(state: Any, epoch: int, step: int, required_keys: tuple[str, ...]) -> None:
     if not isinstance(state, dict):
         raise CheckpointInvalid(f"expected a dict, got {type(state).__name__}")
     missing = [k for k in (*required_keys, "epoch") if k not in state]
@@ -192,3 +209,5 @@ def _validate(state: Any, epoch: int, required_keys: tuple[str, ...]) -> None:
         raise CheckpointInvalid(f"missing key(s) {', '.join(missing)}")
     if state["epoch"] != epoch:
         raise CheckpointInvalid(f"file name says epoch {epoch}, content says {state['epoch']!r}")
+    if state.get("step", 0) != step:  # checkpoints written before steps existed have no "step": an epoch's end
+        raise CheckpointInvalid(f"file name says step {step}, content says {state.get('step')!r}")

@@ -156,6 +156,9 @@ class RecipeConfig:
     resume: bool = field(default=True, metadata={"help": "resume from the newest intact checkpoint"})
     stop_after_epoch: int | None = field(default=None, metadata={
         "help": "stop cleanly after this epoch (re-run to resume; none: train every epoch)"})
+    sigterm_grace: float = field(default=4.0, metadata={
+        "help": "seconds a rank sent SIGTERM has to reach a step boundary and checkpoint before it dies by it "
+                "(SIGUSR1 has no deadline; NOTE [stop requests] in hvdtrain/train/preempt.py)"})
     tensorboard: bool = field(default=True, metadata={"help": "TensorBoard logs on rank 0"})
     check_finite: bool = field(default=True, metadata={
         "help": "stop on NaN/Inf: in the samples (at load), each step (PyTorch: the averaged gradients, Keras: the "
@@ -175,6 +178,8 @@ class RecipeConfig:
             raise ValueError(f"--num-classes must be >= 2 (or none), got {self.num_classes}")
         if self.cache_limit is not None:
             self.cache_limit_bytes  # noqa: B018 (checked now: a bad value is a usage error before any process starts)
+        if not 0 <= self.sigterm_grace < 3600:
+            raise ValueError(f"--sigterm-grace must be 0..3600 seconds, got {self.sigterm_grace}")
         if not self.momentum >= 0:
             raise ValueError(f"--momentum must be >= 0, got {self.momentum}")
         if not 0 < self.val_fraction < 1:

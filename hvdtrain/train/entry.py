@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -12,6 +13,7 @@ from hvdtrain import exitcodes, records
 from hvdtrain.data.errors import DataError, WorkerError
 from hvdtrain.rundir import RunDirBusy
 from hvdtrain.stream.errors import StreamError
+from hvdtrain.train import preempt
 from hvdtrain.train.checkpoint import CheckpointMismatch
 from hvdtrain.train.divergence import TrainingDiverged
 
@@ -20,9 +22,23 @@ def exit_with(main: Callable[[], int], script: str) -> NoReturn:
     """Exit with main()'s code. Errors every rank meets alike exit with one message and no traceback: bad data or a
     run directory another job holds (before any training): 2; training that diverged (NaN/Inf): 3. Bad data found
     by a loader's producer process (a streamed shard: unreadable, a label out of range, NaN/Inf) is bad data too; so
-    is a checkpoint that does not fit the model (2). A
-rank that stops only because another one failed (HorovodInternalError) says so in one line and exits 1."""
+    is a checkpoint that does not fit the model (2). A rank that stops only because another one failed
+    (HorovodInternalError) says so in one line and exits 1. A rank asked to stop that checkpointed exits 75
+    (exitcodes.PREEMPTED); one that heard SIGTERM and then failed dies by SIGTERM (NOTE [stop requests],
+    hvdtrain/train/preempt.py)."""
     whole_lines()
+    try:
+        code = _run(main, script)
+    except BaseException:
+        if preempt.died_of_sigterm():  # a stop by SIGTERM that could not finish: a victim of the job's teardown
+            preempt.die_by(signal.SIGTERM)
+        raise
+    if code not in (0, exitcodes.PREEMPTED) and preempt.died_of_sigterm():
+        preempt.die_by(signal.SIGTERM)
+    sys.exit(code)
+
+
+def _run(main: Callable[[], int], script: str) -> int:
     try:
         code = main()
     except WorkerError as e:
@@ -44,7 +60,7 @@ rank that stops only because another one failed (HorovodInternalError) says so i
                            f"failed or left; its error is the cause ({str(e).split('. ')[0]})")
         records.note_exception(e, records.directory())
         code = 1
-    sys.exit(code)
+    return code
 
 
 def whole_lines() -> None:

@@ -223,13 +223,14 @@ def torch_read(f: Any) -> Any:
 
 
 def load_latest(ckpt_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-                precision: Precision | None = None) -> tuple[int, list[dict[str, Any]]]:
+                precision: Precision | None = None) -> tuple[int, list[dict[str, Any]], dict[str, Any] | None]:
     """Load the newest intact checkpoint into model, optimizer (and the fp16 scaler, if both have one); (epochs
-    it completed, history), (0, []) if none."""
+    it completed, history, the position inside the next epoch of a checkpoint written mid-epoch, else None);
+    (0, [], None) if none."""
     found = checkpoint.find_latest(ckpt_dir, torch_read, required_keys=("model", "optimizer", "history"),
                                    warn=lambda msg: print(f"WARNING: {msg}", flush=True))
     if found is None:
-        return 0, []
+        return 0, [], None
     try:
         model.load_state_dict(found.state["model"])
         optimizer.load_state_dict(found.state["optimizer"])
@@ -241,16 +242,47 @@ def load_latest(ckpt_dir: Path, model: nn.Module, optimizer: torch.optim.Optimiz
             "in a new --run-dir, or pass --no-resume to start from scratch") from None
     if precision is not None:
         precision.load_state_dict(found.state.get("precision", {}))
-    print(f"resuming from {found.path} (epoch {found.epoch} done)", flush=True)
-    return found.epoch, list(found.state["history"])
+    position = found.state.get("position") if found.step else None
+    print(f"resuming from {found.path} (epoch {found.epoch} done"
+          f"{f', then {found.step} steps of epoch {found.epoch + 1}' if position else ''})", flush=True)
+    return found.epoch, list(found.state["history"]), position
 
 
 def save_checkpoint(cfg: TorchConfig, ckpt_dir: Path, epochs_done: int, model: nn.Module,
-                    optimizer: torch.optim.Optimizer, history: History, precision: Precision | None = None) -> Path:
+                    optimizer: torch.optim.Optimizer, history: History, precision: Precision | None = None,
+                    position: dict[str, Any] | None = None) -> Path:
+    """Rank 0's checkpoint after `epochs_done` epochs, or, with `position` (a stop mid-epoch: `stop_position`), after
+    position["step"] steps of the next one."""
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "history": history.epochs,
              "precision": precision.state_dict() if precision is not None else {},
              "config": {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(cfg).items()}}
-    return checkpoint.save(ckpt_dir, epochs_done, state, torch.save, keep=cfg.keep_checkpoints)
+    if position is not None:
+        state["position"] = position
+    return checkpoint.save(ckpt_dir, epochs_done, state, torch.save, keep=cfg.keep_checkpoints,
+                           step=position["step"] if position is not None else 0)
+
+
+def rank_state(model: nn.Module, sums: MetricSums) -> dict[str, Any]:
+    """What of one rank a stop mid-epoch keeps that no collective has made equal yet (NOTE [stop requests] in
+    hvdtrain/train/preempt.py): its RNG, its buffers (BatchNorm running statistics: averaged only at the epoch's
+    end) and its epoch's metric sums so far."""
+    return {"rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+            "buffers": {name: buf.detach().cpu().clone() for name, buf in model.named_buffers()},
+            "sums": [float(v) for v in sums.values()]}
+
+
+def restore_rank_state(state: dict[str, Any], model: nn.Module) -> MetricSums:
+    """Put back what `rank_state` kept; returns the epoch's metric sums so far."""
+    torch.set_rng_state(state["rng"])
+    if state["cuda_rng"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda_rng"])
+    buffers = dict(model.named_buffers())
+    with torch.no_grad():
+        for name, saved in state["buffers"].items():
+            buffers[name].copy_(saved)
+    loss_sum, correct, count = state["sums"]
+    return MetricSums(loss_sum=loss_sum, correct=int(correct), count=int(count))
 
 
 def weights_digest(model: nn.Module) -> str:

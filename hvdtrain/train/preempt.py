@@ -1,0 +1,146 @@
+"""Stop requests: a rank asked to stop checkpoints at the next step boundary and exits with exitcodes.PREEMPTED (75),
+so that the same command run again (a requeued Slurm job, a rescheduled pod) resumes from that step.
+
+Framework-neutral and Horovod-free: the recipes pass in the collective (`StopVote(request, start, finish)`), write
+the checkpoint and exit; this module decides *when*.
+
+NOTE [stop requests]
+- Where a request comes from: SIGUSR1 to any rank (`kill -USR1`, Slurm's `--signal=USR1@T` on the job steps);
+  SIGTERM (Kubernetes deleting a pod, Slurm preempting or cancelling a job); or `hvdtrain run` given SIGUSR1 (the
+  `#SBATCH --signal=B:USR1@T` that `hvdtrain render slurm` writes: the batch shell is `hvdtrain run`), which creates
+  `records.STOP_FILE` in the job's records directory; each rank looks for that file at most once per POLL_S.
+- One rank hearing it is enough, and every rank stops after the same step: after each optimizer step every rank
+  starts an asynchronous allreduce (sum) of its 0/1 flag and reads the previous step's sum, which is the same number
+  on every rank. So all of them leave the loop at the same boundary, one step after the first rank that heard; the
+  allreduce rides along with the next step and reading it waits for nothing else. After an epoch's validation and
+  checkpoint one more (blocking) vote stops a request heard during validation right there.
+- The handlers only set a flag (and, for SIGTERM, arm a timer); what a stop writes and prints happens in the training
+  loop, at the boundary.
+- SIGTERM comes with a deadline: after `sigterm_grace_s` (--sigterm-grace) the rank dies by SIGTERM, as it would
+  have with no handler, and a second SIGTERM kills it at once. That keeps a job's teardown what it was: when a rank
+  fails, horovodrun (and mpirun) SIGTERM the others; they meet the lost rank in their next collective
+  (HorovodInternalError) and `entry.exit_with` ends them by SIGTERM too (`died_of_sigterm`), so the launcher still
+  names the failed rank as the cause and these as its victims. The default grace (4 s) is below horovodrun's 5 s
+  before SIGKILL; on Kubernetes raise it towards the pod's terminationGracePeriodSeconds.
+- What the checkpoint must hold for the resumed run to end with the same weights as an uninterrupted one: the
+  loader's position (its batches consumed, the prefetcher's look-ahead given back), and each rank's own state that
+  no collective has made equal yet (its RNG, its BatchNorm running statistics, its local metric sums): see
+  hvdtrain/train/torchkit.py `rank_state`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from hvdtrain import records
+
+POLL_S = 0.5  # how often a rank looks for the launcher's stop file
+SIGTERM_GRACE_S = 4.0  # the default --sigterm-grace: under horovodrun's 5 s between its SIGTERM and SIGKILL
+SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+
+_active: StopRequest | None = None  # the installed request, for entry.exit_with (died_of_sigterm)
+
+
+def die_by(signum: int) -> None:
+    """End this process by `signum`'s default action (its exit status says so, as if no handler had been set)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signum, signal.SIG_DFL)
+    else:  # the SIGTERM deadline's timer: Python's signal.signal() is main-thread only, the C library's is not
+        ctypes.CDLL(None).signal(signum, ctypes.c_void_p(0))  # 0: SIG_DFL
+    os.kill(os.getpid(), signum)
+    time.sleep(5)  # the signal is delivered at once; this only keeps a thread from going on meanwhile
+    os._exit(128 + signum)
+
+
+class StopRequest:
+    """Whether this rank was asked to stop: a signal it received, or the launcher's stop file (NOTE [stop requests])."""
+
+    def __init__(self, records_dir: Path | None = None, *, sigterm_grace_s: float = SIGTERM_GRACE_S,
+                 poll_s: float = POLL_S) -> None:
+        if not sigterm_grace_s >= 0:
+            raise ValueError(f"sigterm_grace_s must be >= 0, got {sigterm_grace_s!r}")
+        self.records_dir = records_dir
+        self.sigterm_grace_s, self.poll_s = sigterm_grace_s, poll_s
+        self.reason: str | None = None  # what asked: "SIGUSR1", "SIGTERM" or "hvdtrain run (SIGUSR1)"
+        self.sigterm = False
+        self._next_poll = 0.0
+        self._timer: threading.Timer | None = None
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> StopRequest:
+        """Handle SIGUSR1 and SIGTERM from now on (main thread only; elsewhere only the stop file is seen)."""
+        global _active
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {s: signal.signal(s, self._on_signal) for s in SIGNALS}
+            _active = self
+        return self
+
+    def uninstall(self) -> None:
+        """Restore the previous handlers and disarm the SIGTERM deadline."""
+        global _active
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous = {}
+        if self._timer is not None:
+            self._timer.cancel()
+        if _active is self:
+            _active = None
+
+    def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
+        if signum == signal.SIGTERM:
+            if self.sigterm:
+                die_by(signal.SIGTERM)  # a second SIGTERM: now
+            self.sigterm = True
+            self._timer = threading.Timer(self.sigterm_grace_s, die_by, (signal.SIGTERM,))
+            self._timer.daemon = True
+            self._timer.start()
+        if self.reason is None:
+            self.reason = signal.Signals(signum).name
+
+    def heard(self) -> bool:
+        """Asked to stop: by a signal, or by the stop file (looked for at most every `poll_s`)."""
+        if self.reason is None and self.records_dir is not None and time.monotonic() >= self._next_poll:
+            self._next_poll = time.monotonic() + self.poll_s
+            if records.stop_requested(self.records_dir):
+                self.reason = "hvdtrain run (SIGUSR1)"
+        return self.reason is not None
+
+
+def died_of_sigterm() -> bool:
+    """True when the installed request heard SIGTERM: a rank failing after it should die by SIGTERM (exit_with)."""
+    return _active is not None and _active.sigterm
+
+
+class StopVote:
+    """The ranks' agreement on where to stop (NOTE [stop requests]). `start(flag)` starts an allreduce (sum) of an
+    int on every rank and returns its handle; `finish(handle)` waits for it and returns the sum."""
+
+    def __init__(self, request: StopRequest, start: Callable[[int], Any], finish: Callable[[Any], int]) -> None:
+        self.request, self._start, self._finish = request, start, finish
+        self._pending: Any = None
+
+    def after_step(self) -> bool:
+        """Every rank, after every optimizer step: True when the ranks agreed to stop at this boundary."""
+        agreed = self._pending is not None and self._finish(self._pending) > 0
+        self._pending = None if agreed else self._start(int(self.request.heard()))
+        return agreed
+
+    def drain(self) -> None:
+        """At the end of an epoch's steps: finish the vote in flight (a request it carried is still heard, and
+        `now` after the epoch's checkpoint acts on it)."""
+        if self._pending is not None:
+            self._finish(self._pending)
+            self._pending = None
+
+    def now(self) -> bool:
+        """A blocking vote (every rank, at the same point): True when any rank heard a request."""
+        self.drain()
+        return self._finish(self._start(int(self.request.heard()))) > 0

@@ -1,0 +1,165 @@
+"""Stop requests (hvdtrain/train/preempt.py) in one process: real signals to this process, the launcher's stop file,
+the SIGTERM deadline (in a child process: it ends the process), the vote's rule, and mid-epoch checkpoint names.
+The 2-rank end-to-end runs: tests/test_pytorch_recipe.py (resume to identical weights), tests/test_slurm.py
+(a Slurm warning signal, requeue)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from hvdtrain import records
+from hvdtrain.train import checkpoint, preempt
+from hvdtrain.train.metrics import MetricSums
+from hvdtrain.train.torchkit import rank_state, restore_rank_state
+from tests.harness import REPO
+
+
+@pytest.fixture
+def request_installed(tmp_path: Path):
+    stop = preempt.StopRequest(tmp_path, poll_s=0.0).install()
+    yield stop
+    stop.uninstall()
+
+
+def test_sigusr1_is_heard_and_the_previous_handler_comes_back(tmp_path):
+    previous = signal.getsignal(signal.SIGUSR1)
+    stop = preempt.StopRequest(tmp_path, poll_s=0.0).install()
+    try:
+        assert signal.getsignal(signal.SIGUSR1) == stop._on_signal and not stop.heard()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert stop.heard() and stop.reason == "SIGUSR1"
+        assert not preempt.died_of_sigterm()
+    finally:
+        stop.uninstall()
+    assert signal.getsignal(signal.SIGUSR1) == previous
+
+
+def test_the_launchers_stop_file_is_heard(request_installed, tmp_path):
+    assert not request_installed.heard()
+    records.request_stop(tmp_path)
+    assert request_installed.heard() and request_installed.reason == "hvdtrain run (SIGUSR1)"
+
+
+def test_the_stop_file_is_looked_for_at_most_once_per_poll(tmp_path):
+    stop = preempt.StopRequest(tmp_path, poll_s=60.0)
+    assert not stop.heard()  # looked: nothing
+    records.request_stop(tmp_path)
+    assert not stop.heard()  # not looked again within the minute
+    stop._next_poll = 0.0
+    assert stop.heard()
+
+
+def test_a_bad_grace_is_refused():
+    with pytest.raises(ValueError, match="sigterm_grace_s must be >= 0, got -1"):
+        preempt.StopRequest(sigterm_grace_s=-1)
+
+
+SIGTERM_CHILD = textwrap.dedent("""
+    import os, signal, sys, time
+    from hvdtrain.train import preempt
+    stop = preempt.StopRequest(None, sigterm_grace_s=float(sys.argv[1])).install()
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.2)
+    print("heard", stop.heard(), stop.reason, preempt.died_of_sigterm(), flush=True)
+    if sys.argv[2] == "second":
+        os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(float(sys.argv[3]))  # stands for a step that does not reach its boundary in time
+    stop.uninstall()  # reached the boundary, checkpointed: the deadline is off
+    print("stopped cleanly", flush=True)
+    sys.exit(75)
+""")
+
+
+@pytest.mark.parametrize("grace,second,work,code,said", [
+    (0.5, "no", 30, -signal.SIGTERM, "heard True SIGTERM True\n"),  # the deadline ends it by SIGTERM
+    (30, "second", 30, -signal.SIGTERM, "heard True SIGTERM True\n"),  # a second SIGTERM ends it at once
+    (30, "no", 0.1, 75, "heard True SIGTERM True\nstopped cleanly\n"),  # in time: its own exit code
+])
+def test_sigterm_has_a_deadline_and_a_second_one_ends_the_process(tmp_path, grace, second, work, code, said):
+    script = tmp_path / "child.py"
+    script.write_text(SIGTERM_CHILD)
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, str(script), str(grace), second, str(work)], capture_output=True,
+                          text=True, timeout=60, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert (done.returncode, done.stdout) == (code, said), done.stderr
+    assert time.monotonic() - start < 20
+
+
+class Collective:
+    """Two ranks' allreduce (sum) as one process sees it: each `start` adds a rank's flag; the sum of a round is what
+    `finish` returns to both. Stands for hvd.allreduce_async/synchronize, which is not what these tests are about."""
+
+    def __init__(self) -> None:
+        self.rounds: list[list[int]] = []
+
+    def start(self, rank: int, n: int, flag: int) -> tuple[int, int]:
+        while len(self.rounds) <= n:
+            self.rounds.append([])
+        self.rounds[n].append(flag)
+        return (n, rank)
+
+    def finish(self, handle: tuple[int, int]) -> int:
+        return sum(self.rounds[handle[0]])
+
+
+def test_every_rank_stops_after_the_same_step_one_after_the_first_that_heard(tmp_path):
+    net = Collective()
+    votes, requests = [], []
+    for rank in range(2):
+        counter = iter(range(10**6))
+        requests.append(preempt.StopRequest(None))
+        votes.append(preempt.StopVote(requests[rank], lambda flag, r=rank, c=counter: net.start(r, next(c), flag),
+                                      net.finish))
+    stopped_at = {}
+    for step in range(1, 20):
+        if step == 5:
+            requests[1].reason = "SIGUSR1"  # rank 1 alone hears it during step 5
+        for rank in range(2):
+            if rank not in stopped_at and votes[rank].after_step():
+                stopped_at[rank] = step
+    assert stopped_at == {0: 6, 1: 6}
+
+
+def test_mid_epoch_checkpoints_sort_between_epochs_and_check_their_step(tmp_path):
+    for epoch, step in ((1, 0), (1, 150), (0, 7), (2, 0)):
+        checkpoint.save(tmp_path, epoch, {"x": 1}, lambda s, f: torch.save(s, f), keep=10, step=step)
+    names = [p.name for _, p in checkpoint.list_checkpoints(tmp_path)]
+    assert names == ["ckpt-epoch0000-step000007.pt", "ckpt-epoch0001.pt", "ckpt-epoch0001-step000150.pt",
+                     "ckpt-epoch0002.pt"]
+    (tmp_path / "ckpt-epoch0002.pt").unlink()
+    found = checkpoint.find_latest(tmp_path, lambda f: torch.load(f, weights_only=True))
+    assert found is not None and (found.epoch, found.step, found.path.name) == (1, 150, names[2])
+    renamed = tmp_path / "ckpt-epoch0001-step000151.pt"  # content says step 150
+    found.path.rename(renamed)
+    warnings: list[str] = []
+    found = checkpoint.find_latest(tmp_path, lambda f: torch.load(f, weights_only=True), warn=warnings.append)
+    assert found is not None and found.path.name == "ckpt-epoch0001.pt"
+    assert warnings == [f"skipping checkpoint {renamed}: file name says step 151, content says 150"]
+    with pytest.raises(ValueError, match="epoch must be an int >= 1"):
+        checkpoint.checkpoint_path(tmp_path, 0)
+
+
+def test_a_ranks_own_state_comes_back_exactly():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    model(torch.randn(8, 3))  # running statistics move
+    sums = MetricSums()
+    sums.add(torch.tensor(0.25), torch.tensor(3), 8)
+    torch.manual_seed(7)
+    kept = rank_state(model, sums)
+    expected_draw = torch.rand(3)
+    running = model[1].running_mean.clone()
+    model(torch.randn(8, 3) * 5)
+    torch.rand(10)
+    restored = restore_rank_state(kept, model)
+    assert torch.equal(torch.rand(3), expected_draw)
+    assert torch.equal(model[1].running_mean, running)
+    assert restored.values().tolist() == [2.0, 3.0, 8.0]
