@@ -128,10 +128,9 @@ def allreduce_sum(values: np.ndarray) -> np.ndarray:
     return hvd.allreduce(torch.from_numpy(values), op=hvd.Sum).numpy()
 
 
-def stop_vote(cfg: Config) -> preempt.StopVote:
+def stop_vote(request: preempt.StopRequest) -> preempt.StopVote:
     """SIGUSR1, SIGTERM or `hvdtrain run`'s stop file on any rank stops every rank after the same step (NOTE [stop
     requests] in hvdtrain/train/preempt.py)."""
-    request = preempt.StopRequest(records.directory(), sigterm_grace_s=cfg.sigterm_grace).install()
     # Horovod: each rank's 0/1 flag, summed by an allreduce that rides along with the next step.
     return preempt.StopVote(
         request, lambda flag: hvd.allreduce_async(torch.tensor([flag], dtype=torch.int32), op=hvd.Sum,
@@ -313,6 +312,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = parse_config(Config, argv, description=__doc__.split("\n\n")[0])
     # ---- 1. processes and devices
     hvd.init()  # Horovod: join the job; rank/size come from horovodrun (or mpirun).
+    # Asked to stop (SIGUSR1, SIGTERM, hvdtrain run's stop file) from now on: acted on at the first step boundary.
+    request = preempt.StopRequest(records.directory(), sigterm_grace_s=cfg.sigterm_grace).install()
     rank, size = hvd.rank(), hvd.size()
     # Horovod: pin one GPU per process, chosen by its local rank (Horovod never sets CUDA_VISIBLE_DEVICES).
     if torch.cuda.is_available():
@@ -357,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     # ---- 5. train and validate; checkpoint each epoch on rank 0
     meters = Meters.on(device)  # the host's wait for data and, on a GPU, the GPU's idle gap, per step
     writer = tensorboard_writer(rank == 0 and cfg.tensorboard, run_dir)  # Horovod: TensorBoard on rank 0 only.
-    vote = stop_vote(cfg)  # SIGUSR1/SIGTERM: checkpoint at the next step boundary, exit 75
+    vote = stop_vote(request)  # SIGUSR1/SIGTERM: checkpoint at the next step boundary, exit 75
     done, samples, seconds, stop = first, 0.0, 0.0, ""
     try:
         for epoch in range(first, epochs):
@@ -365,6 +366,7 @@ def main(argv: list[str] | None = None) -> int:
                                         meters, splits.val, device, history, vote, position if epoch == first else None)
             if isinstance(result, Stopped):
                 stop = save_stop(cfg, ckpt_dir, epoch, result, model, optimizer, history, precision, loader)
+                request.disarm()  # checkpointed: SIGTERM's deadline may no longer end this rank
                 break
             row, trained, took = result
             done, samples, seconds = epoch + 1, samples + trained, seconds + took
@@ -375,6 +377,7 @@ def main(argv: list[str] | None = None) -> int:
                 break
             if done < epochs and vote.now():  # asked during validation or the epoch's last step: stop here
                 stop = str(checkpoint.checkpoint_path(ckpt_dir, done))
+                request.disarm()
                 break
     finally:
         loader.close()  # stops the producer processes, frees the shared memory

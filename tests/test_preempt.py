@@ -13,6 +13,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -20,7 +21,7 @@ from hvdtrain import records
 from hvdtrain.train import checkpoint, preempt
 from hvdtrain.train.metrics import MetricSums
 from hvdtrain.train.torchkit import rank_state, restore_rank_state
-from tests.harness import REPO
+from tests.harness import HOROVODRUN, REPO, STARTED_SESSIONS, kill_group
 
 
 @pytest.fixture
@@ -92,6 +93,34 @@ def test_sigterm_has_a_deadline_and_a_second_one_ends_the_process(tmp_path, grac
                           text=True, timeout=60, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert (done.returncode, done.stdout) == (code, said), done.stderr
     assert time.monotonic() - start < 20
+
+
+@pytest.mark.slow
+def test_a_rank_blocked_in_a_collective_still_dies_by_sigterm_after_the_grace(tmp_path):
+    """The main thread waits in Horovod's C++ (an allreduce whose peer is busy for 60 s), where no Python handler
+    runs: the watcher thread keeps SIGTERM's deadline all the same (NOTE [stop requests])."""
+    pid_file = tmp_path / "pid"
+    job = subprocess.Popen([str(HOROVODRUN), "-np", "2", "-H", "localhost:2", "--gloo", sys.executable,
+                            str(REPO / "tests" / "scripts" / "blocked_in_allreduce.py"), str(pid_file), "1.0"],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    STARTED_SESSIONS.add(job.pid)
+    try:
+        deadline = time.monotonic() + 60
+        while not pid_file.exists():
+            assert job.poll() is None and time.monotonic() < deadline, job.communicate(timeout=30)[0]
+            time.sleep(0.05)
+        time.sleep(1.0)  # in the allreduce by now
+        rank1 = psutil.Process(int(pid_file.read_text()))
+        sent = time.monotonic()
+        rank1.send_signal(signal.SIGTERM)
+        rank1.wait(timeout=20)
+        took = time.monotonic() - sent
+        output = job.communicate(timeout=60)[0]
+    finally:
+        kill_group(job)
+    assert 0.9 < took < 10, took
+    assert "Process 1 exit with status code 143." in output, output  # by SIGTERM, as with no handler
+    assert "returned" not in output
 
 
 class Collective:

@@ -545,7 +545,7 @@ def test_srun_launcher_scancel_leaves_no_process_and_no_segment(slurm_cluster: S
     rank_pids = {int(p.read_text()) for p in ready}
     assert rank_pids <= set(pids), (rank_pids, slurm_cluster.processes(job))
     commands = list(slurm_cluster.processes(job).values())
-    assert any(" -m hvdtrain.cli run " in c and c.endswith(" --launcher srun --srun-mpi pmix") for c in commands), \
+    assert any(" -m hvdtrain.cli run " in c and " --launcher srun --srun-mpi pmix" in c for c in commands), \
         commands
     assert sum(c.startswith(f"{SRUN_ARGV} ") for c in commands) >= 1, commands
     assert sum(c.startswith(f"{sys.executable} -m hvdtrain.rank ") for c in commands) == 2, commands  # the supervisors

@@ -195,6 +195,7 @@ def _configure(boot: dict[str, Any]) -> dict[str, int | None]:
     """Make this interpreter the producer the trainer asked for; returns the inherited fds by role."""
     global _importing_main
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the process group: the trainer stops us
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # a stop request sent to the group is the trainer's to act on
     for name in SINGLE_THREADED:  # (c): before anything imports numpy
         os.environ.setdefault(name, "1")
     fds: dict[str, int | None] = boot["fds"]

@@ -120,6 +120,7 @@ def worker_main(conn: Channel, payload: bytes, started: socket.socket | None = N
 
     # Ctrl-C reaches the whole process group: the trainer handles it and stops us (NOTE [loader shutdown]).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # a stop request (hvdtrain/train/preempt.py): the trainer's
     try:
         worker = _Worker(conn, cloudpickle.loads(payload), started)
     except TrainerGone:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import signal
 import sys
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
@@ -29,8 +30,11 @@ def exit_with(main: Callable[[], int], script: str) -> NoReturn:
     whole_lines()
     try:
         code = _run(main, script)
-    except BaseException:
+    except BaseException as exc:
         if preempt.died_of_sigterm():  # a stop by SIGTERM that could not finish: a victim of the job's teardown
+            if isinstance(exc, Exception) and type(exc).__name__ != "HorovodInternalError":  # an error of its own
+                traceback.print_exc()
+                records.note_exception(exc, records.directory())
             preempt.die_by(signal.SIGTERM)
         raise
     if code not in (0, exitcodes.PREEMPTED) and preempt.died_of_sigterm():

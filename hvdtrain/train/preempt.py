@@ -5,19 +5,25 @@ Framework-neutral and Horovod-free: the recipes pass in the collective (`StopVot
 the checkpoint and exit; this module decides *when*.
 
 NOTE [stop requests]
-- Where a request comes from: SIGUSR1 to any rank (`kill -USR1`, Slurm's `--signal=USR1@T` on the job steps);
-  SIGTERM (Kubernetes deleting a pod, Slurm preempting or cancelling a job); or `hvdtrain run` given SIGUSR1 (the
-  `#SBATCH --signal=B:USR1@T` that `hvdtrain render slurm` writes: the batch shell is `hvdtrain run`), which creates
-  `records.STOP_FILE` in the job's records directory; each rank looks for that file at most once per POLL_S.
+- Where a request comes from: SIGUSR1 to a rank (`kill -USR1 PID`; with `--launcher srun`, `scancel
+  --signal=USR1 JOB` or a `--signal=USR1@T` without `B:` reach every process of the step: the loader's producers
+  ignore SIGUSR1); SIGTERM to a rank alone (`kill PID`; Kubernetes signals a container's main process); or
+  `hvdtrain run` given SIGUSR1 (the `#SBATCH --signal=B:USR1@T` that `hvdtrain render slurm` writes: the batch
+  shell is `hvdtrain run`), which creates `records.STOP_FILE` in the job's records directory; each rank looks for
+  that file at most once per POLL_S. A SIGTERM to every process of a job (`scancel`, a time limit reached) stops
+  it as before: the producers die with it.
 - One rank hearing it is enough, and every rank stops after the same step: after each optimizer step every rank
   starts an asynchronous allreduce (sum) of its 0/1 flag and reads the previous step's sum, which is the same number
   on every rank. So all of them leave the loop at the same boundary, one step after the first rank that heard; the
   allreduce rides along with the next step and reading it waits for nothing else. After an epoch's validation and
   checkpoint one more (blocking) vote stops a request heard during validation right there.
-- The handlers only set a flag (and, for SIGTERM, arm a timer); what a stop writes and prints happens in the training
-  loop, at the boundary.
+- The Python handlers only set a flag; what a stop writes and prints happens in the training loop, at the
+  boundary. A Python handler runs only when the main thread comes back to the interpreter, not while it waits in
+  a Horovod collective (C++), so SIGTERM's deadline is kept by a watcher thread that reads the signal numbers
+  Python's C-level handler writes to `signal.set_wakeup_fd`: it runs whatever the main thread is blocked in.
 - SIGTERM comes with a deadline: after `sigterm_grace_s` (--sigterm-grace) the rank dies by SIGTERM, as it would
-  have with no handler, and a second SIGTERM kills it at once. That keeps a job's teardown what it was: when a rank
+  have with no handler, and a second SIGTERM kills it at once; once the stop's checkpoint is written the deadline
+  is off (`disarm`). That keeps a job's teardown what it was: when a rank
   fails, horovodrun (and mpirun) SIGTERM the others; they meet the lost rank in their next collective
   (HorovodInternalError) and `entry.exit_with` ends them by SIGTERM too (`died_of_sigterm`), so the launcher still
   names the failed rank as the cause and these as its victims. The default grace (4 s) is below horovodrun's 5 s
@@ -32,6 +38,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import select
 import signal
 import threading
 import time
@@ -71,39 +78,71 @@ class StopRequest:
         self.sigterm_grace_s, self.poll_s = sigterm_grace_s, poll_s
         self.reason: str | None = None  # what asked: "SIGUSR1", "SIGTERM" or "hvdtrain run (SIGUSR1)"
         self.sigterm = False
+        self.armed = True  # the SIGTERM deadline may end the process (off once the stop's checkpoint is written)
         self._next_poll = 0.0
-        self._timer: threading.Timer | None = None
         self._previous: dict[int, Any] = {}
+        self._pipe: tuple[int, int] | None = None
+        self._previous_fd = -1
 
     def install(self) -> StopRequest:
         """Handle SIGUSR1 and SIGTERM from now on (main thread only; elsewhere only the stop file is seen)."""
         global _active
-        if threading.current_thread() is threading.main_thread():
-            self._previous = {s: signal.signal(s, self._on_signal) for s in SIGNALS}
-            _active = self
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        self._pipe = os.pipe()
+        os.set_blocking(self._pipe[1], False)  # the C handler's write must never block
+        self._previous = {s: signal.signal(s, self._on_signal) for s in SIGNALS}
+        self._previous_fd = signal.set_wakeup_fd(self._pipe[1], warn_on_full_buffer=False)
+        threading.Thread(target=self._watch, args=(self._pipe[0],), name="hvdtrain-stop-watch", daemon=True).start()
+        _active = self
         return self
 
+    def disarm(self) -> None:
+        """The stop's checkpoint is written: SIGTERM's deadline no longer ends the process (a second SIGTERM does)."""
+        self.armed = False
+
     def uninstall(self) -> None:
-        """Restore the previous handlers and disarm the SIGTERM deadline."""
+        """Restore the previous handlers and wakeup fd; the watcher ends."""
         global _active
+        if self._pipe is not None:
+            signal.set_wakeup_fd(self._previous_fd)
+            os.close(self._pipe[1])  # the watcher reads EOF and ends; it closes its end
+            self._pipe = None
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous = {}
-        if self._timer is not None:
-            self._timer.cancel()
+        self.armed = False
         if _active is self:
             _active = None
 
     def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
-        if signum == signal.SIGTERM:
-            if self.sigterm:
-                die_by(signal.SIGTERM)  # a second SIGTERM: now
-            self.sigterm = True
-            self._timer = threading.Timer(self.sigterm_grace_s, die_by, (signal.SIGTERM,))
-            self._timer.daemon = True
-            self._timer.start()
         if self.reason is None:
             self.reason = signal.Signals(signum).name
+
+    def _watch(self, fd: int) -> None:
+        """The watcher thread: every signal's number arrives here; SIGTERM starts the deadline, a second one ends the
+        process now."""
+        deadline: float | None = None
+        try:
+            while True:
+                wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+                if not select.select([fd], [], [], wait)[0]:  # the deadline passed
+                    if self.armed:
+                        die_by(signal.SIGTERM)
+                    deadline = None
+                    continue
+                data = os.read(fd, 64)
+                if not data:
+                    return  # uninstalled
+                for signum in data:
+                    if signum == signal.SIGTERM:
+                        if self.sigterm:
+                            die_by(signal.SIGTERM)
+                        self.sigterm = True
+                        self.reason = self.reason or "SIGTERM"
+                        deadline = time.monotonic() + self.sigterm_grace_s
+        finally:
+            os.close(fd)
 
     def heard(self) -> bool:
         """Asked to stop: by a signal, or by the stop file (looked for at most every `poll_s`)."""
