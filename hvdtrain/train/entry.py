@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from hvdtrain import exitcodes, records
-from hvdtrain.data.errors import DataError, WorkerError
+from hvdtrain.data.errors import DataError, LoaderError, WorkerError
 from hvdtrain.rundir import RunDirBusy
 from hvdtrain.stream.errors import StreamError
 from hvdtrain.train import preempt
@@ -32,7 +32,10 @@ def exit_with(main: Callable[[], int], script: str) -> NoReturn:
         code = _run(main, script)
     except BaseException as exc:
         if preempt.died_of_sigterm():  # a stop by SIGTERM that could not finish: a victim of the job's teardown
-            if isinstance(exc, Exception) and type(exc).__name__ != "HorovodInternalError":  # an error of its own
+            # An error of its own is shown and recorded; a peer gone (HorovodInternalError) or its producers killed
+            # by the same SIGTERM (a LoaderError: scancel signals every process of the job) are the teardown's.
+            if isinstance(exc, Exception) and not isinstance(exc, LoaderError) \
+                    and type(exc).__name__ != "HorovodInternalError":
                 traceback.print_exc()
                 records.note_exception(exc, records.directory())
             preempt.die_by(signal.SIGTERM)
