@@ -23,10 +23,10 @@ NOTE [stop requests]
   Python's C-level handler writes to `signal.set_wakeup_fd`: it runs whatever the main thread is blocked in.
 - SIGTERM comes with a deadline: after `sigterm_grace_s` (--sigterm-grace) the rank dies by SIGTERM, as it would
   have with no handler, and a second SIGTERM kills it at once; once the stop's checkpoint is written the deadline
-  is off (`disarm`). That keeps a job's teardown what it was: when a rank
-  fails, horovodrun (and mpirun) SIGTERM the others; they meet the lost rank in their next collective
-  (HorovodInternalError) and `entry.exit_with` ends them by SIGTERM too (`died_of_sigterm`), so the launcher still
-  names the failed rank as the cause and these as its victims. The default grace (4 s) is below horovodrun's 5 s
+  is off (`disarm`). That keeps a job's teardown what it was: when a rank fails, horovodrun (and mpirun) SIGTERM
+  the others; they meet the lost rank in their next collective (HorovodInternalError) and `entry.exit_with` ends
+  them by SIGTERM too (`died_of_sigterm`), so the launcher still names the failed rank as the cause and these as
+  its victims. The default grace (4 s) is below horovodrun's 5 s
   before SIGKILL; on Kubernetes raise it towards the pod's terminationGracePeriodSeconds.
 - What the checkpoint must hold for the resumed run to end with the same weights as an uninterrupted one: the
   loader's position (its batches consumed, the prefetcher's look-ahead given back), and each rank's own state that
@@ -60,7 +60,7 @@ def die_by(signum: int) -> None:
     """End this process by `signum`'s default action (its exit status says so, as if no handler had been set)."""
     if threading.current_thread() is threading.main_thread():
         signal.signal(signum, signal.SIG_DFL)
-    else:  # the SIGTERM deadline's timer: Python's signal.signal() is main-thread only, the C library's is not
+    else:  # the watcher thread (SIGTERM's deadline): Python's signal.signal() is main-thread only, libc's is not
         ctypes.CDLL(None).signal(signum, ctypes.c_void_p(0))  # 0: SIG_DFL
     os.kill(os.getpid(), signum)
     time.sleep(5)  # the signal is delivered at once; this only keeps a thread from going on meanwhile
