@@ -251,8 +251,8 @@ def load_latest(ckpt_dir: Path, model: nn.Module, optimizer: torch.optim.Optimiz
 def save_checkpoint(cfg: TorchConfig, ckpt_dir: Path, epochs_done: int, model: nn.Module,
                     optimizer: torch.optim.Optimizer, history: History, precision: Precision | None = None,
                     position: dict[str, Any] | None = None) -> Path:
-    """Rank 0's checkpoint after `epochs_done` epochs, or, with `position` (a stop mid-epoch: `stop_position`), after
-    position["step"] steps of the next one."""
+    """Rank 0's checkpoint after `epochs_done` epochs, or, with `position` (a stop mid-epoch: the recipe's
+    `save_stop`), after position["step"] steps of the next one."""
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "history": history.epochs,
              "precision": precision.state_dict() if precision is not None else {},
              "config": {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(cfg).items()}}
