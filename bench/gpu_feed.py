@@ -9,6 +9,9 @@ synchronize/step, on-device metric sums; the same model, optimizer and synthetic
   hvdtrain    ShmLoader (--num-workers producer processes, shared memory) + DevicePrefetcher, as the recipe: the
               copy reads the producers' page-locked slots directly (NOTE [registered slots]); the prefetcher's
               host-side phases on the trainer thread timed per batch (loader next, memcpy, the whole issue)
+  before      the same through the recipe's loop as it was before issue 35: each step's finite check read at once
+              (the host waits for the GPU every step), the next batch's copy started between steps (in next(),
+              not during the backward pass: DevicePrefetcher.ahead), a stop vote at every step
   memcpy      the same with register_slots=False: each batch memcpy'd into pinned staging buffers (hvdtrain before
               issue 33; 2.0 ms of the trainer thread's time per 3 MB batch on an H200)
   dataloader  torch.utils.data.DataLoader(pin_memory=True, the same --num-workers, persistent workers) over the
@@ -24,9 +27,12 @@ dataloader in samples/s. On a CPU the idle share is not measured and the goals a
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,10 +47,14 @@ from _common import goal_lines, write_json  # noqa: E402  (bench/, this script's
 
 from hvdtrain.data import DevicePrefetcher, ShmLoader  # noqa: E402
 from hvdtrain.datasets import arrays  # noqa: E402
+from hvdtrain.train import preempt  # noqa: E402
+from hvdtrain.train.metrics import MetricSums  # noqa: E402
 from hvdtrain.train.precision import Precision, prepare_model  # noqa: E402
+from hvdtrain.train.stepflags import LateReads  # noqa: E402
 from hvdtrain.train.torchkit import Meters, setup_process, sgd  # noqa: E402
 
-FEEDS = ("resident", "hvdtrain", "memcpy", "dataloader")
+FEEDS = ("resident", "hvdtrain", "before", "memcpy", "dataloader")
+BEFORE = "before"  # the hvdtrain feed through the recipe's loop as it was before issue 35 (see `loop_before`)
 
 
 class PhaseTimes:
@@ -167,21 +177,60 @@ def make_feeds(cfg: recipe.Config, splits: arrays.Splits, device: torch.device) 
         "resident": Resident(splits.train, rank, size, batch, device),
         **{name: TimedPrefetcher(ShmLoader(splits.train, rank=rank, size=size, batch_size=batch,
                                            num_workers=cfg.num_workers, seed=cfg.seed, fetch=arrays.take,
-                                           order=splits.train.order), device, register_slots=name == "hvdtrain")
-           for name in ("hvdtrain", "memcpy")},
+                                           order=splits.train.order), device, register_slots=name != "memcpy")
+           for name in ("hvdtrain", BEFORE, "memcpy")},
         "dataloader": TorchDataLoaderFeed(splits.train, rank, size, batch, cfg.num_workers, device),
     }
 
 
-def window(cfg: recipe.Config, epoch: int, feed: Any, net: torch.nn.Module, optimizer: Any, schedule: Any,
-           meters: Meters, precision: Precision) -> dict[str, float]:
+class NoAhead:
+    """A feed without `ahead()`: every copy is started in `next()`, between steps."""
+
+    def __init__(self, feed: Any) -> None:
+        self.feed = feed
+
+    def __iter__(self):
+        return iter(self.feed)
+
+    def __len__(self) -> int:
+        return len(self.feed)
+
+
+@contextlib.contextmanager
+def loop_before(active: bool) -> Iterator[None]:
+    """The recipe's loop as it was before issue 35, when `active`: the step's checks read at once (lag 0: the host
+    waits for the GPU every step); with the feed wrapped in NoAhead and a vote at every step (`votes`)."""
+    if not active:
+        yield
+        return
+    original = recipe.LateReads
+    recipe.LateReads = functools.partial(LateReads, lag=0)  # type: ignore[misc]
+    try:
+        yield
+    finally:
+        recipe.LateReads = original  # type: ignore[misc]
+
+
+def votes() -> dict[bool, preempt.StopVote]:
+    """The recipe's stop vote (nobody asks to stop here): as now, and at every step (before issue 35)."""
+    return {before: recipe.stop_vote(preempt.StopRequest(None), every_s=0.0 if before else None)
+            for before in (False, True)}
+
+
+def window(cfg: recipe.Config, epoch: int, name: str, feed: Any, net: torch.nn.Module, optimizer: Any,
+           schedule: Any, meters: Meters, precision: Precision, vote: dict[bool, preempt.StopVote]
+           ) -> dict[str, float]:
     """One epoch of `feed` through the recipe's train_epoch; figures over its steps after the first."""
     feed.set_epoch(epoch)
     mark = meters.mark()
     phases = getattr(feed, "phases", None)
     if phases is not None:
         phases.__init__()  # this window's phases only
-    train = recipe.train_epoch(cfg, epoch, cfg.epochs, net, optimizer, schedule, feed, meters, precision)
+    sums, before = MetricSums(), name == BEFORE
+    with loop_before(before):
+        recipe.train_epoch(cfg, epoch, cfg.epochs, net, optimizer, schedule, NoAhead(feed) if before else feed,
+                           meters, precision, sums, 0, vote[before])
+    train = sums.reduce(recipe.allreduce_sum)
     steps = meters.stall.steps[mark[0] + 1:]
     waits = meters.stall.waits[mark[0] + 1:]
     idle, busy = meters.idle.idle_ms[mark[1] + 1:], meters.idle.busy_ms[mark[1] + 1:]
@@ -267,17 +316,18 @@ def main(argv: list[str] | None = None) -> int:
     optimizer = hvd.DistributedOptimizer(sgd(cfg, model, schedule.lr_at(0)), named_parameters=model.named_parameters())
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     feeds = make_feeds(cfg, splits, device)
-    meters = Meters.on(device)
+    meters, vote = Meters.on(device), votes()
     names = list(FEEDS)
     windows: dict[str, list[dict[str, float]]] = {f: [] for f in names}
     try:
         for f in names:  # warm-up: each feed's workers started, cuDNN autotuned, compiled (not reported)
-            window(cfg, 0, feeds[f], net, optimizer, schedule, meters, precision)
+            window(cfg, 0, f, feeds[f], net, optimizer, schedule, meters, precision, vote)
         for r in range(args.rounds):
             for f in names[r % len(names):] + names[:r % len(names)]:
-                windows[f].append(window(cfg, 1 + r, feeds[f], net, optimizer, schedule, meters, precision))
+                windows[f].append(window(cfg, 1 + r, f, feeds[f], net, optimizer, schedule, meters, precision,
+                                         vote))
     finally:
-        for f in ("hvdtrain", "memcpy"):
+        for f in ("hvdtrain", BEFORE, "memcpy"):
             feeds[f].close()
     result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "gpu": device.type == "cuda", "torch": torch.__version__, "args": {k: str(v) for k, v in

@@ -1,6 +1,8 @@
 """The PyTorch recipe on synthetic data vs Horovod's own synthetic benchmark, side by side (img/s per worker).
 
     .venv/bin/python bench/recipe_vs_synthetic.py            # np=2, Gloo, ~1-2 minutes on 2 CPU cores
+    python bench/recipe_vs_synthetic.py --np 1 --batch-size 256 --width 64 --num-workers 4 \
+        --num-batches-per-iter 50 --num-warmup-batches 50   # one GPU (scripts/gpu_check.sh, step feed)
 
 Reference: Horovod's `examples/pytorch/pytorch_synthetic_benchmark.py` (horovod/horovod, v0.28.1). Its method,
 reimplemented here (the example is not installed with Horovod): one fixed random batch; `hvd.DistributedOptimizer`
@@ -92,6 +94,8 @@ def recipe_side(args: argparse.Namespace, dataset: str, run_dir: Path) -> tuple[
 
     from hvdtrain.data import DevicePrefetcher, ShmLoader
     from hvdtrain.datasets import arrays
+    from hvdtrain.train import preempt
+    from hvdtrain.train.metrics import MetricSums
     from hvdtrain.train.precision import Precision
     from hvdtrain.train.torchkit import Meters, epoch_seed, model_name, setup_process, sgd
 
@@ -126,12 +130,15 @@ def recipe_side(args: argparse.Namespace, dataset: str, run_dir: Path) -> tuple[
     side = SimpleNamespace(cfg=cfg, train_loader=loader, meter=Meters.on(device), rank=rank)
     precision = Precision(cfg.precision, device)
 
+    vote = recipe.stop_vote(preempt.StopRequest(None))  # the recipe's per-step stop vote (nobody asks here)
+
     def iteration(epoch: int) -> float:
         torch.manual_seed(epoch_seed(cfg.seed, epoch, rank))
         loader.set_epoch(epoch)
-        start = time.perf_counter()
-        train = recipe.train_epoch(cfg, epoch, cfg.epochs, model, optimizer, schedule, loader, side.meter,
-                                   precision)
+        start, sums = time.perf_counter(), MetricSums()
+        recipe.train_epoch(cfg, epoch, cfg.epochs, model, optimizer, schedule, loader, side.meter, precision,
+                           sums, 0, vote)
+        train = sums.reduce(recipe.allreduce_sum)  # as the recipe does after an epoch's steps
         return train["samples"] / (time.perf_counter() - start) / size
 
     return side, iteration
@@ -168,16 +175,18 @@ def worker(args: argparse.Namespace) -> None:
     size = hvd.size()
     t, recipe_iteration = recipe_side(args, "synthetic", OUT / "recipe-run")  # sets threads: both sides use them
 
-    # Horovod's synthetic benchmark method (see the module docstring).
+    # Horovod's synthetic benchmark method (see the module docstring), on the recipe's device (the local rank's GPU
+    # where there is one, as the example's `model.cuda()`).
+    device = torch.device("cuda", hvd.local_rank()) if torch.cuda.is_available() else torch.device("cpu")
     torch.manual_seed(0)
-    model = make_model("resnet", args.shape, args.num_classes, args.width)
+    model = make_model("resnet", args.shape, args.num_classes, args.width).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01 * size)
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
                                          compression=hvd.Compression.none, op=hvd.Average)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
-    data = torch.randn(args.batch_size, *args.shape)
-    target = torch.LongTensor(args.batch_size).random_() % args.num_classes
+    data = torch.randn(args.batch_size, *args.shape).to(device)
+    target = (torch.LongTensor(args.batch_size).random_() % args.num_classes).to(device)
 
     def benchmark_step() -> None:
         optimizer.zero_grad()

@@ -26,8 +26,9 @@ What each rank does, in order:
  3. LR = base LR × world size × backward passes per step, linear warmup, optional step decay (Goyal et al.).
  4. Wrap the optimizer in hvd.DistributedOptimizer (gradients averaged by allreduce); on resume rank 0 loads
     the checkpoint; broadcast the optimizer state and the weights from rank 0.
- 5. Train; each step checks the averaged gradients before applying them (NaN/Inf from any rank: every rank
-    stops at that step, exit 3; --no-check-finite: no checks); after each epoch average the metrics over ranks
+ 5. Train; each step checks the averaged gradients (NaN/Inf from any rank: every rank stops, naming that step,
+    exit 3; --no-check-finite: no checks), read a step later so the host never waits for the GPU; the next
+    batch's copy starts during the backward pass; after each epoch average the metrics over ranks
     (allreduce) and validate; rank 0 alone writes the checkpoint (atomically, keeping the last K), TensorBoard
     scalars and the progress bar.
  6. Rank 0 writes <run-dir>/summary.json; every rank checks that the weights are identical everywhere.
@@ -61,6 +62,7 @@ from hvdtrain.train.metrics import History, MetricSums, build_summary, combine_s
 from hvdtrain.train.precision import Precision, prepare_model
 from hvdtrain.train.progress import progress_bar
 from hvdtrain.train.report import log, nothing_to_train, run_config, same_weights, versions
+from hvdtrain.train.stepflags import LateReads
 from hvdtrain.train.torchkit import (
     Meters,
     TorchConfig,
@@ -128,14 +130,15 @@ def allreduce_sum(values: np.ndarray) -> np.ndarray:
     return hvd.allreduce(torch.from_numpy(values), op=hvd.Sum).numpy()
 
 
-def stop_vote(request: preempt.StopRequest) -> preempt.StopVote:
+def stop_vote(request: preempt.StopRequest, every_s: float | None = None) -> preempt.StopVote:
     """SIGUSR1, SIGTERM or `hvdtrain run`'s stop file on any rank stops every rank after the same step (NOTE [stop
     requests] in hvdtrain/train/preempt.py)."""
-    # Horovod: each rank's 0/1 flag, summed by an allreduce that rides along with the next step.
+    # Horovod: each rank's [0/1 flag, steps until the next vote], maxed by an allreduce that rides along with the
+    # steps until that vote (about every 0.25 s).
     return preempt.StopVote(
-        request, lambda flag: hvd.allreduce_async(torch.tensor([flag], dtype=torch.int32), op=hvd.Sum,
-                                                  name="stop.vote"),
-        lambda handle: int(hvd.synchronize(handle)[0]))
+        request, lambda values: hvd.allreduce_async(torch.tensor(values, dtype=torch.int32), op=hvd.Max,
+                                                    name="stop.vote"),
+        lambda handle: hvd.synchronize(handle).tolist(), every_s=every_s)
 
 
 @dataclass(frozen=True)
@@ -146,16 +149,29 @@ class Stopped:
     sums: MetricSums
 
 
+def step_values(cfg: Config, net: nn.Module, optimizer: HvdOptimizer, precision: Precision,
+                losses: list[torch.Tensor]) -> torch.Tensor:
+    """[diverged, each backward pass's loss] of this step, on the device, for LateReads (nothing waits for it)."""
+    # Horovod: the averaged gradients, the same on every rank: all ranks stop at the same step (NOTE [divergence
+    # checks] in hvdtrain/train/divergence.py).
+    device = losses[0].device
+    bad = precision.nonfinite(net, optimizer) if cfg.check_finite else torch.zeros((), device=device)
+    return torch.stack([bad.to(device, torch.float32), *(v.float() for v in losses)])
+
+
 def train_epoch(cfg: Config, epoch: int, epochs: int, net: nn.Module, optimizer: HvdOptimizer,
                 schedule: LRSchedule, loader: DevicePrefetcher, meters: Meters, precision: Precision,
                 sums: MetricSums, start: int, vote: preempt.StopVote) -> int | None:
     """Train the epoch from step `start` (0, or where a stop left it), adding to `sums`; the steps done if the ranks
-    agreed to stop before the epoch's end, else None."""
+    agreed to stop before the epoch's end, else None. Nothing in a step makes the host wait for the GPU: the step's
+    checks are read one step later (NOTE [flags read a step late] in hvdtrain/train/stepflags.py)."""
     net.train()
     steps = start + len(loader)
     # Horovod: only rank 0 shows progress (every rank's bar would interleave in the output).
     bar = progress_bar(meters.wrap(loader), steps - start, f"epoch {epoch + 1}/{epochs}",
                        enabled=hvd.rank() == 0 and cfg.progress)
+    late = LateReads(next(net.parameters()).device, 1 + cfg.backward_passes_per_step)
+    lr = schedule.lr_at(epoch)
     for step, (x, y) in enumerate(bar, start):  # meters time the host's wait for each batch and the GPU's idle gap
         lr = schedule.lr_for_step(epoch, step, steps)
         for group in optimizer.param_groups:
@@ -164,20 +180,19 @@ def train_epoch(cfg: Config, epoch: int, epochs: int, net: nn.Module, optimizer:
         # Horovod: backward_passes_per_step chunks, each a backward() DistributedOptimizer accumulates locally
         # (under --precision's autocast; fp16 scales the loss: NOTE [fp16 with Horovod] in precision.py).
         losses = forward_backward(net, x, y, cfg.backward_passes_per_step, sums, precision, cfg.channels_last)
-        # Horovod: wait for the allreduce of the gradients, check the averaged gradients (the same on every rank:
-        # all ranks stop at the same step, NOTE [divergence checks] in hvdtrain/train/divergence.py), then apply
-        # them (skip_synchronize: step() must not wait for the allreduce a second time).
+        meters.ahead(loader)  # the next batch's copy is queued while the GPU runs this backward pass
+        # Horovod: wait for the allreduce of the gradients, note whether the averages are finite, then apply them
+        # (skip_synchronize: step() must not wait for the allreduce a second time).
         optimizer.synchronize()
-        if cfg.check_finite and precision.diverged(net, optimizer):
-            raise divergence.at_step(epoch, step, steps, "the averaged gradients hold NaN/Inf",
-                                     divergence.worst([float(v) for v in losses]))
+        values = step_values(cfg, net, optimizer, precision, losses)
         with optimizer.skip_synchronize():
             precision.step(optimizer)
-        if bar.disable is False and (step % 50 == 0 or step == steps - 1):  # reading the loss waits for the GPU
-            bar.set_postfix(loss=f"{float(losses[-1]):.3f}", lr=f"{lr:.3g}", refresh=False)
+        torchkit.read_back(late.push(step, values), epoch, steps, bar, lr)  # the previous step's, checked now
         if vote.after_step() and step + 1 < steps:  # Horovod: every rank gets the same sum, so all stop here
+            torchkit.read_back(late.drain(), epoch, steps, bar, lr)
             bar.close()
             return step + 1
+    torchkit.read_back(late.drain(), epoch, steps, bar, lr)
     bar.close()
     vote.drain()
     return None

@@ -15,7 +15,9 @@
 #   recipe       recipes/pytorch_train.py, synthetic data, ResNet on CUDA, one epoch in fp32 and one in bf16 +
 #                channels-last; their summary.json (samples/s, host data wait, GPU idle between steps)
 #   feed         bench/gpu_feed.py (B8): the recipe's loop fed by hvdtrain vs data already on the GPU vs torch's
-#                DataLoader(pin_memory=True), bf16 + channels-last; its goals marked met / NOT met
+#                DataLoader(pin_memory=True) vs the recipe's loop before issue 35, bf16 + channels-last; its goals
+#                marked met / NOT met; then P4 on the GPU (bench/recipe_vs_synthetic.py: the recipe vs Horovod's
+#                synthetic-benchmark method) and its breakdown, piece by piece (bench/step_overhead.py)
 #   decode       bench/jpeg_decode.py: decoded + augmented 224 px JPEGs/s per core and on all cores for each decoder
 #                (Pillow, OpenCV, simplejpeg if carried in .gpu-extra/, torchvision), nvJPEG on the GPU, and the
 #                rate a ResNet-50 at bf16 + channels-last trains at (what the feed must reach)
@@ -158,7 +160,7 @@ run_step venv 180
 run_step build 420
 run_step collectives 120
 run_step recipe 150
-run_step feed 150
+run_step feed 330
 run_step decode 120
 run_step jpeg 150
 run_step prefetch 180

@@ -43,6 +43,8 @@ def build_report(steps: list[dict[str, Any]], out: Path, work: Path) -> dict[str
         "jpeg_decode": _load(work / "jpeg_decode.json"),
         "gpu_jpeg": {k: v for k, v in (_load(work / "gpu_jpeg.json") or {}).items() if k != "windows"} or None,
         "gpu_feed": {k: v for k, v in (_load(out / "gpu_feed.json") or {}).items() if k != "windows"} or None,
+        "p4_recipe_vs_synthetic": _load(work / "p4_gpu.json"),
+        "step_overhead": _load(work / "step_overhead.json"),
     }
 
 

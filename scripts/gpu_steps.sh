@@ -23,6 +23,12 @@ elif kind == "feed":  # B8: hvdtrain's feed vs data on the GPU vs DataLoader, wi
     line = (", ".join(f"{f} {m['samples_per_s']:.0f}/s" for f, m in med.items())
             + "; " + "; ".join(f"{k}: {g['value']:.3g} {'met' if g['met'] else 'NOT met'}"
                                for k, g in d["goals"].items()))
+elif kind == "p4":  # the recipe vs Horovod's synthetic-benchmark method
+    line = (f"recipe {d['recipe_img_per_sec_per_worker']['median']:.0f} vs synthetic method "
+            f"{d['synthetic_img_per_sec_per_worker']['median']:.0f} img/s = {d['ratio_recipe_over_synthetic']:.3f}x "
+            f"of means, {d['paired_ratio_median']:.3f}x median of paired ratios")
+elif kind == "steps":  # the recipe's step built up piece by piece from Horovod's synthetic-benchmark step
+    line = ", ".join(f"{k} {v:.3f} ms ({d['ratio_vs_synthetic'][k]:.3f}x)" for k, v in d["ms_per_step"].items())
 elif kind == "decode":  # images/s on all cores per decoder, nvJPEG, what a ResNet-50 consumes
     line = (", ".join(f"{k} {v.get('all_cores', 'skipped')}" for k, v in d["decoders"].items())
             + f"; nvjpeg {d.get('nvjpeg_batch_64')}/s; ResNet-50 bf16 trains at {d.get('resnet50_bf16_cl_batch_256')}/s")
@@ -173,10 +179,21 @@ step_recipe() {
 }
 
 step_feed() {
+  local rc rc_p4 rc_steps
   "$VENV/bin/horovodrun" -np 1 -H localhost:1 --gloo "$VPY" bench/gpu_feed.py --json "$OUT_DIR/gpu_feed.json"
-  local rc=$?
-  note "B8 bench/gpu_feed.py exit $rc: $(numbers feed "$OUT_DIR/gpu_feed.json") (gpu_feed.json)"
-  return $rc
+  rc=$?
+  # P4 on the GPU: the recipe's loop vs Horovod's synthetic-benchmark method, same model and batch, interleaved; then
+  # where the difference goes, piece by piece. Kept in WORK (gpu_check.json embeds them): the device tool brings back
+  # at most 8 files from OUT.
+  "$VPY" bench/recipe_vs_synthetic.py --np 1 --batch-size 256 --width 64 --num-workers 4 --num-iters 6 \
+    --num-batches-per-iter 200 --num-warmup-batches 200 && cp bench/out/recipe_vs_synthetic.json "$WORK/p4_gpu.json"
+  rc_p4=$?
+  "$VENV/bin/horovodrun" -np 1 -H localhost:1 --gloo "$VPY" bench/step_overhead.py --batch-size 256 --width 64 \
+    --num-workers 4 --steps 100 --rounds 5 --json "$WORK/step_overhead.json"
+  rc_steps=$?
+  note "B8 bench/gpu_feed.py exit $rc: $(numbers feed "$OUT_DIR/gpu_feed.json") (gpu_feed.json); P4 exit $rc_p4: \
+$(numbers p4 "$WORK/p4_gpu.json"); step overhead exit $rc_steps: $(numbers steps "$WORK/step_overhead.json")"
+  [[ $rc -eq 0 && $rc_p4 -eq 0 && $rc_steps -eq 0 ]]
 }
 
 step_decode() {

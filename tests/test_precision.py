@@ -15,6 +15,7 @@ from hvdtrain.train import checkpoint
 from hvdtrain.train.config import parse_config
 from hvdtrain.train.metrics import MetricSums
 from hvdtrain.train.precision import MIN_SCALE, Precision, as_input, prepare_model
+from hvdtrain.train.stepflags import LateReads
 from hvdtrain.train.torchkit import forward_backward
 from tests.harness import REPO
 from tests.test_pytorch_recipe import checkpoint_state, file_digest, run_recipe
@@ -81,6 +82,32 @@ def test_fp32_and_bf16_call_any_nonfinite_average_a_divergence():
         assert not Precision(name, "cpu").diverged(model, optimizer)
         model.bias.grad.fill_(float("nan"))
         assert Precision(name, "cpu").diverged(model, optimizer)
+
+
+def test_step_values_are_read_one_step_late_in_order_and_all_of_them_by_drain():
+    """NOTE [flags read a step late]: push(k) gives back step k-1's values; drain gives the rest; the ring of host
+    buffers is never overwritten before it is read (the values come back exactly as pushed)."""
+    late = LateReads("cpu", width=3)
+    pushed = [torch.tensor([float(k % 2), 0.5 * k, -k]) for k in range(5)]
+    got = [late.push(k, v) for k, v in enumerate(pushed)]
+    assert [[(k, row.tolist()) for k, row in rows] for rows in got] == \
+        [[]] + [[(k, pushed[k].tolist())] for k in range(4)]
+    assert [(k, row.tolist()) for k, row in late.drain()] == [(4, pushed[4].tolist())]
+    assert late.drain() == []
+    now = LateReads("cpu", width=1, lag=0)  # lag 0: read at once
+    assert [(k, row.tolist()) for k, row in now.push(7, torch.tensor(True))] == [(7, [1.0])]
+    with pytest.raises(ValueError, match="expected 1 values, got a tensor of shape \\(2,\\)"):
+        now.push(8, torch.zeros(2))
+
+
+def test_nonfinite_is_a_tensor_where_the_gradients_are_and_diverged_reads_it():
+    model = nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.ones(1, 2)).sum().backward()
+    flag = Precision("bf16", "cpu").nonfinite(model, optimizer)
+    assert isinstance(flag, torch.Tensor) and flag.shape == () and not bool(flag)
+    model.weight.grad[0, 1] = float("inf")
+    assert bool(Precision("fp32", "cpu").nonfinite(model, optimizer))
 
 
 def test_channels_last_lays_out_weights_and_images_and_compile_wraps_the_same_parameters():

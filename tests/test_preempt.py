@@ -124,30 +124,46 @@ def test_a_rank_blocked_in_a_collective_still_dies_by_sigterm_after_the_grace(tm
 
 
 class Collective:
-    """Two ranks' allreduce (sum) as one process sees it: each `start` adds a rank's flag; the sum of a round is what
-    `finish` returns to both. Stands for hvd.allreduce_async/synchronize, which is not what these tests are about."""
+    """Ranks' allreduce (max, elementwise) as one process sees it: each `start` adds a rank's values; the maxima of a
+    round are what `finish` returns to every rank. Stands for hvd.allreduce_async/synchronize, which is not what
+    these tests are about."""
 
     def __init__(self) -> None:
-        self.rounds: list[list[int]] = []
+        self.rounds: list[list[list[int]]] = []
 
-    def start(self, rank: int, n: int, flag: int) -> tuple[int, int]:
+    def start(self, n: int, values: list[int]) -> int:
         while len(self.rounds) <= n:
             self.rounds.append([])
-        self.rounds[n].append(flag)
-        return (n, rank)
+        self.rounds[n].append(values)
+        return n
 
-    def finish(self, handle: tuple[int, int]) -> int:
-        return sum(self.rounds[handle[0]])
+    def finish(self, n: int) -> list[int]:
+        return [max(column) for column in zip(*self.rounds[n], strict=True)]
+
+
+class Clock:
+    """Each rank's own clock, advanced by the test."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def ranks(n: int, every_s: float) -> tuple[list[preempt.StopVote], list[preempt.StopRequest], list[Clock], Collective]:
+    net, votes, requests, clocks = Collective(), [], [], []
+    for _ in range(n):
+        counter = iter(range(10**6))
+        requests.append(preempt.StopRequest(None))
+        clocks.append(Clock())
+        votes.append(preempt.StopVote(requests[-1], lambda values, c=counter: net.start(next(c), values),
+                                      net.finish, every_s=every_s, clock=clocks[-1]))
+    return votes, requests, clocks, net
 
 
 def test_every_rank_stops_after_the_same_step_one_after_the_first_that_heard(tmp_path):
-    net = Collective()
-    votes, requests = [], []
-    for rank in range(2):
-        counter = iter(range(10**6))
-        requests.append(preempt.StopRequest(None))
-        votes.append(preempt.StopVote(requests[rank], lambda flag, r=rank, c=counter: net.start(r, next(c), flag),
-                                      net.finish))
+    votes, requests, _, _ = ranks(2, every_s=0.0)  # a vote at every step
     stopped_at = {}
     for step in range(1, 20):
         if step == 5:
@@ -156,6 +172,27 @@ def test_every_rank_stops_after_the_same_step_one_after_the_first_that_heard(tmp
             if rank not in stopped_at and votes[rank].after_step():
                 stopped_at[rank] = step
     assert stopped_at == {0: 6, 1: 6}
+
+
+def test_ranks_vote_about_every_quarter_second_and_agree_on_the_interval_and_the_stop(tmp_path):
+    """10 ms steps (rank 1's clock a little slower): after the first votes the ranks vote every ~25 steps, both at
+    the same steps (the interval is the maximum of the proposals), and a request heard by one rank stops both at the
+    same step, within two intervals; an epoch's end (drain) makes the next step vote again."""
+    votes, requests, clocks, net = ranks(2, every_s=0.25)
+    stopped_at: dict[int, int] = {}
+    for step in range(1, 400):
+        if step == 300:
+            requests[0].reason = "SIGTERM"
+        for rank in range(2):
+            clocks[rank].t += 0.010 if rank == 0 else 0.011
+            if rank not in stopped_at and votes[rank].after_step():
+                stopped_at[rank] = step
+    assert votes[0].interval == votes[1].interval == 25, [v.interval for v in votes]
+    assert stopped_at[0] == stopped_at[1] and 300 < stopped_at[0] <= 300 + 2 * 25, stopped_at
+    assert len(net.rounds) < 30  # not ~300 votes
+    for v in votes:
+        v.drain()
+    assert [v._countdown for v in votes] == [1, 1]
 
 
 def test_mid_epoch_checkpoints_sort_between_epochs_and_check_their_step(tmp_path):

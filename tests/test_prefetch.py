@@ -113,6 +113,31 @@ def test_cuda_path_iteration_semantics_with_faked_copies(monkeypatch, n: int) ->
         assert log == expect
 
 
+@pytest.mark.parametrize("n", [1, 2, 5])
+def test_ahead_moves_the_next_batchs_copy_into_the_step(monkeypatch, n: int) -> None:
+    """A loop that calls ahead() in each step: the first batch is handed over with the next already in flight (as
+    without ahead), then each copy starts in the step before its batch is handed over, never in next(); state counts
+    only the batches handed over; a second epoch starts the same way; ahead() outside an epoch does nothing."""
+    log: list = []
+    _fake_cuda(monkeypatch, log)
+    pf = DevicePrefetcher(_FakeLoader(n), "cuda:0")
+    pf.ahead()
+    assert log == []
+    for _ in range(2):
+        log.clear()
+        got, states = [], []
+        for batch in pf:
+            got.append(int(batch[0]))
+            log.append("step")
+            pf.ahead()
+            states.append(pf.state_dict()["batches_consumed"])
+        assert got == list(range(n)) and states == list(range(1, n + 1))
+        expect = [("issue", 0, 0)] + ([("issue", 1, 1)] if n > 1 else []) + [("hand", 0), "step"]
+        for k in range(1, n):
+            expect += [("hand", k), "step"] + ([("issue", k + 1, (k + 1) % 2)] if k + 1 < n else [])
+        assert log == expect
+
+
 def test_cuda_path_break_and_restart(monkeypatch) -> None:
     _fake_cuda(monkeypatch, [])
     pf = DevicePrefetcher(_FakeLoader(4), "cuda:0")

@@ -269,10 +269,13 @@ def test_tensors_freed_while_compute_still_reads_them_are_not_overwritten(stream
 
 @pytest.mark.parametrize("stream", ["default", "side"])
 @pytest.mark.parametrize("register_slots", [True, False])
-def test_a_shm_loader_with_two_workers_feeds_the_right_samples(stream: str, register_slots: bool) -> None:
+@pytest.mark.parametrize("ahead", [False, True])
+def test_a_shm_loader_with_two_workers_feeds_the_right_samples(stream: str, register_slots: bool,
+                                                               ahead: bool) -> None:
     """IndexDataset sample i is (float32[3] = i, int64 i): every batch names its indices; they must be the sampler's,
     in its order, over two shuffled epochs (50 samples in batches of 4: the last is partial, the ring reallocates).
-    register_slots: copied straight out of the page-locked slots (NOTE [registered slots]), or through the ring."""
+    register_slots: copied straight out of the page-locked slots (NOTE [registered slots]), or through the ring.
+    ahead: each step starts the next copy itself (DevicePrefetcher.ahead, as the recipe does during backward)."""
     n, bs = 50, 4
     sampler = ShardSampler(n, 0, 1, seed=3, batch_size=bs)
     with ShmLoader(fx.IndexDataset(n), rank=0, size=1, batch_size=bs, num_workers=2, seed=3, epochs=2) as ld, \
@@ -291,6 +294,9 @@ def test_a_shm_loader_with_two_workers_feeds_the_right_samples(stream: str, regi
                 idx = torch.as_tensor(expected[k], device=device)
                 bad.append((y != idx).sum() + (x != idx.float()[:, None]).sum())
                 sums.append((x.sum(1) - 3 * y).abs().sum())  # computed on the batch: 0
+                if ahead:
+                    slow_kernel(0.2)  # the step still computing while the next copy starts
+                    pf.ahead()
                 seen += 1
             assert seen == len(expected)
             assert torch.stack(bad).cpu().tolist() == [0] * seen

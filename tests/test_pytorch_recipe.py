@@ -58,10 +58,13 @@ def signal_at(rank):
     """HVDTRAIN_TEST_SIGNAL=RANK:STEP:SIGNAME: that rank sends itself that signal after its STEP-th optimizer step
     (counted over epochs), a stop request landing at a known point of the epoch (NOTE [stop requests])."""
     target, step, name = os.environ.get("HVDTRAIN_TEST_SIGNAL", "-1:0:SIGUSR1").split(":")
+    from hvdtrain.train import preempt
+    if int(target) < 0:
+        return
+    preempt.VOTE_EVERY_S = 0.0  # every rank votes at every step: the stop lands at a known step
     if int(target) != rank:
         return
     import signal
-    from hvdtrain.train import preempt
     original, count = preempt.StopVote.after_step, [0]
 
     def after_step(self):

@@ -14,7 +14,9 @@ start event: NOTE [stream sync] (a) in prefetch.py). The figure to judge a loade
 `sum(idle) / sum(idle + busy)` over the steps after warm-up. Elapsed times are read only from events that have
 completed (`query()`), or at the end of the epoch (`synchronize()` on the last one), so measuring never makes the
 host wait for the GPU mid-epoch. The first step of each epoch has no idle gap (validation and the epoch's
-bookkeeping ran in between; that is not the loader's to answer for).
+bookkeeping ran in between; that is not the loader's to answer for). A wait of the GPU *inside* a step (for the host
+to queue its next kernels, e.g. while the host fetches the next batch in `DevicePrefetcher.ahead()`) counts as busy:
+the rate next to data already on the GPU (bench/gpu_feed.py's "resident") is the figure that catches it.
 
 On any device but CUDA there is no stream to watch: the meter measures nothing and says so (`measured: false`,
 shares 0.0); StallMeter's wait share is then the figure.

@@ -21,7 +21,9 @@ Three hazards, one guard each (letters are referred to from the code):
     staging buffer i again, the host waits on the event of the last copy out of it (`copied[i].synchronize()`,
     normally long done).
 There is no helper thread: the host-side work (fetching from the loader, the memcpy, enqueueing the copy) runs in
-`__next__`, while the GPU still executes the previous step's queued kernels. So no thread has to
+`__next__`, while the GPU still executes the previous step's queued kernels, or, once the training loop calls
+`ahead()` during a step (the recipe: after queueing the backward pass), there, while the GPU runs the step's backward
+pass. Either way one batch is in flight and the same guards hold. So no thread has to
 `torch.cuda.set_device` (it would default to GPU 0), and nothing can leak across epochs or hang in `close()`.
 All CUDA calls run under `torch.cuda.device(self.device)`, so the stream and events belong to the right GPU even
 when another device is current. tests/test_prefetch_cuda.py checks these rules on a GPU: run it under
@@ -31,7 +33,7 @@ when another device is current. tests/test_prefetch_cuda.py checks these rules o
 from __future__ import annotations
 
 import inspect
-import itertools
+from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
@@ -68,7 +70,10 @@ class DevicePrefetcher:
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self._ahead = 0  # batches taken from the loader but not yet handed to the caller
+        self._queue: deque[tuple[Any, Any]] = deque()  # (device batch, ready event): copies not yet handed over
+        self._it: Iterator[Any] | None = None  # this epoch's loader iterator (CUDA)
+        self._exhausted = self._deferred = False  # the loader's epoch is over; ahead() is called each step
+        self._fetched = 0  # this epoch's batches taken from the loader: they take the staging buffers in turn
         self._stream: Any = None
         self._pinned: list[Any] = [None, None]
         self._copied: list[Any] = [None, None]
@@ -77,39 +82,57 @@ class DevicePrefetcher:
         self._slots_looked_up = False
 
     def __iter__(self) -> Iterator[Any]:
-        self._ahead = 0
+        self._queue.clear()
         if self.device.type != "cuda":
+            self._it = None
             return self._passthrough()
-        return self._cuda_iter()
+        self._it, self._exhausted, self._deferred, self._fetched = iter(self.loader), False, False, 0
+        return self._cuda_iter(self._it)
 
     def _passthrough(self) -> Iterator[Any]:
         for batch in self.loader:
             yield to_torch(batch)
 
-    def _cuda_iter(self) -> Iterator[Any]:
-        it = iter(self.loader)
-        pending = None
-        for k in itertools.count():
-            self._drain_held(wait=False)  # slots whose copy is done go back before the next batch is asked for
-            host = next(it, _END)
-            if host is _END:
-                break
-            # The host views are dropped here (copied into a staging buffer: the slot goes back to its worker before
-            # the next batch is asked for), or, copied straight out of the slot, once that copy is done (`_held`,
-            # NOTE [stream sync] (c); NOTE [batch lifetime] in lending.py).
-            following = self._issue(host, k % 2)
-            del host
-            self._ahead += 1
-            if pending is not None:
-                batch = self._hand_off(*pending)
-                self._ahead -= 1
-                yield batch
-            pending = following
-        if pending is not None:
-            batch = self._hand_off(*pending)
-            self._ahead = 0
-            yield batch
-        self._drain_held(wait=True)  # the epoch's last slots go back to their workers
+    def _cuda_iter(self, it: Iterator[Any]) -> Iterator[Any]:
+        try:
+            while self._queue or self._fetch():
+                pending = self._queue.popleft()
+                if not self._deferred:
+                    self._fetch()  # the next batch's copy starts before this one is handed over (one batch ahead)
+                yield self._hand_off(*pending)
+            self._drain_held(wait=True)  # the epoch's last slots go back to their workers
+        finally:  # finished or closed (a loop left early): the loader's iterator goes with it; the batch in flight
+            if self._it is it:  # stays queued, so that state_dict() still leaves it out
+                self._it = None
+
+    def ahead(self) -> None:
+        """Start the next batch's copy now. Call it once per step while the GPU is busy (the recipe: after queueing
+        the backward pass, before waiting for the gradients' allreduce): from then on in this epoch `next()` only
+        hands over the batch started here, so the loader's host-side work (its `next()`, a memcpy, queueing the
+        copy) is no longer on the host's path between one step's work and the next. A no-op off CUDA, outside an
+        epoch, or with a batch already in flight."""
+        if self.device.type != "cuda" or self._it is None:
+            return
+        self._deferred = True
+        if not self._queue:
+            self._fetch()
+
+    def _fetch(self) -> bool:
+        """Take the loader's next batch and start its copy (queued); False at the end of the epoch."""
+        if self._exhausted or self._it is None:
+            return False
+        self._drain_held(wait=False)  # slots whose copy is done go back before the next batch is asked for
+        host = next(self._it, _END)
+        if host is _END:
+            self._exhausted = True
+            return False
+        # The host views are dropped here (copied into a staging buffer: the slot goes back to its worker before the
+        # next batch is asked for), or, copied straight out of the slot, once that copy is done (`_held`, NOTE
+        # [stream sync] (c); NOTE [batch lifetime] in lending.py).
+        self._queue.append(self._issue(host, self._fetched % 2))
+        self._fetched += 1
+        del host
+        return True
 
     def _issue(self, host: Any, slot: int) -> tuple[Any, Any]:
         """Start copying one host batch to the device on the side stream; returns (device batch, ready event)."""
@@ -198,13 +221,14 @@ class DevicePrefetcher:
         self.loader.set_epoch(epoch)
 
     def state_dict(self) -> dict[str, Any]:
-        if self._ahead == 0:  # nothing in flight: any loader's plain state_dict() will do
+        ahead = len(self._queue)  # batches taken from the loader but not yet handed to the caller
+        if ahead == 0:  # nothing in flight: any loader's plain state_dict() will do
             return dict(self.loader.state_dict())
         if "unconsumed" in inspect.signature(self.loader.state_dict).parameters:
-            return dict(self.loader.state_dict(unconsumed=self._ahead))
+            return dict(self.loader.state_dict(unconsumed=ahead))
         state = dict(self.loader.state_dict())  # another loader: take back the batches fetched ahead by count
         if "batches_consumed" in state:
-            state["batches_consumed"] -= self._ahead
+            state["batches_consumed"] -= ahead
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -9,7 +9,7 @@ many steps it follows the device time.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -22,7 +22,8 @@ class StallMeter:
     """Per-step wait-for-data and step time.
 
     Use `for batch in meter.wrap(loader): ...` (one call per epoch; each `next()` is timed, and the step ends at
-    the following `next()`, or at the end of the epoch), or call `record(wait_s, step_s)` yourself. The first
+    the following `next()`, or at the end of the epoch; a fetch inside the step goes through `wait_inside`), or
+    call `record(wait_s, step_s)` yourself. The first
     `warmup_steps` steps (worker start-up, first-touch of shared memory, compilation) are kept in `waits`/`steps`
     but left out of the summary's statistics; the summary reports their wait separately.
     """
@@ -33,6 +34,16 @@ class StallMeter:
         self.warmup_steps = warmup_steps
         self.waits: list[float] = []
         self.steps: list[float] = []
+        self._inside = 0.0  # the step's waits for data inside it (`wait_inside`)
+
+    def wait_inside(self, fetch: Callable[[], object]) -> None:
+        """Call `fetch` in the middle of a step (e.g. DevicePrefetcher.ahead: the next batch fetched while the GPU
+        computes) and count the time it takes as the step's wait for data, next to the wait in `next()`."""
+        t0 = time.perf_counter()
+        try:
+            fetch()
+        finally:
+            self._inside += time.perf_counter() - t0
 
     def record(self, wait_s: float, step_s: float) -> None:
         if wait_s < 0 or step_s < wait_s:
@@ -52,10 +63,10 @@ class StallMeter:
                 except StopIteration:
                     return
                 got = clock()
-                wait = got - started
+                wait, self._inside = got - started, 0.0
                 yield item
                 now = clock()
-                self.record(wait, now - started)
+                self.record(wait + self._inside, now - started)
                 started = now
         finally:
             close = getattr(it, "close", None)

@@ -4,7 +4,9 @@ NOTE [divergence checks]
 A rank that stopped alone would leave the others blocked in their next allreduce, so every check here looks at a
 value that is identical on every rank, and needs no collective of its own:
 - each step, the *averaged* gradients (after Horovod's allreduce, before the optimizer applies them): a NaN or
-  Inf gradient on any rank makes the average non-finite everywhere, and the weights are still the good ones;
+  Inf gradient on any rank makes the average non-finite everywhere. The PyTorch recipe computes that flag on the
+  device and reads it one step later (NOTE [flags read a step late] in stepflags.py), so the host never waits for
+  the GPU; the error still names the step that went bad, and nothing is written after it;
 - each epoch, the allreduced metrics (train and validation loss), before the checkpoint is written: this catches
   a rank whose loss alone went bad while its gradients stayed finite.
 Keras applies the averaged gradients inside `fit`; there the check reads the weights after each step (identical

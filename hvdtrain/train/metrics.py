@@ -36,11 +36,16 @@ class MetricSums:
 
     def add(self, mean_loss: Any, correct: Any, count: int) -> None:
         """Record one batch: its mean loss, how many predictions were right, and its size."""
-        if hasattr(mean_loss, "detach"):  # a tensor: stay on its device
+        if hasattr(mean_loss, "detach") and hasattr(self.loss_sum, "add_"):  # one kernel, on the tensor's device
+            self.loss_sum.add_(mean_loss.detach(), alpha=count)  # float64 += float32 × count, as below
+        elif hasattr(mean_loss, "detach"):  # the first tensor: a float64 sum of our own on its device
             self.loss_sum = self.loss_sum + mean_loss.detach().double() * count
         else:
             self.loss_sum += float(mean_loss) * count
-        self.correct = self.correct + (correct if hasattr(correct, "detach") else int(correct))
+        if hasattr(correct, "detach") and hasattr(self.correct, "add_"):
+            self.correct.add_(correct)
+        else:
+            self.correct = self.correct + (correct if hasattr(correct, "detach") else int(correct))
         self.count += int(count)
 
     def values(self) -> np.ndarray:

@@ -54,14 +54,20 @@ class Precision:
     def backward(self, loss: torch.Tensor) -> None:
         (loss if self.scaler is None else self.scaler.scale(loss)).backward()
 
-    def diverged(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> bool:
-        """After the gradients are averaged, before the step: True if training has diverged. fp32/bf16: an
-        averaged gradient is NaN/Inf. fp16: the gradients are unscaled first, and a non-finite one is an overflow
-        the scaler skips, unless the scale has already fallen below MIN_SCALE."""
+    def nonfinite(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+        """After the gradients are averaged, before the step: a 0-d bool tensor, true if training has diverged,
+        computed where the gradients are without waiting for them (fp32/bf16; read it a step late: NOTE [flags read a
+        step late] in stepflags.py). fp32/bf16: an averaged gradient is NaN/Inf. fp16: the gradients are unscaled
+        first, and a non-finite one is an overflow the scaler skips, unless the scale has already fallen below
+        MIN_SCALE (the scaler reads its scale on the host: fp16's step waits for the GPU anyway)."""
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
-            return not gradients_finite(model) and self.scaler.get_scale() <= MIN_SCALE
-        return not gradients_finite(model)
+            return torch.tensor(bool(nonfinite_gradients(model)) and self.scaler.get_scale() <= MIN_SCALE)
+        return nonfinite_gradients(model)
+
+    def diverged(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> bool:
+        """`nonfinite`, read at once (the host waits for the GPU)."""
+        return bool(self.nonfinite(model, optimizer))
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         """Apply the averaged gradients (fp16: unless they overflowed, then adjust the scale)."""
@@ -81,9 +87,21 @@ class Precision:
             self.scaler.load_state_dict(state)
 
 
-def gradients_finite(model: nn.Module) -> bool:
+def nonfinite_gradients(model: nn.Module) -> torch.Tensor:
+    """A 0-d bool tensor on the gradients' device: true if any gradient holds NaN/Inf (nothing waits for it).
+    One multi-tensor kernel per device, the check GradScaler makes (its unscale by 1.0 leaves every value as it
+    was); sparse gradients go through a norm (several times slower on a CPU)."""
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    return not grads or bool(torch.isfinite(torch.nn.utils.get_total_norm(grads, norm_type=math.inf)))
+    if not grads:
+        return torch.tensor(False)
+    if any(g.is_sparse for g in grads):
+        return ~torch.isfinite(torch.nn.utils.get_total_norm(grads, norm_type=math.inf))
+    flags = []
+    for device in dict.fromkeys(g.device for g in grads):
+        found, one = torch.zeros(1, device=device), torch.ones(1, device=device)
+        torch._amp_foreach_non_finite_check_and_unscale_([g for g in grads if g.device == device], found, one)
+        flags.append(found.to(grads[0].device))
+    return (flags[0] if len(flags) == 1 else torch.stack(flags).amax()).reshape(()) > 0
 
 
 def prepare_model(model: nn.Module, channels_last: bool, compile_model: bool) -> nn.Module:

@@ -12,11 +12,17 @@ NOTE [stop requests]
   shell is `hvdtrain run`), which creates `records.STOP_FILE` in the job's records directory; each rank looks for
   that file at most once per POLL_S. A SIGTERM to every process of a job (`scancel`, a time limit reached) stops
   it as before: the producers die with it.
-- One rank hearing it is enough, and every rank stops after the same step: after each optimizer step every rank
-  starts an asynchronous allreduce (sum) of its 0/1 flag and reads the previous step's sum, which is the same number
-  on every rank. So all of them leave the loop at the same boundary, one step after the first rank that heard; the
-  allreduce rides along with the next step and reading it waits for nothing else. After an epoch's validation and
-  checkpoint one more (blocking) vote stops a request heard during validation right there.
+- One rank hearing it is enough, and every rank stops after the same step: at a vote every rank starts an
+  asynchronous allreduce (max) of its 0/1 flag and reads the previous vote's result, which is the same on every
+  rank. So all of them leave the loop at the same boundary, at the vote after the one that carried the first
+  rank's flag; the allreduce rides along with the steps in between and reading it waits for nothing else.
+- How often: a vote is one more collective, so the ranks vote about every VOTE_EVERY_S (0.25 s), not every step.
+  Each vote also carries each rank's proposal for the steps until the next one (the steps that fit in 0.25 s at
+  the pace since its last vote) and the maximum becomes the interval: every rank gets the same one, so every rank
+  votes, and stops, at the same step. Every step when steps take longer than that; a stop comes within about two
+  intervals (0.5 s) and a step. An epoch's first step always votes.
+- After an epoch's validation and checkpoint one more (blocking) vote stops a request heard during validation right
+  there.
 - The Python handlers only set a flag; what a stop writes and prints happens in the training loop, at the
   boundary. A Python handler runs only when the main thread comes back to the interpreter, not while it waits in
   a Horovod collective (C++), so SIGTERM's deadline is kept by a watcher thread that reads the signal numbers
@@ -52,6 +58,8 @@ from hvdtrain import records
 POLL_S = 0.5  # how often a rank looks for the launcher's stop file
 SIGTERM_GRACE_S = 4.0  # the default --sigterm-grace: under horovodrun's 5 s between its SIGTERM and SIGKILL
 SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+VOTE_EVERY_S = 0.25  # the ranks vote on a stop about this often (every step when a step takes longer)
+MAX_VOTE_INTERVAL = 10_000  # steps
 
 _active: StopRequest | None = None  # the installed request, for entry.exit_with (died_of_sigterm)
 
@@ -159,27 +167,49 @@ def died_of_sigterm() -> bool:
 
 
 class StopVote:
-    """The ranks' agreement on where to stop (NOTE [stop requests]). `start(flag)` starts an allreduce (sum) of an
-    int on every rank and returns its handle; `finish(handle)` waits for it and returns the sum."""
+    """The ranks' agreement on where to stop (NOTE [stop requests]). `start(values)` starts an allreduce (max) of a
+    list of ints on every rank and returns its handle; `finish(handle)` waits for it and returns the maxima. A vote
+    carries [this rank heard a request, the steps this rank proposes until the next vote]; `clock` times the steps."""
 
-    def __init__(self, request: StopRequest, start: Callable[[int], Any], finish: Callable[[Any], int]) -> None:
-        self.request, self._start, self._finish = request, start, finish
+    def __init__(self, request: StopRequest, start: Callable[[list[int]], Any], finish: Callable[[Any], list[int]],
+                 *, every_s: float | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        every_s = VOTE_EVERY_S if every_s is None else every_s  # read now: a test may set the module's value
+        if not every_s >= 0:
+            raise ValueError(f"every_s must be >= 0, got {every_s!r}")
+        self.request, self._start, self._finish, self.every_s, self._clock = request, start, finish, every_s, clock
         self._pending: Any = None
+        self.interval = 1  # steps from one vote to the next, as the last vote agreed (the same on every rank)
+        self._countdown = 1  # steps until the next vote
+        self._since: float | None = None  # the clock at the last vote (None: at the epoch's first)
 
     def after_step(self) -> bool:
         """Every rank, after every optimizer step: True when the ranks agreed to stop at this boundary."""
-        agreed = self._pending is not None and self._finish(self._pending) > 0
-        self._pending = None if agreed else self._start(int(self.request.heard()))
-        return agreed
+        self._countdown -= 1
+        if self._countdown > 0:
+            return False
+        now, proposal = self._clock(), self.interval
+        if self._since is not None and now > self._since:  # as many steps as fit in every_s at this pace
+            proposal = max(1, min(MAX_VOTE_INTERVAL, int(self.every_s * self.interval / (now - self._since))))
+        self._since = now
+        if self._pending is not None:
+            heard, agreed = self._finish(self._pending)
+            self._pending = None
+            if heard > 0:
+                return True
+            self.interval = max(1, min(MAX_VOTE_INTERVAL, agreed))
+        self._pending = self._start([int(self.request.heard()), proposal])
+        self._countdown = self.interval
+        return False
 
     def drain(self) -> None:
         """At the end of an epoch's steps: finish the vote in flight (a request it carried is still heard, and
-        `now` after the epoch's checkpoint acts on it)."""
+        `now` after the epoch's checkpoint acts on it); the next epoch votes at its first step."""
         if self._pending is not None:
             self._finish(self._pending)
             self._pending = None
+        self._countdown, self._since = 1, None
 
     def now(self) -> bool:
         """A blocking vote (every rank, at the same point): True when any rank heard a request."""
         self.drain()
-        return self._finish(self._start(int(self.request.heard()))) > 0
+        return self._finish(self._start([int(self.request.heard()), self.interval]))[0] > 0

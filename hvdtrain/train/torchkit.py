@@ -26,7 +26,7 @@ from hvdtrain.data import sweep_stale_segments
 from hvdtrain.data.idle import GpuIdleMeter
 from hvdtrain.data.stall import StallMeter
 from hvdtrain.datasets import arrays
-from hvdtrain.train import checkpoint
+from hvdtrain.train import checkpoint, divergence
 from hvdtrain.train.config import RecipeConfig
 from hvdtrain.train.lr import LRSchedule
 from hvdtrain.train.metrics import History, MetricSums, write_summary
@@ -101,6 +101,13 @@ class Meters:
         """One epoch of `loader`'s batches, both meters timing each step (the idle meter innermost)."""
         return self.idle.wrap(self.stall.wrap(loader))
 
+    def ahead(self, loader: Any) -> None:
+        """Mid-step, while the GPU computes: start the next batch's copy (DevicePrefetcher.ahead; other loaders:
+        nothing), its time counted as this step's wait for data."""
+        ahead = getattr(loader, "ahead", None)
+        if ahead is not None:
+            self.stall.wait_inside(ahead)
+
     def mark(self) -> tuple[int, int]:
         """Where the next epoch's steps start (for `epoch_shares`)."""
         return len(self.stall.steps), len(self.idle.idle_ms)
@@ -164,10 +171,21 @@ def forward_backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor, chunks:
         with precision.autocast():
             out = model(as_input(xc, channels_last))
             loss = F.cross_entropy(out, yc)
-        precision.backward(loss / len(pieces))
+        precision.backward(loss / len(pieces) if len(pieces) > 1 else loss)  # (x / 1: two kernels for nothing)
         losses.append(loss.detach())
         sums.add(losses[-1], (out.argmax(1) == yc).sum(), len(yc))
     return losses
+
+
+def read_back(rows: list[tuple[int, np.ndarray]], epoch: int, steps: int, bar: Any, lr: float) -> None:
+    """The values of earlier steps, read now (NOTE [flags read a step late] in stepflags.py): stop at
+    a diverged step (exit 3, every rank at the same one), else show the loss on rank 0's progress bar."""
+    for step, row in rows:
+        if row[0]:
+            raise divergence.at_step(epoch, step, steps, "the averaged gradients hold NaN/Inf",
+                                     divergence.worst([float(v) for v in row[1:]]))
+        if bar.disable is False and (step % 50 == 0 or step == steps - 1):
+            bar.set_postfix(loss=f"{row[-1]:.3f}", lr=f"{lr:.3g}", refresh=False)
 
 
 def val_batches(ds: arrays.Split, rank: int, size: int, batch_size: int,
