@@ -11,7 +11,8 @@ synchronize/step, on-device metric sums; the same model, optimizer and synthetic
               host-side phases on the trainer thread timed per batch (loader next, memcpy, the whole issue)
   before      the same through the recipe's loop as it was before issue 35: each step's finite check read at once
               (the host waits for the GPU every step), the next batch's copy started between steps (in next(),
-              not during the backward pass: DevicePrefetcher.ahead), a stop vote at every step
+              not during the backward pass: DevicePrefetcher.ahead), a stop vote at every step (it keeps issue 35's
+              one-kernel check and in-place metric sums)
   memcpy      the same with register_slots=False: each batch memcpy'd into pinned staging buffers (hvdtrain before
               issue 33; 2.0 ms of the trainer thread's time per 3 MB batch on an H200)
   dataloader  torch.utils.data.DataLoader(pin_memory=True, the same --num-workers, persistent workers) over the

@@ -156,7 +156,7 @@ def step_values(cfg: Config, net: nn.Module, optimizer: HvdOptimizer, precision:
     # checks] in hvdtrain/train/divergence.py).
     device = losses[0].device
     bad = precision.nonfinite(net, optimizer) if cfg.check_finite else torch.zeros((), device=device)
-    return torch.stack([bad.to(device, torch.float32), *(v.float() for v in losses)])
+    return torchkit.step_vector(bad, losses, 1 + cfg.backward_passes_per_step)
 
 
 def train_epoch(cfg: Config, epoch: int, epochs: int, net: nn.Module, optimizer: HvdOptimizer,
@@ -184,10 +184,10 @@ def train_epoch(cfg: Config, epoch: int, epochs: int, net: nn.Module, optimizer:
         # Horovod: wait for the allreduce of the gradients, note whether the averages are finite, then apply them
         # (skip_synchronize: step() must not wait for the allreduce a second time).
         optimizer.synchronize()
-        values = step_values(cfg, net, optimizer, precision, losses)
+        # The step's checks, queued; the previous step's, read now (NOTE [flags read a step late]).
+        torchkit.read_back(late.push(step, step_values(cfg, net, optimizer, precision, losses)), epoch, steps, bar, lr)
         with optimizer.skip_synchronize():
             precision.step(optimizer)
-        torchkit.read_back(late.push(step, values), epoch, steps, bar, lr)  # the previous step's, checked now
         if vote.after_step() and step + 1 < steps:  # Horovod: every rank gets the same sum, so all stop here
             torchkit.read_back(late.drain(), epoch, steps, bar, lr)
             bar.close()

@@ -11,12 +11,12 @@ import pytest
 import torch
 from torch import nn
 
-from hvdtrain.train import checkpoint
+from hvdtrain.train import checkpoint, divergence
 from hvdtrain.train.config import parse_config
 from hvdtrain.train.metrics import MetricSums
 from hvdtrain.train.precision import MIN_SCALE, Precision, as_input, prepare_model
 from hvdtrain.train.stepflags import LateReads
-from hvdtrain.train.torchkit import forward_backward
+from hvdtrain.train.torchkit import forward_backward, step_vector
 from tests.harness import REPO
 from tests.test_pytorch_recipe import checkpoint_state, file_digest, run_recipe
 
@@ -98,6 +98,16 @@ def test_step_values_are_read_one_step_late_in_order_and_all_of_them_by_drain():
     assert [(k, row.tolist()) for k, row in now.push(7, torch.tensor(True))] == [(7, [1.0])]
     with pytest.raises(ValueError, match="expected 1 values, got a tensor of shape \\(2,\\)"):
         now.push(8, torch.zeros(2))
+
+
+def test_a_short_last_batch_with_fewer_backward_passes_keeps_the_step_vector_width():
+    """backward_passes_per_step 4, a last batch of 3 samples: 3 passes; the vector repeats the last loss, so it keeps
+    its width for LateReads and `divergence.worst` reads the same loss as from the 3."""
+    losses = [torch.tensor(0.5), torch.tensor(float("nan")), torch.tensor(0.7)]
+    v = step_vector(torch.tensor(True), losses, width=5)
+    assert v.dtype == torch.float32 and v.shape == (5,) and v[0] == 1.0
+    assert math.isnan(divergence.worst(v[1:].tolist())) and v[1:].tolist()[-1] == pytest.approx(0.7)
+    assert step_vector(torch.tensor(False), [torch.tensor(0.25)], width=2).tolist() == [0.0, 0.25]
 
 
 def test_nonfinite_is_a_tensor_where_the_gradients_are_and_diverged_reads_it():

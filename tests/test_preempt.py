@@ -195,6 +195,17 @@ def test_ranks_vote_about_every_quarter_second_and_agree_on_the_interval_and_the
     assert [v._countdown for v in votes] == [1, 1]
 
 
+def test_fast_steps_vote_at_most_every_max_interval_steps(tmp_path):
+    """1 ms steps would fit 250 in 0.25 s: the interval stops at MAX_VOTE_INTERVAL, so a pace that slows after it was
+    agreed delays a stop by at most two such intervals."""
+    votes, _, clocks, _ = ranks(2, every_s=0.25)
+    for _ in range(300):
+        for rank in range(2):
+            clocks[rank].t += 0.001
+            votes[rank].after_step()
+    assert [v.interval for v in votes] == [preempt.MAX_VOTE_INTERVAL] * 2 == [50, 50]
+
+
 def test_mid_epoch_checkpoints_sort_between_epochs_and_check_their_step(tmp_path):
     for epoch, step in ((1, 0), (1, 150), (0, 7), (2, 0)):
         checkpoint.save(tmp_path, epoch, {"x": 1}, lambda s, f: torch.save(s, f), keep=10, step=step)

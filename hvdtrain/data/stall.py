@@ -37,8 +37,9 @@ class StallMeter:
         self._inside = 0.0  # the step's waits for data inside it (`wait_inside`)
 
     def wait_inside(self, fetch: Callable[[], object]) -> None:
-        """Call `fetch` in the middle of a step (e.g. DevicePrefetcher.ahead: the next batch fetched while the GPU
-        computes) and count the time it takes as the step's wait for data, next to the wait in `next()`."""
+        """Call `fetch` in the middle of a step of `wrap()` (e.g. DevicePrefetcher.ahead: the next batch fetched
+        while the GPU computes) and count the time it takes as that step's wait for data, next to the wait in
+        `next()` (steps given to `record()` directly do not include it)."""
         t0 = time.perf_counter()
         try:
             fetch()

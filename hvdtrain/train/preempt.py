@@ -17,10 +17,12 @@ NOTE [stop requests]
   rank. So all of them leave the loop at the same boundary, at the vote after the one that carried the first
   rank's flag; the allreduce rides along with the steps in between and reading it waits for nothing else.
 - How often: a vote is one more collective, so the ranks vote about every VOTE_EVERY_S (0.25 s), not every step.
-  Each vote also carries each rank's proposal for the steps until the next one (the steps that fit in 0.25 s at
-  the pace since its last vote) and the maximum becomes the interval: every rank gets the same one, so every rank
-  votes, and stops, at the same step. Every step when steps take longer than that; a stop comes within about two
-  intervals (0.5 s) and a step. An epoch's first step always votes.
+  Each vote also carries each rank's proposed interval (the steps that fit in 0.25 s at its pace since its last
+  vote, at most MAX_VOTE_INTERVAL); the maximum, read at the following vote, is the interval from then on: every
+  rank gets the same one, so every rank votes, and stops, at the same step. Every step when steps take longer than
+  0.25 s. A stop comes within about two intervals and a step at a steady pace (~0.5 s); a step pace that slows
+  after the interval was agreed stretches that to at most 2 x MAX_VOTE_INTERVAL steps. An epoch's first step
+  always votes.
 - After an epoch's validation and checkpoint one more (blocking) vote stops a request heard during validation right
   there.
 - The Python handlers only set a flag; what a stop writes and prints happens in the training loop, at the
@@ -59,7 +61,7 @@ POLL_S = 0.5  # how often a rank looks for the launcher's stop file
 SIGTERM_GRACE_S = 4.0  # the default --sigterm-grace: under horovodrun's 5 s between its SIGTERM and SIGKILL
 SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 VOTE_EVERY_S = 0.25  # the ranks vote on a stop about this often (every step when a step takes longer)
-MAX_VOTE_INTERVAL = 10_000  # steps
+MAX_VOTE_INTERVAL = 50  # steps: a slowdown after the interval was agreed delays a stop by at most 2 x 50 steps
 
 _active: StopRequest | None = None  # the installed request, for entry.exit_with (died_of_sigterm)
 

@@ -177,6 +177,13 @@ def forward_backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor, chunks:
     return losses
 
 
+def step_vector(bad: torch.Tensor, losses: list[torch.Tensor], width: int) -> torch.Tensor:
+    """[diverged, each backward pass's loss] as `width` float32 values on the losses' device (nothing waits): a
+    short last batch splits into fewer passes, so the last loss is repeated (`divergence.worst` reads the same)."""
+    padded = [*losses, *[losses[-1]] * (width - 1 - len(losses))]
+    return torch.stack([bad.to(losses[0].device, torch.float32), *(v.float() for v in padded)])
+
+
 def read_back(rows: list[tuple[int, np.ndarray]], epoch: int, steps: int, bar: Any, lr: float) -> None:
     """The values of earlier steps, read now (NOTE [flags read a step late] in stepflags.py): stop at
     a diverged step (exit 3, every rank at the same one), else show the loss on rank 0's progress bar."""
