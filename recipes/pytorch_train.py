@@ -188,7 +188,7 @@ def train_epoch(cfg: Config, epoch: int, epochs: int, net: nn.Module, optimizer:
         torchkit.read_back(late.push(step, step_values(cfg, net, optimizer, precision, losses)), epoch, steps, bar, lr)
         with optimizer.skip_synchronize():
             precision.step(optimizer)
-        if vote.after_step() and step + 1 < steps:  # Horovod: every rank gets the same sum, so all stop here
+        if vote.after_step() and step + 1 < steps:  # Horovod: every rank gets the same maximum, so all stop here
             torchkit.read_back(late.drain(), epoch, steps, bar, lr)
             bar.close()
             return step + 1
