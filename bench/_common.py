@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import socket
+import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -112,3 +117,30 @@ def _owned_by_live_stranger(segment: str, my_pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def watch_run(argv: list[str], on_line: Callable[[str, float], None], *, timeout_s: float,
+              cwd: Path | None = None) -> tuple[int, list[str]]:
+    """Run `argv` in a new session, calling `on_line(line, seconds since the start)` for each line of its output
+    (stdout and stderr); wait up to `timeout_s` for it to exit, then kill its whole process group. Returns (exit
+    code, the lines)."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            start_new_session=True, cwd=cwd)
+    lines: list[str] = []
+
+    def read() -> None:
+        for raw in proc.stdout:  # type: ignore[union-attr]
+            lines.append(raw.decode(errors="replace").rstrip("\n"))
+            on_line(lines[-1], time.perf_counter() - start)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        code = proc.wait(timeout=timeout_s)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        reader.join(timeout=10)
+    return code, lines

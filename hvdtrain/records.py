@@ -17,6 +17,7 @@ is created on other hosts. Only the standard library is imported here: this runs
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import time
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 ENV = "HVDTRAIN_RECORDS"
+LAUNCHED_ENV = "HVDTRAIN_LAUNCHED_AT"  # when `hvdtrain run` started (seconds since the epoch): the ranks' startup clock
 STOP_FILE = "stop-requested"  # `hvdtrain run` creates it on SIGUSR1: the recipes checkpoint and exit (preempt.py)
 TRACEBACK_CHARS = 8000  # the end of a long traceback is the part that names the error
 
@@ -76,6 +78,28 @@ def directory(env: Mapping[str, str] = os.environ) -> Path | None:
     """Where this rank writes its records, or None (not started by `hvdtrain run`, or the directory is not here)."""
     path = env.get(ENV)
     return Path(path) if path and os.path.isdir(path) else None
+
+
+def launched_at(env: Mapping[str, str] = os.environ) -> float | None:
+    """When the `hvdtrain run` that started this rank started (time.time()), or None (started some other way)."""
+    try:
+        value = float(env.get(LAUNCHED_ENV, ""))
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
+
+
+def process_started(pid: int | None = None) -> float | None:
+    """When process `pid` (default: this one) started, on time.time()'s clock: its start tick in /proc against
+    CLOCK_BOOTTIME, exact to a clock tick (psutil's create_time() can be up to a second off: it adds whole-second
+    boot time); None where /proc cannot tell."""
+    try:
+        with open(f"/proc/{pid or os.getpid()}/stat") as f:
+            after_name = f.read().rsplit(")", 1)[1].split()  # the name may hold spaces and ')'; field 3 comes next
+        started = int(after_name[19]) / os.sysconf("SC_CLK_TCK")  # field 22: start time, in ticks since boot
+        return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - started)
+    except (OSError, IndexError, ValueError, AttributeError):  # no /proc, or no CLOCK_BOOTTIME (not Linux)
+        return None
 
 
 def request_stop(where: Path) -> None:

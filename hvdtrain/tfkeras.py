@@ -19,13 +19,41 @@ tf.keras's own backend (0.28.1 bound `from keras import backend`, Keras 3's even
 `get_value`, so `LearningRateWarmupCallback` failed). tests/test_horovod_keras.py runs both paths.
 
 `keras_verdict()` is the pure decision (no TensorFlow needed), shared with `hvdtrain doctor`.
+`startup_lines_filtered()` keeps TensorFlow's start-up lines off the console:
+
+NOTE [TensorFlow start-up lines]
+TensorFlow (2.21) logs through absl before anything calls absl::InitializeLog(), and until then absl writes every
+message to file descriptor 2 whatever TF_CPP_MIN_LOG_LEVEL says (only TensorFlow's own logging reads it): the
+banner "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR", then, twice per
+import, "I... port.cc] oneDNN custom operations are on ..." and "I... cudart_stub.cc] Could not find cuda
+drivers ...", and, at the first device query on a machine without NVIDIA's driver, the ERROR "E...
+cuda_platform.cc] failed call to cuInit". No setting turns them off (absl's --minloglevel is a flag of C++
+programs). So while TensorFlow is imported and first lists its devices, fd 2 is a pipe into a small filter
+process (`filter_main`) that copies each line to the real stderr unless TF_CPP_MIN_LOG_LEVEL (read then) says
+TensorFlow would not print it:
+- level 0 (TensorFlow's default): every line passes (and no filter runs);
+- level >= 1: the banner and absl INFO lines are dropped, and the cuInit error where no NVIDIA device node exists
+  (/dev/nvidiactl: there it only says that there is no GPU); level >= 2 drops absl warnings, >= 3 errors; FATAL
+  lines always pass.
+Everything else (TensorFlow's warnings, Python's own output, a traceback) passes, in order. A process, not a
+thread: TensorFlow's C++ start-up writes while holding the GIL, so a thread could not copy anything until it
+returned — a write larger than the pipe would block for ever, and a FATAL line followed by abort() would be lost.
+The filter ignores the job's stop signals and ends when every writer has closed the pipe: after a crash it still
+passes on the last lines. fd 2 is restored when the block ends, however it ends, and the caller waits up to
+FILTER_WAIT_S for the filter to copy what is left; a process started inside the block that still holds the pipe
+keeps the filter (not the caller) until it ends. Without a stderr (closed, None) nothing is filtered.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
+import re
+import signal
+import subprocess
 import sys
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -108,12 +136,16 @@ def _dist_version(package: str) -> str:
 
 def import_tensorflow() -> Any:
     """`import tensorflow`, checked: tf.keras must be Keras 2, else KerasVersionError with the fix. Selecting
-    Keras 2 (TF_USE_LEGACY_KERAS=1 before TensorFlow is imported) is the caller's entry point's job."""
+    Keras 2 (TF_USE_LEGACY_KERAS=1 before TensorFlow is imported) is the caller's entry point's job, as is
+    TF_CPP_MIN_LOG_LEVEL: its start-up lines are filtered by that level (`startup_lines_filtered`)."""
     if importlib.util.find_spec("tensorflow") is None:
         raise KerasVersionError("TensorFlow is not installed; fix: pip install tensorflow-cpu (or tensorflow) "
                                 "and the matching tf-keras, then rebuild Horovod with scripts/setup.sh")
     imported_before = "tensorflow" in sys.modules
-    import tensorflow as tf
+    with startup_lines_filtered():  # NOTE [TensorFlow start-up lines]
+        import tensorflow as tf
+
+        tf.config.list_physical_devices("GPU")  # where a machine without NVIDIA's driver logs its cuInit error
 
     value = os.environ.get(LEGACY_ENV)
     verdict = keras_verdict(keras_info(tf), value)
@@ -123,3 +155,105 @@ def import_tensorflow() -> Any:
     if verdict:
         raise KerasVersionError(verdict)
     return tf
+
+
+LEVEL_ENV = "TF_CPP_MIN_LOG_LEVEL"
+BANNER = "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR"
+ABSL_LINE = re.compile(r"([IWEF])\d{4} \d\d:\d\d:\d+\.\d+ +\d+ \S+:\d+\] ")  # absl's prefix: severity, date, ...
+NO_GPU_ERRORS = ("failed call to cuInit",)  # what a machine without NVIDIA's driver logs as an error
+DRIVER_NODE = "/dev/nvidiactl"
+FILTER_WAIT_S = 5.0  # at the block's end, how long to wait for the filter to copy what is left
+SEVERITY = {"I": 0, "W": 1, "E": 2, "F": 3}  # TF_CPP_MIN_LOG_LEVEL's scale
+FILTER_MAIN = ("import sys; sys.path.insert(0, sys.argv[1]); from hvdtrain import tfkeras; "
+               "tfkeras.filter_main(sys.argv[2:])")
+
+
+def log_level(env: Mapping[str, str]) -> int:
+    """TF_CPP_MIN_LOG_LEVEL as TensorFlow reads it: 0 when unset or not a number."""
+    try:
+        return int(env.get(LEVEL_ENV, "0"))
+    except ValueError:
+        return 0
+
+
+def keeps(line: str, level: int, gpu_driver: bool) -> bool:
+    """Whether a start-up line reaches the console at this log level (see NOTE [TensorFlow start-up lines])."""
+    if level < 1:
+        return True
+    if line.startswith(BANNER):
+        return False
+    absl = ABSL_LINE.match(line)
+    if absl is None:
+        return True
+    severity = SEVERITY[absl.group(1)]
+    if severity == 2 and not gpu_driver and any(text in line for text in NO_GPU_ERRORS):
+        return False
+    return severity >= level or severity == 3
+
+
+def filter_main(argv: list[str]) -> None:
+    """The filter process (`python -c FILTER_MAIN ROOT LEVEL GPU_DRIVER`): its stdin's lines that `keeps` accepts
+    to its stdout, until every writer has closed the pipe. Signals that stop the job are ignored: it ends at the
+    pipe's end, so that it outlives a crashing writer long enough to pass on its last words."""
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_IGN)
+    level, gpu_driver = int(argv[0]), argv[1] == "1"
+    pending = b""
+    while chunk := os.read(0, 65536):
+        *lines, pending = (pending + chunk).split(b"\n")
+        _write(b"".join(line + b"\n" for line in lines if keeps(line.decode(errors="replace"), level, gpu_driver)))
+    if pending and keeps(pending.decode(errors="replace"), level, gpu_driver):
+        _write(pending)
+
+
+def _write(data: bytes) -> None:
+    """All of `data` to stdout; nothing when stdout is gone (the reading goes on: a writer never blocks)."""
+    with contextlib.suppress(OSError):
+        while data:
+            data = data[os.write(1, data):]
+
+
+@contextlib.contextmanager
+def startup_lines_filtered(env: Mapping[str, str] = os.environ) -> Iterator[None]:
+    """Run the block with fd 2 going through the filter process (NOTE [TensorFlow start-up lines]); at level 0, or
+    without a stderr to filter, the block runs as it is."""
+    level = log_level(env)
+    if level < 1 or sys.stderr is None:
+        yield
+        return
+    try:
+        saved = os.dup(2)
+    except OSError:  # fd 2 is closed: nothing to filter
+        yield
+        return
+    try:
+        sys.stderr.flush()
+        filtered = _start_filter(saved, level)
+    except (OSError, ValueError):
+        os.close(saved)
+        yield  # no filter (e.g. no process can be started): the lines pass as they would
+        return
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError, ValueError):
+            sys.stderr.flush()
+        os.dup2(saved, 2)  # the pipe's last write end here closes: the filter copies the rest, then ends
+        os.close(saved)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            filtered.wait(timeout=FILTER_WAIT_S)  # else a process started inside the block still holds the pipe
+
+
+def _start_filter(out_fd: int, level: int) -> subprocess.Popen[bytes]:
+    """The filter process reading a new pipe and writing to `out_fd`; fd 2 is that pipe's write end from now on."""
+    read_fd, write_fd = os.pipe()
+    try:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        proc = subprocess.Popen([sys.executable, "-c", FILTER_MAIN, root, str(level),
+                                 "1" if os.path.exists(DRIVER_NODE) else "0"],
+                                stdin=read_fd, stdout=out_fd, stderr=out_fd)
+        os.dup2(write_fd, 2)
+    finally:
+        os.close(read_fd)
+        os.close(write_fd)
+    return proc

@@ -18,7 +18,8 @@ recipes/pytorch_train.py (a directory, an MDS dataset root or its URL: the same 
 as the PyTorch recipes); re-running the same command resumes from the newest intact checkpoint. `--help` lists all.
 
 What each rank does, in order (Horovod's six Keras steps, plus resume):
- 0. Select Keras 2 (TF_USE_LEGACY_KERAS=1 unless set), import TensorFlow and horovod.tensorflow.keras.
+ 0. Select Keras 2 (TF_USE_LEGACY_KERAS=1 unless set), TensorFlow's log level (TF_CPP_MIN_LOG_LEVEL=1 unless
+    set: no INFO lines), import TensorFlow and horovod.tensorflow.keras.
  1. hvd.init(); pin one GPU per process (visible device = local rank, memory growth), or on CPU split the
     cores between the local ranks (tf.config.threading); rank 0 locks the run directory (a second job on it
     stops with exit 2, naming the holder).
@@ -244,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     # Horovod: horovod.tensorflow.keras needs Keras 2, and TF >= 2.16's tf.keras is Keras 3 (where DistributedOptimizer
     # silently does not average gradients) unless TF_USE_LEGACY_KERAS=1 is set before TensorFlow is imported.
     os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+    # TensorFlow's INFO lines (and its start-up lines: hvdtrain/tfkeras.py) stay off the console unless set.
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
     tf = import_tensorflow()  # checks that tf.keras is Keras 2 (tf_keras); else stops with the fix
     import horovod.tensorflow as hvd_tf  # broadcast_object / allgather_object
     import horovod.tensorflow.keras as hvd

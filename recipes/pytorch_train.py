@@ -32,6 +32,9 @@ What each rank does, in order:
     (allreduce) and validate; rank 0 alone writes the checkpoint (atomically, keeping the last K), TensorBoard
     scalars and the progress bar.
  6. Rank 0 writes <run-dir>/summary.json; every rank checks that the weights are identical everywhere.
+Rank 0 also says, at its first step, how long that step took to come and where the time went (from `hvdtrain
+run`'s start: the launcher, imports, hvd.init(), setup, data, model, logging, first batch, the step itself;
+summary.json's `startup`; hvdtrain/train/startup.py).
 Asked to stop (SIGUSR1 or SIGTERM to any rank; `hvdtrain run` given SIGUSR1, as a Slurm job is before its time
 limit) every rank stops after the same step, rank 0 checkpoints there (mid-epoch, with the loader's position and
 each rank's own state) and all exit 75; run the same command again to resume at that step.
@@ -62,6 +65,7 @@ from hvdtrain.train.metrics import History, MetricSums, build_summary, combine_s
 from hvdtrain.train.precision import Precision, prepare_model
 from hvdtrain.train.progress import progress_bar
 from hvdtrain.train.report import log, nothing_to_train, run_config, same_weights, versions
+from hvdtrain.train.startup import StartupClock
 from hvdtrain.train.stepflags import LateReads
 from hvdtrain.train.torchkit import (
     Meters,
@@ -291,7 +295,7 @@ def stop_line(request: preempt.StopRequest, path: str) -> str:
 
 def finish(cfg: Config, run_dir: Path, first: int, done: int, epochs: int, model: nn.Module, lr: float,
            splits: arrays.Splits, history: History, meters: Meters, samples: float, seconds: float,
-           writer: Any) -> None:
+           writer: Any, clock: StartupClock) -> None:
     """Every rank: compare the weights; rank 0: summary.json (`samples` trained in `seconds` in this run), or nothing
     if this run trained nothing."""
     rank, size, ckpt_dir = hvd.rank(), hvd.size(), run_dir / "checkpoints"
@@ -314,7 +318,8 @@ def finish(cfg: Config, run_dir: Path, first: int, done: int, epochs: int, model
     summary = build_summary(epochs_completed=done, epochs_total=epochs, history=history,
                             samples_per_sec=samples / seconds if seconds else math.nan,
                             stall=stall, config=config,
-                            extra={"world_size": size, "resumed_from_epoch": first, "weights_sha256_by_rank": digests})
+                            extra={"world_size": size, "resumed_from_epoch": first, "weights_sha256_by_rank": digests,
+                                   "startup": clock.report()})
     path = write_run_summary(run_dir, summary, meters.stall, cfg.stall_plot, size)
     newest, last = checkpoint.list_checkpoints(ckpt_dir), summary["val_accuracy"]
     print(f"done: {done}/{epochs} epochs, validation accuracy {'n/a' if last is None else format(last, '.2%')}\n"
@@ -324,9 +329,12 @@ def finish(cfg: Config, run_dir: Path, first: int, done: int, epochs: int, model
 
 
 def main(argv: list[str] | None = None) -> int:
+    clock = StartupClock.here()  # time to the first step and its parts, from `hvdtrain run`'s start (or this process's)
+    clock.mark("imports")
     cfg = parse_config(Config, argv, description=__doc__.split("\n\n")[0])
     # ---- 1. processes and devices
     hvd.init()  # Horovod: join the job; rank/size come from horovodrun (or mpirun).
+    clock.mark("rendezvous")
     # Asked to stop (SIGUSR1, SIGTERM, hvdtrain run's stop file) from now on: acted on at the first step boundary.
     request = preempt.StopRequest(records.directory(), sigterm_grace_s=cfg.sigterm_grace).install()
     rank, size = hvd.rank(), hvd.size()
@@ -339,10 +347,12 @@ def main(argv: list[str] | None = None) -> int:
     ckpt_dir = run_dir / "checkpoints"
     # Horovod: rank 0 alone writes the run directory and locks it; if another job holds it, every rank stops: exit 2.
     rundir.claim(run_dir, rank, lambda v: hvd.broadcast_object(v, root_rank=0, name="run_dir.lock"))
+    clock.mark("setup")
     # ---- 2. data: Horovod: each rank reads only its shard (with --scale-epochs-by-size, ceil(epochs / size)).
     splits = cfg.load_data()
     epochs = scaled_epochs(cfg.epochs, size, cfg.scale_epochs_by_size)
     loader = shard_loader(cfg, splits, rank, size, epochs, device)
+    clock.mark("data")
     # ---- 3. model, LR, optimizer
     model, net, precision = build_model(cfg, splits, device)
     # Horovod: scale the LR by the number of workers and the batches accumulated per allreduce (the effective batch).
@@ -369,11 +379,14 @@ def main(argv: list[str] | None = None) -> int:
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     # Horovod: fp16's loss scale too (NOTE [fp16 with Horovod]): every rank skips the same overflowing steps.
     precision.load_state_dict(hvd.broadcast_object(precision.state_dict(), root_rank=0, name="resume.precision"))
+    clock.mark("model")
     log(rank, start_line(cfg, where, splits, model, first, epochs, lr))
     # ---- 5. train and validate; checkpoint each epoch on rank 0
-    meters = Meters.on(device)  # the host's wait for data and, on a GPU, the GPU's idle gap, per step
+    meters = Meters.on(device, clock)  # the host's wait for data and, on a GPU, the GPU's idle gap, per step
     writer = tensorboard_writer(rank == 0 and cfg.tensorboard, run_dir)  # Horovod: TensorBoard on rank 0 only.
     vote = stop_vote(request)  # SIGUSR1/SIGTERM: checkpoint at the next step boundary, exit 75
+    clock.mark("logging")
+    clock.on_first_step = lambda c: log(rank, c.line())  # rank 0 says how long the first step took to come
     done, samples, seconds, stop = first, 0.0, 0.0, ""
     try:
         for epoch in range(first, epochs):
@@ -403,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
             print(stop_line(vote.request, stop), flush=True)
         return exitcodes.PREEMPTED
     # ---- 6. the end: identical weights everywhere; rank 0 writes summary.json
-    finish(cfg, run_dir, first, done, epochs, model, lr, splits, history, meters, samples, seconds, writer)
+    finish(cfg, run_dir, first, done, epochs, model, lr, splits, history, meters, samples, seconds, writer, clock)
     return 0
 
 

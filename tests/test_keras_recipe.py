@@ -33,7 +33,7 @@ pytestmark = [pytest.mark.slow,
 RECIPE = REPO / "recipes" / "keras_train.py"
 TIMEOUT = 300  # generous: other engineers run tests on the same 2 cores
 ARGS = ("--epochs", "2", "--warmup-epochs", "1", "--keep-checkpoints", "2", "--verbose", "0", "--lr-milestones", "2")
-ENV = {"TF_CPP_MIN_LOG_LEVEL": "2"}
+ENV: dict[str, str] = {}  # TF_CPP_MIN_LOG_LEVEL: the recipe's default (1)
 
 WRAPPER = r'''
 import json, os, runpy, sys
@@ -154,6 +154,17 @@ def test_gloo_two_ranks_learn_and_end_with_identical_weights(fresh):
     assert config["world"] == {"size": 2, "local_size": 2, "hosts": 1}
     assert set(config["versions"]) == {"hvdtrain", "horovod", "tensorflow", "tf_keras", "python"}
     assert "weights identical on all 2 ranks" in fresh.output
+
+
+def test_no_rank_prints_tensorflows_startup_lines(fresh):
+    """absl's banner, oneDNN and cudart INFO lines, the cuInit error of a machine without a GPU (NOTE [TensorFlow
+    start-up lines] in hvdtrain/tfkeras.py); plain horovodrun's build probe (not a rank) still prints them."""
+    ranks = [line for line in fresh.output.splitlines() if re.match(r"\[\d+\]<std(out|err)>:", line)]
+    noise = [line for line in ranks
+             if re.search(r"absl::InitializeLog|oneDNN|cudart|cpu_feature_guard|^\S+:I\d{4} ", line)]
+    assert ranks and not noise, noise
+    if not Path("/dev/nvidiactl").exists():
+        assert not [line for line in ranks if "cuInit" in line]
 
 
 def test_only_rank_0_writes_checkpoints_tensorboard_and_summary(fresh):

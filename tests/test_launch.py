@@ -21,7 +21,7 @@ from hvdtrain.launch.failures import RankFailure
 from tests.harness import BIN, REPO, expect_ok, route, run_bounded
 
 HVDTRAIN = str(BIN / "hvdtrain")
-HOROVODRUN = str(BIN / "horovodrun")
+HOROVODRUN = str(BIN / "hvdtrain-horovodrun")  # horovodrun without its build probe: hvdtrain.launch.hvdrun
 PY = sys.executable
 RECIPE = str(REPO / "recipes" / "pytorch_train.py")
 ELASTIC_RECIPE = str(REPO / "recipes" / "pytorch_elastic.py")
@@ -107,8 +107,7 @@ def test_shipped_jobs_validate_and_dry_run_to_the_pinned_argv(job, cache_env):
     assert shlex.split(lines[1]) == PINNED_DRY_RUNS[job]()
     assert lines[2] == "# environment added (forwarded to every rank)"
     keepalive = sorted(f"{k}={v}" for k, v in MPI_REMOTE_ENV.items())  # two_hosts.yaml: MPI across hosts
-    env = {"two_hosts.yaml": ["NCCL_DEBUG=WARN", *keepalive, "OMP_NUM_THREADS=4"],
-           "quickstart.yaml": ["TF_CPP_MIN_LOG_LEVEL=2"]}
+    env = {"two_hosts.yaml": ["NCCL_DEBUG=WARN", *keepalive, "OMP_NUM_THREADS=4"]}
     assert lines[3:] == env.get(job, ["(none)"])
 
 

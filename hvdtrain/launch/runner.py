@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import importlib.util
 import os
 import shlex
 import shutil
@@ -34,6 +35,7 @@ from hvdtrain.launch.stops import StopRequests
 
 GRACE_S = 20.0  # horovodrun itself gives ranks 5 s after SIGTERM, then 5 s more before SIGKILL
 POLL_S = 0.5
+HVDRUN = "hvdtrain-horovodrun"  # console script of hvdtrain.launch.hvdrun
 GUARD_MODULE = "hvdtrain.launch.lifeline"  # `python -m hvdtrain.launch.lifeline PGID`: see NOTE [no orphans]
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # each stops the whole job; exit 128 + N
 RECORDS_TMP = "hvdtrain-records-"  # the ranks' records without logs.dir: a temporary directory
@@ -78,7 +80,11 @@ def no_horovod(python: str, why: str) -> str:
 
 
 def check_rank_module(python: str) -> None:
-    """Every rank runs `python -m hvdtrain.rank`: say so before starting anything if `python` lacks hvdtrain."""
+    """Every rank runs `python -m hvdtrain.rank`: say so before starting anything if `python` lacks hvdtrain (not
+    asked of the interpreter running this, which has it: the same file in the same folder, a venv's included)."""
+    here = Path(sys.executable).absolute()
+    if Path(python).absolute().parent == here.parent and os.path.realpath(python) == os.path.realpath(here):
+        return
     try:
         proc = subprocess.run([python, "-c", f"import {RANK_MODULE}"], capture_output=True, text=True,
                               timeout=probe.PROBE_TIMEOUT_S, check=False, stdin=subprocess.DEVNULL)
@@ -92,8 +98,12 @@ def check_rank_module(python: str) -> None:
 
 
 def find_horovodrun() -> str:
-    """horovodrun next to this interpreter (the venv's), else the one on PATH."""
-    sibling = Path(sys.executable).parent / "horovodrun"
+    """What starts the ranks: hvdtrain-horovodrun next to this interpreter when it has Horovod (horovodrun without
+    its build probe: hvdtrain.launch.hvdrun), else horovodrun next to it (the venv's), else the one on PATH."""
+    here = Path(sys.executable).parent
+    if os.access(here / HVDRUN, os.X_OK) and importlib.util.find_spec("horovod") is not None:
+        return str(here / HVDRUN)
+    sibling = here / "horovodrun"
     if os.access(sibling, os.X_OK):
         return str(sibling)
     found = shutil.which("horovodrun")
@@ -356,7 +366,10 @@ def _supervise(plan: LaunchPlan, job: _Job, timeout_s: float | None, ssh: Ssh, w
                     "started")
         return exitcodes.SIGNALLED + job.signum
     router.line(f"hvdtrain: starting {shlex.join(plan.argv)}")
-    proc = job.start(plan, {records.ENV: str(where)})
+    # The ranks' time to their first step counts from this process's start (hvdtrain.train.startup).
+    started = records.process_started()
+    launched = {} if started is None else {records.LAUNCHED_ENV: f"{started:.3f}"}
+    proc = job.start(plan, {records.ENV: str(where), **launched})
     reader = threading.Thread(target=pump, args=(proc.stdout, router), daemon=True)
     reader.start()
     deadline = time.monotonic() + timeout_s if timeout_s else None

@@ -12,6 +12,8 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import sys
+import types
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -32,6 +34,7 @@ from hvdtrain.train.lr import LRSchedule
 from hvdtrain.train.metrics import History, MetricSums, write_summary
 from hvdtrain.train.precision import PRECISIONS, Precision, as_input
 from hvdtrain.train.report import lr_text, wait_share
+from hvdtrain.train.startup import StartupClock
 
 MODEL_CHOICES = ("auto", "cnn", "mlp", "resnet")  # auto, and recipes/pytorch_models.py's MODELS (a test checks)
 CPU_CHANNELS_LAST = (
@@ -92,14 +95,17 @@ class Meters:
 
     stall: StallMeter
     idle: GpuIdleMeter
+    startup: StartupClock | None = None  # marks the first batch and the first step (hvdtrain.train.startup)
 
     @classmethod
-    def on(cls, device: torch.device) -> Meters:
-        return cls(StallMeter(), GpuIdleMeter(device))
+    def on(cls, device: torch.device, startup: StartupClock | None = None) -> Meters:
+        return cls(StallMeter(), GpuIdleMeter(device), startup)
 
     def wrap(self, loader: Any) -> Iterator[Any]:
-        """One epoch of `loader`'s batches, both meters timing each step (the idle meter innermost)."""
-        return self.idle.wrap(self.stall.wrap(loader))
+        """One epoch of `loader`'s batches, both meters timing each step (the idle meter innermost; the startup
+        clock, until the first step, outermost)."""
+        batches = self.idle.wrap(self.stall.wrap(loader))
+        return batches if self.startup is None or self.startup.done else self.startup.watch(batches)
 
     def ahead(self, loader: Any) -> None:
         """Mid-step, while the GPU computes: start the next batch's copy (DevicePrefetcher.ahead; other loaders:
@@ -319,13 +325,43 @@ def weights_digest(model: nn.Module) -> str:
     return h.hexdigest()
 
 
-def tensorboard_writer(enabled: bool, run_dir: Path) -> Any:
-    """A TensorBoard SummaryWriter under <run_dir>/tensorboard, or None."""
-    if not enabled:
-        return None
-    from torch.utils.tensorboard import SummaryWriter
+TENSORBOARD_NO_TF = "tensorboard.compat.notf"  # its presence makes TensorBoard use its own TF stub
 
-    return SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+
+def tensorboard_writer(enabled: bool, run_dir: Path) -> LazyWriter | None:
+    """A TensorBoard writer under <run_dir>/tensorboard, or None. It is made with the first scalar: importing
+    TensorBoard (~0.4 s) stays off the way to the first training step (hvdtrain/train/startup.py)."""
+    return LazyWriter(run_dir / "tensorboard") if enabled else None
+
+
+class LazyWriter:
+    """What the recipes use of TensorBoard's SummaryWriter (add_scalar, flush, close), the writer made on first use.
+
+    Without TensorFlow: TensorBoard's writer reads its file API from `tensorboard.compat.tf`, which imports
+    TensorFlow when it is installed (seconds, and TensorFlow's start-up lines in a PyTorch job) unless the marker
+    module `tensorboard.compat.notf` exists (TensorBoard's own switch, //tensorboard/compat:no_tensorflow); then it
+    uses its stub, which writes the same event files. A process that already imported TensorFlow keeps it."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self._writer: Any = None
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        if self._writer is None:
+            if "tensorflow" not in sys.modules:
+                sys.modules.setdefault(TENSORBOARD_NO_TF, types.ModuleType(TENSORBOARD_NO_TF))
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(log_dir=str(self.log_dir))
+        self._writer.add_scalar(tag, value, step)
+
+    def flush(self) -> None:
+        if self._writer is not None:
+            self._writer.flush()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
 
 
 def report_epoch(row: dict[str, float], epochs: int, writer: Any = None) -> None:
