@@ -138,6 +138,8 @@ def watch_run(argv: list[str], on_line: Callable[[str, float], None], *, timeout
     reader.start()
     try:
         code = proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise SystemExit(f"timed out after {timeout_s:g} s: {' '.join(argv)}\n" + "\n".join(lines)) from None
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)

@@ -38,10 +38,11 @@ TensorFlow would not print it:
 Everything else (TensorFlow's warnings, Python's own output, a traceback) passes, in order. A process, not a
 thread: TensorFlow's C++ start-up writes while holding the GIL, so a thread could not copy anything until it
 returned — a write larger than the pipe would block for ever, and a FATAL line followed by abort() would be lost.
-The filter ignores the job's stop signals and ends when every writer has closed the pipe: after a crash it still
-passes on the last lines. fd 2 is restored when the block ends, however it ends, and the caller waits up to
-FILTER_WAIT_S for the filter to copy what is left; a process started inside the block that still holds the pipe
-keeps the filter (not the caller) until it ends. Without a stderr (closed, None) nothing is filtered.
+The filter runs in a process group of its own (a Ctrl-C or a signal to the job's group misses it; it also ignores
+them) and ends when every writer has closed the pipe: after a crash it still passes on the last lines. fd 2 is
+restored when the block ends, however it ends, and the caller waits up to FILTER_WAIT_S for the filter to copy
+what is left; a process started inside the block that still holds the pipe makes the caller wait that long, then
+the filter ends with that process. Without a stderr (closed, None) nothing is filtered.
 """
 
 from __future__ import annotations
@@ -142,7 +143,7 @@ def import_tensorflow() -> Any:
         raise KerasVersionError("TensorFlow is not installed; fix: pip install tensorflow-cpu (or tensorflow) "
                                 "and the matching tf-keras, then rebuild Horovod with scripts/setup.sh")
     imported_before = "tensorflow" in sys.modules
-    with startup_lines_filtered():  # NOTE [TensorFlow start-up lines]
+    with contextlib.nullcontext() if imported_before else startup_lines_filtered():  # NOTE [TensorFlow start-up lines]
         import tensorflow as tf
 
         tf.config.list_physical_devices("GPU")  # where a machine without NVIDIA's driver logs its cuInit error
@@ -162,9 +163,10 @@ BANNER = "WARNING: All log messages before absl::InitializeLog() is called are w
 ABSL_LINE = re.compile(r"([IWEF])\d{4} \d\d:\d\d:\d+\.\d+ +\d+ \S+:\d+\] ")  # absl's prefix: severity, date, ...
 NO_GPU_ERRORS = ("failed call to cuInit",)  # what a machine without NVIDIA's driver logs as an error
 DRIVER_NODE = "/dev/nvidiactl"
-FILTER_WAIT_S = 5.0  # at the block's end, how long to wait for the filter to copy what is left
+FILTER_WAIT_S = 2.0  # at the block's end, how long to wait for the filter to copy what is left
+_LINGERING: list[subprocess.Popen[bytes]] = []  # filters that outlived their block (NOTE [TensorFlow start-up lines])
 SEVERITY = {"I": 0, "W": 1, "E": 2, "F": 3}  # TF_CPP_MIN_LOG_LEVEL's scale
-FILTER_MAIN = ("import sys; sys.path.insert(0, sys.argv[1]); from hvdtrain import tfkeras; "
+FILTER_MAIN = ("import sys; sys.path.append(sys.argv[1]); from hvdtrain import tfkeras; "
                "tfkeras.filter_main(sys.argv[2:])")
 
 
@@ -217,22 +219,11 @@ def _write(data: bytes) -> None:
 def startup_lines_filtered(env: Mapping[str, str] = os.environ) -> Iterator[None]:
     """Run the block with fd 2 going through the filter process (NOTE [TensorFlow start-up lines]); at level 0, or
     without a stderr to filter, the block runs as it is."""
-    level = log_level(env)
-    if level < 1 or sys.stderr is None:
+    started = _filter_stderr(log_level(env)) if sys.stderr is not None else None
+    if started is None:
         yield
         return
-    try:
-        saved = os.dup(2)
-    except OSError:  # fd 2 is closed: nothing to filter
-        yield
-        return
-    try:
-        sys.stderr.flush()
-        filtered = _start_filter(saved, level)
-    except (OSError, ValueError):
-        os.close(saved)
-        yield  # no filter (e.g. no process can be started): the lines pass as they would
-        return
+    saved, filtered = started
     try:
         yield
     finally:
@@ -240,8 +231,27 @@ def startup_lines_filtered(env: Mapping[str, str] = os.environ) -> Iterator[None
             sys.stderr.flush()
         os.dup2(saved, 2)  # the pipe's last write end here closes: the filter copies the rest, then ends
         os.close(saved)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            filtered.wait(timeout=FILTER_WAIT_S)  # else a process started inside the block still holds the pipe
+        try:
+            filtered.wait(timeout=FILTER_WAIT_S)
+        except subprocess.TimeoutExpired:  # a process started inside the block still holds the pipe
+            _LINGERING.append(filtered)  # it ends with that process; kept here so that it is reaped, not warned of
+
+
+def _filter_stderr(level: int) -> tuple[int, subprocess.Popen[bytes]] | None:
+    """(a copy of the real fd 2, the filter process), fd 2 now the filter's pipe; None when nothing is to be
+    filtered (level 0) or cannot be (fd 2 closed, no process can be started): the lines then pass as they would."""
+    if level < 1:
+        return None
+    try:
+        saved = os.dup(2)
+    except OSError:
+        return None
+    try:
+        sys.stderr.flush()
+        return saved, _start_filter(saved, level)
+    except (OSError, ValueError):
+        os.close(saved)
+        return None
 
 
 def _start_filter(out_fd: int, level: int) -> subprocess.Popen[bytes]:
@@ -251,7 +261,7 @@ def _start_filter(out_fd: int, level: int) -> subprocess.Popen[bytes]:
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         proc = subprocess.Popen([sys.executable, "-c", FILTER_MAIN, root, str(level),
                                  "1" if os.path.exists(DRIVER_NODE) else "0"],
-                                stdin=read_fd, stdout=out_fd, stderr=out_fd)
+                                stdin=read_fd, stdout=out_fd, stderr=out_fd, process_group=0)
         os.dup2(write_fd, 2)
     finally:
         os.close(read_fd)

@@ -115,7 +115,7 @@ def _digits_file() -> tuple[np.ndarray, np.ndarray]:
 
         bunch = load_digits()
         return bunch.images, bunch.target
-    with gzip.open(path, "rt") as f:
+    with gzip.open(path, "rt", encoding="utf-8") as f:
         data = np.loadtxt(f, delimiter=",")
     return data[:, :-1].reshape(-1, 8, 8), data[:, -1].astype(int)
 

@@ -83,7 +83,7 @@ def check_rank_module(python: str) -> None:
     """Every rank runs `python -m hvdtrain.rank`: say so before starting anything if `python` lacks hvdtrain (not
     asked of the interpreter running this, which has it: the same file in the same folder, a venv's included)."""
     here = Path(sys.executable).absolute()
-    if Path(python).absolute().parent == here.parent and os.path.realpath(python) == os.path.realpath(here):
+    if "/" in python and Path(python).parent == here.parent and os.path.realpath(python) == os.path.realpath(here):
         return
     try:
         proc = subprocess.run([python, "-c", f"import {RANK_MODULE}"], capture_output=True, text=True,

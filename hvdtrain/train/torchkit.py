@@ -10,6 +10,7 @@ size, a reduction).
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import math
 import os
 import sys
@@ -330,8 +331,14 @@ TENSORBOARD_NO_TF = "tensorboard.compat.notf"  # its presence makes TensorBoard 
 
 def tensorboard_writer(enabled: bool, run_dir: Path) -> LazyWriter | None:
     """A TensorBoard writer under <run_dir>/tensorboard, or None. It is made with the first scalar: importing
-    TensorBoard (~0.4 s) stays off the way to the first training step (hvdtrain/train/startup.py)."""
-    return LazyWriter(run_dir / "tensorboard") if enabled else None
+    TensorBoard (~0.4 s) stays off the way to the first training step (hvdtrain/train/startup.py); what would stop
+    it then (TensorBoard not installed, the directory not writable) stops the run now, before any training."""
+    if not enabled:
+        return None
+    if importlib.util.find_spec("tensorboard") is None:
+        raise ImportError("TensorBoard is not installed (pip install tensorboard), or pass --no-tensorboard")
+    (run_dir / "tensorboard").mkdir(parents=True, exist_ok=True)
+    return LazyWriter(run_dir / "tensorboard")
 
 
 class LazyWriter:
