@@ -68,7 +68,15 @@ env:
   NOTE: "{nasty}"
 horovod:
   fusion_threshold_mb: 64
+kubernetes:
+  image: reg.example/hvd:1
+  run_volume: runs-pvc
+  shm_size: 8Gi
 """.format(nasty=NASTY.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n"))
+
+
+# What render k8s needs besides the job (a spec for both targets: `hvdtrain run` and Slurm do not read it).
+K8S = "kubernetes: {image: reg.example/hvd:1, run_volume: runs-pvc, shm_size: 1Gi}\n"
 
 
 def cluster(**kw) -> ClusterOptions:
@@ -93,7 +101,7 @@ def test_mpijob_validates_against_the_crd_schema(tmp_path, validator):
 
 def test_mpijob_layout_gpus_env_and_command(tmp_path):
     spec = load_for_cluster(write_spec(tmp_path, SPEC), "/opt/hvdtrain/jobs")
-    obj = mpijob(spec, cluster(), K8sOptions(image="reg.example/hvd:1"))
+    obj = mpijob(spec, cluster(), K8sOptions())
     replicas = obj["spec"]["mpiReplicaSpecs"]
     launcher = replicas["Launcher"]["template"]["spec"]["containers"][0]
     worker = replicas["Worker"]["template"]["spec"]["containers"][0]
@@ -104,17 +112,23 @@ def test_mpijob_layout_gpus_env_and_command(tmp_path):
     assert launcher["image"] == worker["image"] == "reg.example/hvd:1"
     assert worker["command"] == ["/usr/local/bin/hvdtrain-entrypoint", "sshd"]
     assert launcher["env"] == [{"name": "NCCL_DEBUG", "value": "WARN"}, {"name": "NOTE", "value": NASTY}]
+    assert "env" not in worker  # ranks get the launcher's environment from horovodrun, not the sshd's
     # The same argv `hvdtrain run` builds, with the operator's hostfile in place of -H and the image's paths.
     expected = build_plan(spec.model_copy(update={"python": "/opt/hvdtrain/.venv/bin/python",
                                                   "ssh": spec.ssh.model_copy(update={"port": 2222})}),
-                          controller="mpi", horovodrun="/opt/hvdtrain/.venv/bin/horovodrun").argv
+                          controller="mpi", horovodrun="/opt/hvdtrain/.venv/bin/hvdtrain-horovodrun").argv
     at = expected.index("-H")
     expected[at:at + 2] = ["--hostfile", "/etc/mpi/hostfile"]
     assert launcher["command"] == expected
     assert launcher["command"][-7:] == ["/opt/hvdtrain/.venv/bin/python", "-m", "hvdtrain.rank",
                                         "/opt/hvdtrain/recipes/train.py",
                                         "--epochs", "3", "--note=two words"]
-    assert {"name": "dshm", "mountPath": "/dev/shm"} in worker["volumeMounts"]
+    assert worker["volumeMounts"] == [{"name": "dshm", "mountPath": "/dev/shm"}, {"name": "runs", "mountPath": "/runs"}]
+    assert launcher["volumeMounts"] == [{"name": "runs", "mountPath": "/runs"}] and launcher["workingDir"] == "/runs"
+    for pod in (replicas["Launcher"]["template"]["spec"], replicas["Worker"]["template"]["spec"]):
+        assert {"name": "runs", "persistentVolumeClaim": {"claimName": "runs-pvc"}} in pod["volumes"]
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "8Gi"}} in \
+        replicas["Worker"]["template"]["spec"]["volumes"]
 
 
 def test_schema_check_can_fail(tmp_path, validator):
@@ -132,7 +146,7 @@ def test_schema_check_can_fail(tmp_path, validator):
 
 
 def test_cpu_job_has_no_gpu_limit_and_default_layout_is_one_node(tmp_path, validator):
-    path = write_spec(tmp_path, "script: t.py\nnp: 3\n")
+    path = write_spec(tmp_path, "script: t.py\nnp: 3\n" + K8S)
     obj = yaml.safe_load(render_file("k8s", path, cluster(gpus_per_node=0), K8sOptions()))
     assert not list(validator.iter_errors(obj))
     worker = obj["spec"]["mpiReplicaSpecs"]["Worker"]
@@ -143,15 +157,22 @@ def test_cpu_job_has_no_gpu_limit_and_default_layout_is_one_node(tmp_path, valid
 @pytest.mark.parametrize("job", sorted(p.name for p in (ROOT / "jobs").glob("*.yaml")))
 def test_every_shipped_job_renders_valid(job, validator, tmp_path):
     spec_path = ROOT / "jobs" / job
-    if "elastic:" in spec_path.read_text():
+    data = yaml.safe_load(spec_path.read_text())
+    # A shipped job without a kubernetes section gets the image and the run volume from the render's options.
+    for_k8s = [] if "kubernetes" in data else ["kubernetes.image=reg.example/hvd:1", "kubernetes.run_volume=runs"]
+    if "elastic" in data:
         with pytest.raises(RenderError, match="elastic"):
-            render_file("k8s", spec_path, cluster(), K8sOptions())
-        return
-    obj = yaml.safe_load(render_file("k8s", spec_path, cluster(), K8sOptions()))
-    assert not list(validator.iter_errors(obj))
-    script = tmp_path / "job.sbatch"
-    script.write_text(render_file("slurm", spec_path, cluster(), SlurmOptions()))
-    subprocess.run(["bash", "-n", str(script)], check=True)
+            render_file("k8s", spec_path, cluster(), K8sOptions(), for_k8s)
+    elif "AWS_SECRET_ACCESS_KEY" in data.get("env", {}):  # its demo credentials: never written into a manifest
+        with pytest.raises(RenderError, match=r"env AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY: a credential would"):
+            render_file("k8s", spec_path, cluster(), K8sOptions(), for_k8s)
+    else:
+        obj = yaml.safe_load(render_file("k8s", spec_path, cluster(), K8sOptions(), for_k8s))
+        assert not list(validator.iter_errors(obj))
+    if "elastic" not in data:
+        script = tmp_path / "job.sbatch"
+        script.write_text(render_file("slurm", spec_path, cluster(), SlurmOptions()))
+        subprocess.run(["bash", "-n", str(script)], check=True)
 
 
 @pytest.mark.parametrize(("spec_text", "opts", "match"), [
@@ -274,7 +295,7 @@ def test_sbatch_srun_launcher_runs_hvdtrain_run_with_srun(tmp_path):
 def test_workdir_is_where_the_mpijob_launcher_starts(tmp_path):
     workdir = tmp_path / "work_dir"
     workdir.mkdir()
-    spec = f"script: ../recipes/train.py\nnp: 2\nhosts: a:1,b:1\nworkdir: '{workdir}'\n"
+    spec = f"script: ../recipes/train.py\nnp: 2\nhosts: a:1,b:1\nworkdir: '{workdir}'\n" + K8S
     obj = mpijob(load_for_cluster(write_spec(tmp_path, spec), "/opt/hvdtrain/jobs"), cluster(),
                  K8sOptions(image="reg.example/hvd:1"))
     launcher_container = obj["spec"]["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]["containers"][0]
@@ -360,7 +381,7 @@ def test_cli_prints_writes_and_exits_2_on_errors(tmp_path, capsys):
 
 @pytest.mark.parametrize("kind", ["k8s", "slurm"])
 def test_a_job_larger_than_one_hosts_slot_limit_renders(kind, tmp_path):
-    text = "script: ../recipes/train.py\nnp: 8192\nhosts: a:4096,b:4096\ncontroller: mpi\n"
+    text = "script: ../recipes/train.py\nnp: 8192\nhosts: a:4096,b:4096\ncontroller: mpi\n" + K8S
     opts = K8sOptions() if kind == "k8s" else SlurmOptions()
     rendered = render_file(kind, write_spec(tmp_path, text), cluster(), opts)
     assert "cluster-hosts" not in rendered

@@ -181,6 +181,81 @@ class Logs(_Model):
     _resolve = field_validator("dir")(resolve_path)
 
 
+# Kubernetes names: a DNS-1123 subdomain (Secrets, PersistentVolumeClaims) and label (namespaces); a Secret's key.
+K8S_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+K8S_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+SECRET_KEY = re.compile(r"[-._a-zA-Z0-9]{1,253}")
+# A Kubernetes quantity as the API server takes it (e.g. 16Gi, 512Mi, 2G).
+QUANTITY = re.compile(r"[0-9]+(\.[0-9]+)?([KMGTPE]i|[kMGTPE])?")
+
+
+def _matching(pattern: re.Pattern[str], what: str) -> AfterValidator:
+    def check(value: str | None) -> str | None:
+        if value is not None and (len(value) > 253 or not pattern.fullmatch(value)):
+            raise ValueError(f"not {what}")
+        return value
+    return AfterValidator(check)
+
+
+K8sName = Annotated[str, _matching(K8S_SUBDOMAIN, "a Kubernetes object name: lowercase letters, digits, '-' and '.', "
+                                                  "starting and ending with a letter or digit (e.g. s3-creds)")]
+
+
+class SecretRef(_Model):
+    """One key of a Secret in the job's namespace (`kubectl create secret generic NAME --from-literal=KEY=...`)."""
+
+    secret: K8sName = Field(description="The Secret's name.")
+    key: Annotated[str, _matching(SECRET_KEY, "a Secret key: letters, digits, '-', '_' and '.'")] = Field(
+        description="The key within the Secret.")
+
+
+def _image(value: str | None) -> str | None:
+    if value is not None and (not value or any(c.isspace() for c in value) or value.startswith("-")):
+        raise ValueError("not an image reference; write it as the cluster pulls it, e.g. "
+                         "registry.example.com/team/hvdtrain:gpu")
+    return value
+
+
+def _quantity(value: str) -> str:
+    if value != "auto" and not QUANTITY.fullmatch(value):
+        raise ValueError("expected 'auto' or a Kubernetes quantity such as 16Gi or 512Mi")
+    return value
+
+
+class Kubernetes(_Model):
+    """What `hvdtrain render k8s` needs beyond the job itself: the image, the run volume, Secrets, /dev/shm.
+    `hvdtrain run` does not read this section."""
+
+    image: Annotated[str, AfterValidator(_image)] | None = Field(
+        None, description="Image the launcher and worker pods run, as the cluster pulls it (e.g. "
+                          "registry.example.com/team/hvdtrain:gpu): docker/Dockerfile built and pushed to your "
+                          "registry. Required by `hvdtrain render k8s`.")
+    pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
+        "IfNotPresent", description="The pods' imagePullPolicy: Always, IfNotPresent or Never.")
+    namespace: Annotated[str, _matching(K8S_LABEL, "a namespace name: 1-63 lowercase letters, digits and '-'")] \
+        | None = Field(None, description="Namespace of the MPIJob (default: kubectl's current one).")
+    run_volume: K8sName | None = Field(
+        None, description="PersistentVolumeClaim mounted at run_mount on the launcher and every worker; the job runs "
+                          "there, so the recipes' relative --run-dir (checkpoints, summary.json) outlives the pods. "
+                          "Required by `hvdtrain render k8s`; create it first (ReadWriteMany for several workers).")
+    run_mount: Annotated[str, AfterValidator(lambda v: _shell_safe(_absolute(v)))] = Field(
+        "/runs", description="Where run_volume is mounted in every pod, an absolute path; the job's working "
+                             "directory unless workdir is set.")
+    secret_env: dict[EnvName, SecretRef] = Field(
+        default_factory=dict, description="Environment variables read from Secrets (NAME: {secret: ..., key: ...}), "
+                                          "e.g. AWS_SECRET_ACCESS_KEY: never written into the manifest.")
+    shm_size: Annotated[str, AfterValidator(_quantity)] = Field(
+        "auto", description="Size of each worker's /dev/shm (a memory-backed emptyDir): a quantity such as 16Gi, or "
+                            "'auto': what the shipped recipes' loaders need for the ranks of one worker, with NCCL's "
+                            "share on GPU jobs.")
+
+
+def _absolute(value: str) -> str:
+    if not value.startswith("/"):
+        raise ValueError("expected an absolute path, e.g. /runs")
+    return value
+
+
 class JobSpec(_Model):
     """One Horovod job: what to run, where, and how. Every relative path is relative to the spec file."""
 
@@ -222,6 +297,8 @@ class JobSpec(_Model):
     horovod: HorovodKnobs = Field(default_factory=HorovodKnobs, description="Horovod runtime knobs.")
     elastic: Elastic | None = Field(None, description="Elastic training settings (Gloo only).")
     logs: Logs = Field(default_factory=Logs, description="Console echo and per-rank log files.")
+    kubernetes: Kubernetes = Field(
+        default_factory=Kubernetes, description="`hvdtrain render k8s` only: image, run volume, Secrets, /dev/shm.")
     extra_args: list[str] = Field(
         default_factory=list, description="Arguments passed to horovodrun verbatim, before the command, for "
                                           "what the spec does not model (e.g. ['--mpi-args=--map-by ppr:2:node']).")

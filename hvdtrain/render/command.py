@@ -47,10 +47,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
     p = targets.add_parser("k8s", help="Kubeflow MPI Operator MPIJob (kubeflow.org/v2beta1) YAML")
     _common_args(p)
-    p.add_argument("--image", default="hvdtrain:gpu", help="image built from docker/Dockerfile, as pods pull it")
-    p.add_argument("--namespace", help="namespace (default: kubectl's current one)")
-    p.add_argument("--pull-policy", default="IfNotPresent", choices=("Always", "IfNotPresent", "Never"))
-    p.add_argument("--shm-size", default="16Gi", help="size of each worker's /dev/shm (default 16Gi)")
+    p.add_argument("--image", help="image built from docker/Dockerfile, as the pods pull it (default: the spec's "
+                                   "kubernetes.image, which one of them must give)")
+    p.add_argument("--namespace", help="namespace (default: the spec's kubernetes.namespace, else kubectl's current)")
+    p.add_argument("--pull-policy", choices=("Always", "IfNotPresent", "Never"),
+                   help="default: the spec's kubernetes.pull_policy (IfNotPresent)")
+    p.add_argument("--shm-size", help="size of each worker's /dev/shm, e.g. 16Gi (default: the spec's "
+                                      "kubernetes.shm_size, auto: what the recipe's loaders need)")
     p.add_argument("--ssh-port", type=int, default=IMAGE_SSH_PORT,
                    help=f"the workers' sshd port when the spec's ssh.port is unset (default {IMAGE_SSH_PORT}, the "
                         "images' sshd)")

@@ -3,19 +3,29 @@
 The operator starts `nodes` worker pods and one launcher pod, puts an ssh key pair in /root/.ssh of each, and
 writes the workers' `host slots=N` lines to /etc/mpi/hostfile on the launcher. The workers run the image's sshd
 (`hvdtrain-entrypoint sshd`, port `--ssh-port`); the launcher runs the same horovodrun command `hvdtrain run`
-would, with `--hostfile /etc/mpi/hostfile` in place of `-H`. Horovod forwards the launcher's environment (the
-spec's `env`) to every rank.
+would (through `hvdtrain-horovodrun`), with `--hostfile /etc/mpi/hostfile` in place of `-H`.
+
+What the spec's `kubernetes` section gives (the render's --image, --namespace, --pull-policy and --shm-size override
+it): the image, which must be set; the PersistentVolumeClaim of the run directory, mounted on every pod and the
+job's working directory, which must be set too, so that checkpoints outlive the pods; credentials, as
+`valueFrom.secretKeyRef` on the launcher (an env value that looks like a credential is refused); each worker's
+/dev/shm, a memory-backed emptyDir sized from what its ranks' loaders need (`shmsize.py`). Horovod forwards the
+launcher's environment (the spec's `env` and those Secrets' values) to every rank: over ssh on the command line
+with Gloo, by name (`mpirun -x`) with MPI.
 """
 
 from __future__ import annotations
 
+import posixpath
 import re
 from dataclasses import dataclass
+from pathlib import PurePosixPath
 from typing import Any
 
 import yaml
+from pydantic import ValidationError
 
-from hvdtrain.job.model import JobSpec
+from hvdtrain.job.model import JobSpec, Kubernetes
 from hvdtrain.render.common import (
     IMAGE_PYTHON,
     IMAGE_SSH_PORT,
@@ -28,76 +38,162 @@ from hvdtrain.render.common import (
     ignored_keys,
     placement,
 )
+from hvdtrain.render.shmsize import RECIPES, ShmSize, shm_size
 
 API_VERSION = "kubeflow.org/v2beta1"
 OPERATOR_HOSTFILE = "/etc/mpi/hostfile"
 ENTRYPOINT = "/usr/local/bin/hvdtrain-entrypoint"
-# Kubernetes quantities, as the CRD's pattern allows (e.g. 16Gi, 500M).
-QUANTITY = r"^[0-9]+(\.[0-9]+)?([KMGTPE]i|[kMGTPE])?$"
+RUN_VOLUME = "runs"
+HVDTRAIN_HOROVODRUN = "hvdtrain-horovodrun"  # the image's hvdtrain console script (pyproject.toml)
+# Environment variable names that hold credentials, never written into a manifest as values: one containing these,
+# or with one of SECRET_WORDS between its underscores (HF_TOKEN, AWS_ACCESS_KEY_ID; not TOKENIZERS_PARALLELISM).
+SECRET_PART = re.compile(r"SECRET|PASSWORD|PASSWD|CREDENTIAL")
+SECRET_WORDS = frozenset({"TOKEN", "KEY", "APIKEY"})
+NOT_SECRET = re.compile(r"_(FILE|PATH|DIR)$|^GOOGLE_APPLICATION_CREDENTIALS$")  # paths to a credentials file
 
 
 @dataclass(frozen=True)
 class K8sOptions:
-    image: str = "hvdtrain:gpu"
+    """The render command's flags; None: the spec's `kubernetes` section (`--image X` is `-o kubernetes.image=X`)."""
+
+    image: str | None = None
     namespace: str | None = None
-    image_pull_policy: str = "IfNotPresent"
-    shm_size: str = "16Gi"
+    image_pull_policy: str | None = None
+    shm_size: str | None = None
     ssh_port: int = IMAGE_SSH_PORT  # the image's sshd, where the spec's ssh.port is unset
 
 
-def _check(opts: K8sOptions) -> None:
-    if not opts.image or any(c.isspace() for c in opts.image):
-        raise RenderError(f"--image {opts.image!r} is not an image reference; e.g. --image "
-                          "registry.example.com/hvdtrain:gpu (build it from docker/Dockerfile)")
-    if opts.image_pull_policy not in ("Always", "IfNotPresent", "Never"):
-        raise RenderError(f"--pull-policy {opts.image_pull_policy!r}: use Always, IfNotPresent or Never")
-    if not re.fullmatch(QUANTITY, opts.shm_size):
-        raise RenderError(f"--shm-size {opts.shm_size!r} is not a Kubernetes quantity; write e.g. 16Gi or 512Mi")
-    if opts.namespace is not None and not re.fullmatch(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?", opts.namespace):
-        raise RenderError(f"--namespace {opts.namespace!r} is not a Kubernetes namespace name: 1-63 lowercase "
-                          "letters, digits and '-', starting and ending with a letter or digit")
+def credential_names(spec: JobSpec) -> list[str]:
+    """The spec's env names that look like credentials (render k8s refuses to write their values)."""
+    def looks_secret(name: str) -> bool:
+        return bool(SECRET_PART.search(name) or SECRET_WORDS & set(name.split("_"))) and not NOT_SECRET.search(name)
+    return [name for name in spec.env if looks_secret(name.upper())]
 
 
-def _env(spec: JobSpec) -> list[dict[str, str]]:
-    return [{"name": name, "value": value} for name, value in spec.env.items()]
+def _check(spec: JobSpec) -> Kubernetes:
+    k8s = spec.kubernetes
+    if k8s.image is None:
+        raise RenderError("kubernetes.image is not set: the pods need an image the cluster can pull. Build "
+                          "docker/Dockerfile, push it to your registry and name it in the spec (kubernetes: {image: "
+                          "registry.example.com/team/hvdtrain:gpu}) or with --image")
+    if k8s.run_volume is None:
+        raise RenderError("kubernetes.run_volume is not set: without a PersistentVolumeClaim the run directory "
+                          "(checkpoints, summary.json) lives in a pod and is lost with it. Create a claim "
+                          "(ReadWriteMany for several workers) and name it (kubernetes: {run_volume: hvdtrain-runs}, "
+                          f"mounted at kubernetes.run_mount, {k8s.run_mount})")
+    secrets = credential_names(spec)
+    if secrets:
+        first = secrets[0]
+        raise RenderError(f"env {', '.join(secrets)}: a credential would be written into the manifest as plain text. "
+                          f"Put it in a Secret (kubectl create secret generic s3-creds --from-literal={first}=...) and "
+                          f"name it in the spec instead: kubernetes: {{secret_env: {{{first}: {{secret: s3-creds, key: "
+                          f"{first}}}}}}}, and remove it from env")
+    both = sorted(set(spec.env) & set(k8s.secret_env))
+    if both:
+        raise RenderError(f"{', '.join(both)}: both in env and in kubernetes.secret_env; keep one")
+    return k8s
 
 
-def _container(name: str, image: str, pull: str, command: list[str], env: list[dict[str, str]]) -> dict[str, Any]:
-    container: dict[str, Any] = {"name": name, "image": image, "imagePullPolicy": pull, "command": command}
+def _run_dir_problem(spec: JobSpec, cwd: str, mount: str) -> str | None:
+    """Why the recipe's --run-dir would not be on the run volume, or None."""
+    args = spec.args
+    values = [args[i + 1] for i, a in enumerate(args[:-1]) if a == "--run-dir"]
+    values += [a.split("=", 1)[1] for a in args if a.startswith("--run-dir=")]
+    run_dir = posixpath.normpath(posixpath.join(cwd, values[-1] if values else "runs"))
+    if run_dir == mount or run_dir.startswith(mount.rstrip("/") + "/"):
+        return None
+    return (f"the run directory {run_dir} is not on the run volume (kubernetes.run_mount {mount}), so its "
+            f"checkpoints would be lost with the pod: use a relative --run-dir, or one under {mount}"
+            + (", and a workdir under it (or none)" if spec.workdir else ""))
+
+
+def _env(spec: JobSpec) -> list[dict[str, Any]]:
+    env: list[dict[str, Any]] = [{"name": name, "value": value} for name, value in spec.env.items()]
+    env += [{"name": name, "valueFrom": {"secretKeyRef": {"name": ref.secret, "key": ref.key}}}
+            for name, ref in spec.kubernetes.secret_env.items()]
+    return env
+
+
+def _container(name: str, k8s: Kubernetes, command: list[str], env: list[dict[str, Any]]) -> dict[str, Any]:
+    container: dict[str, Any] = {"name": name, "image": k8s.image, "imagePullPolicy": k8s.pull_policy,
+                                 "command": command}
     if env:
         container["env"] = env
     return container
 
 
+def _run_volume(k8s: Kubernetes) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the pod's volume, the container's mount) of the run directory's claim."""
+    return ({"name": RUN_VOLUME, "persistentVolumeClaim": {"claimName": k8s.run_volume}},
+            {"name": RUN_VOLUME, "mountPath": k8s.run_mount})
+
+
 def _launcher(spec: JobSpec, cluster: ClusterOptions, opts: K8sOptions) -> dict[str, Any]:
-    argv, hosts_at = horovodrun_argv(spec, cluster.python or IMAGE_PYTHON, opts.ssh_port, cluster.controller)
+    python = cluster.python or IMAGE_PYTHON
+    argv, hosts_at = horovodrun_argv(spec, python, opts.ssh_port, cluster.controller)
+    # hvdtrain's horovodrun (the same code without its framework probe: hvdtrain/launch/hvdrun.py), in the image.
+    argv[0] = str(PurePosixPath(argv[0]).with_name(HVDTRAIN_HOROVODRUN))
     argv[hosts_at - 1: hosts_at + 1] = ["--hostfile", OPERATOR_HOSTFILE]
-    container = _container("launcher", opts.image, opts.image_pull_policy, argv, _env(spec))
-    if spec.workdir:
-        container["workingDir"] = spec.workdir  # horovodrun's ranks start in the same folder on the workers
-    return {"replicas": 1, "restartPolicy": "Never", "template": {"spec": {"containers": [container]}}}
+    k8s = spec.kubernetes
+    container = _container("launcher", k8s, argv, _env(spec))
+    # horovodrun starts the ranks in its own folder on the workers: the run volume, unless the spec says otherwise.
+    container["workingDir"] = spec.workdir or k8s.run_mount
+    volume, mount = _run_volume(k8s)
+    container["volumeMounts"] = [mount]
+    pod = {"containers": [container], "volumes": [volume]}
+    return {"replicas": 1, "restartPolicy": "Never", "template": {"spec": pod}}
 
 
-def _worker(spec: JobSpec, lay: Placement, opts: K8sOptions) -> dict[str, Any]:
-    container = _container("worker", opts.image, opts.image_pull_policy, [ENTRYPOINT, "sshd"], _env(spec))
+def _worker(spec: JobSpec, lay: Placement, shm: ShmSize) -> dict[str, Any]:
+    k8s = spec.kubernetes
+    container = _container("worker", k8s, [ENTRYPOINT, "sshd"], [])
     if lay.gpus_per_node:
         container["resources"] = {"limits": {"nvidia.com/gpu": lay.gpus_per_node}}
     # /dev/shm is 64 MiB in a pod by default: too small for NCCL and hvdtrain's shared-memory loader.
-    container["volumeMounts"] = [{"name": "dshm", "mountPath": "/dev/shm"}]
+    volume, mount = _run_volume(k8s)
+    container["volumeMounts"] = [{"name": "dshm", "mountPath": "/dev/shm"}, mount]
     pod = {"containers": [container],
-           "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": opts.shm_size}}]}
+           "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm.quantity}}, volume]}
     return {"replicas": lay.nodes, "restartPolicy": "Never", "template": {"spec": pod}}
+
+
+FLAGS = {"image": "--image", "namespace": "--namespace", "pull_policy": "--pull-policy", "shm_size": "--shm-size"}
+
+
+def with_flags(spec: JobSpec, opts: K8sOptions) -> JobSpec:
+    """The spec with the render command's --image, --namespace, --pull-policy and --shm-size in its `kubernetes`
+    section (checked as the spec's own values are)."""
+    given = {"image": opts.image, "namespace": opts.namespace, "pull_policy": opts.image_pull_policy,
+             "shm_size": opts.shm_size}
+    given = {key: value for key, value in given.items() if value is not None}
+    if not given:
+        return spec
+    try:
+        k8s = Kubernetes.model_validate({**spec.kubernetes.model_dump(), **given})
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        flag = FLAGS.get(str(err["loc"][0]), str(err["loc"][0]))
+        raise RenderError(f"{flag} {given.get(str(err['loc'][0]))!r}: {err['msg'].removeprefix('Value error, ')}"
+                          ) from None
+    return spec.model_copy(update={"kubernetes": k8s})
 
 
 def mpijob(spec: JobSpec, cluster: ClusterOptions, opts: K8sOptions | None = None) -> dict[str, Any]:
     """The MPIJob object for a loaded spec (see `render_k8s` for the YAML text)."""
     opts = opts or K8sOptions()
+    spec = with_flags(spec, opts)
     check_renderable(spec)
-    _check(opts)
     lay = placement(spec, cluster)
-    metadata: dict[str, Any] = {"name": check_name(cluster.name), "labels": {"app.kubernetes.io/name": "hvdtrain"}}
-    if opts.namespace:
-        metadata["namespace"] = opts.namespace
+    name = check_name(cluster.name)
+    k8s = _check(spec)
+    problem = _run_dir_problem(spec, spec.workdir or k8s.run_mount, k8s.run_mount) \
+        if PurePosixPath(spec.script).name in RECIPES else None
+    if problem:
+        raise RenderError(problem)
+    metadata: dict[str, Any] = {"name": name, "labels": {"app.kubernetes.io/name": "hvdtrain"}}
+    if k8s.namespace:
+        metadata["namespace"] = k8s.namespace
+    worker = _worker(spec, lay, shm_size(spec, lay.slots_per_node, lay.gpus_per_node))
     return {
         "apiVersion": API_VERSION,
         "kind": "MPIJob",
@@ -107,19 +203,25 @@ def mpijob(spec: JobSpec, cluster: ClusterOptions, opts: K8sOptions | None = Non
             "mpiImplementation": "OpenMPI",
             "sshAuthMountPath": "/root/.ssh",
             "runPolicy": {"cleanPodPolicy": "Running", "backoffLimit": 0},
-            "mpiReplicaSpecs": {"Launcher": _launcher(spec, cluster, opts), "Worker": _worker(spec, lay, opts)},
+            "mpiReplicaSpecs": {"Launcher": _launcher(spec, cluster, opts), "Worker": worker},
         },
     }
 
 
 def render_k8s(spec: JobSpec, cluster: ClusterOptions, opts: K8sOptions | None = None, *,
                source: str = "JOB.yaml") -> str:
-    """The MPIJob manifest as YAML text, with a header naming its source and what it leaves out."""
+    """The MPIJob manifest as YAML text, with a header naming its source, what it needs and what it leaves out."""
     obj = mpijob(spec, cluster, opts)
-    lay = placement(spec, cluster)
+    spec = with_flags(spec, opts or K8sOptions())
+    k8s, lay = spec.kubernetes, placement(spec, cluster)
+    shm = shm_size(spec, lay.slots_per_node, lay.gpus_per_node)
     header = [f"# Rendered by `hvdtrain render k8s {source}`: edit the job spec and render again.",
               f"# {spec.np} ranks = {lay.nodes} worker pod(s) x {lay.slots_per_node} slots, "
               f"{lay.gpus_per_node} GPU(s) per worker. Needs the Kubeflow MPI Operator (v2beta1 API).",
+              f"# Needs, in the job's namespace: the PersistentVolumeClaim {k8s.run_volume} (mounted at "
+              f"{k8s.run_mount}, the job's working directory)"
+              + "".join(f", the Secret {name}" for name in sorted({r.secret for r in k8s.secret_env.values()})) + ".",
+              f"# /dev/shm per worker: {shm.quantity} ({shm.why}); it counts against the pod's memory.",
               "# Submit: kubectl apply -f FILE; follow: kubectl logs -f job/<name>-launcher"]
     header += [f"# Not used here: {item}" for item in ignored_keys(spec)]
     return "\n".join(header) + "\n" + yaml.safe_dump(obj, sort_keys=False, default_flow_style=False, width=1000)

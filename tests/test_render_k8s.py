@@ -1,0 +1,238 @@
+"""hvdtrain render k8s, what a cluster needs: the image and run volume from the spec, credentials from Secrets
+only, /dev/shm sized from what the loaders need. Manifests are validated against the MPI Operator's CRD (strict,
+tests/test_render.py's validator) and each pod template against Kubernetes' own schema (kubernetes-validate, strict);
+the /dev/shm size is checked against the real loader in a private tmpfs of that size."""
+
+from __future__ import annotations
+
+import ast
+import copy
+import dataclasses
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from hvdtrain.cli import main
+from hvdtrain.render import ClusterOptions, K8sOptions, RenderError, render_file
+from hvdtrain.render.shmsize import PREFETCH, RECIPES, per_rank_bytes
+from hvdtrain.train.torchkit import TorchConfig
+from tests.harness import REPO
+from tests.test_render import validator  # noqa: F401  (the fixture: the CRD's schema, strict)
+
+K8S_VERSION = "1.33"  # a Kubernetes release kubernetes-validate carries the schemas of
+
+FULL = """\
+script: ../recipes/pytorch_train.py
+args: [--dataset, synthetic, --synthetic-shape, "3,224,224", --batch-size, "64", --num-workers, "4",
+       --run-dir, runs/resnet]
+np: 16
+hosts: a:8,b:8
+gpus_per_rank: 1
+env: {NCCL_DEBUG: WARN, AWS_ENDPOINT_URL: "https://s3.example.com", GOOGLE_APPLICATION_CREDENTIALS: /etc/gcp/k.json,
+      TOKENIZERS_PARALLELISM: "false", AWS_SHARED_CREDENTIALS_FILE: /etc/aws/credentials, KEYRING_BACKEND: none}
+kubernetes:
+  image: registry.example.com/team/hvdtrain:gpu
+  namespace: ml
+  run_volume: hvdtrain-runs
+  secret_env:
+    AWS_ACCESS_KEY_ID: {secret: s3-creds, key: access-key}
+    AWS_SECRET_ACCESS_KEY: {secret: s3-creds, key: secret-key}
+"""
+
+
+def render(tmp_path, text: str, opts: K8sOptions | None = None, overrides=()) -> dict:
+    path = tmp_path / "job.yaml"
+    path.write_text(text)
+    return yaml.safe_load(render_file("k8s", path, ClusterOptions(name="job"), opts or K8sOptions(), overrides))
+
+
+def pods(obj: dict) -> dict[str, dict]:
+    return {role: spec["template"]["spec"] for role, spec in obj["spec"]["mpiReplicaSpecs"].items()}
+
+
+def as_pod_template(pod: dict) -> dict:
+    return {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"}, "template": {"spec": pod}}
+
+
+def test_full_spec_is_valid_for_the_crd_and_for_kubernetes(tmp_path, validator):  # noqa: F811
+    obj = render(tmp_path, FULL)
+    assert not sorted(validator.iter_errors(obj), key=str)
+    for pod in pods(obj).values():
+        kubernetes_validate.validate(as_pod_template(pod), K8S_VERSION, strict=True)
+    # Kubernetes' schema can fail: a volume without its claim's name, a misspelt secretKeyRef.
+    broken = copy.deepcopy(pods(obj)["Launcher"])
+    broken["volumes"][0]["persistentVolumeClaim"] = {"readOnly": False}
+    broken["containers"][0]["env"][-1]["valueFrom"] = {"secretKeyRefs": {"name": "s3-creds", "key": "k"}}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(as_pod_template(broken), K8S_VERSION, strict=True)
+
+
+def test_image_run_volume_secrets_and_gpus_come_from_the_spec(tmp_path):
+    obj = render(tmp_path, FULL)
+    assert obj["metadata"]["namespace"] == "ml"
+    launcher, worker = pods(obj)["Launcher"], pods(obj)["Worker"]
+    for pod in (launcher, worker):
+        assert pod["containers"][0]["image"] == "registry.example.com/team/hvdtrain:gpu"
+        assert {"name": "runs", "persistentVolumeClaim": {"claimName": "hvdtrain-runs"}} in pod["volumes"]
+        assert {"name": "runs", "mountPath": "/runs"} in pod["containers"][0]["volumeMounts"]
+    container = launcher["containers"][0]
+    assert container["workingDir"] == "/runs"  # so the recipe's relative --run-dir is on the claim
+    assert container["command"][0] == "/opt/hvdtrain/.venv/bin/hvdtrain-horovodrun"
+    assert container["env"][-2:] == [
+        {"name": "AWS_ACCESS_KEY_ID", "valueFrom": {"secretKeyRef": {"name": "s3-creds", "key": "access-key"}}},
+        {"name": "AWS_SECRET_ACCESS_KEY", "valueFrom": {"secretKeyRef": {"name": "s3-creds", "key": "secret-key"}}}]
+    assert worker["containers"][0]["resources"] == {"limits": {"nvidia.com/gpu": 8}}
+    assert obj["spec"]["mpiReplicaSpecs"]["Worker"]["replicas"] == 2
+
+
+def test_flags_override_the_spec_and_are_checked_like_it(tmp_path):
+    obj = render(tmp_path, FULL, K8sOptions(image="other.example/hvd:2", namespace="team-b", image_pull_policy="Always",
+                                            shm_size="3Gi"))
+    worker = pods(obj)["Worker"]
+    assert worker["containers"][0]["image"] == "other.example/hvd:2"
+    assert worker["containers"][0]["imagePullPolicy"] == "Always" and obj["metadata"]["namespace"] == "team-b"
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "3Gi"}} in worker["volumes"]
+    with pytest.raises(RenderError, match=r"--pull-policy 'Sometimes': Input should be 'Always', 'IfNotPresent'"):
+        render(tmp_path, FULL, K8sOptions(image_pull_policy="Sometimes"))
+
+
+@pytest.mark.parametrize(("edit", "match"), [
+    (lambda t: t.replace("  image: registry.example.com/team/hvdtrain:gpu\n", ""),
+     r"kubernetes.image is not set: .*docker/Dockerfile.* or with --image"),
+    (lambda t: t.replace("  run_volume: hvdtrain-runs\n", ""),
+     r"kubernetes.run_volume is not set: without a PersistentVolumeClaim the run directory"),
+    (lambda t: t.replace("NCCL_DEBUG: WARN", "NCCL_DEBUG: WARN, HF_TOKEN: hf_abc, DB_PASSWORD: pw"),
+     r"env HF_TOKEN, DB_PASSWORD: a credential would be written into the manifest as plain text\. Put it in a "
+     r"Secret \(kubectl create secret generic s3-creds --from-literal=HF_TOKEN=\.\.\.\) .*secret_env"),
+    (lambda t: t.replace("NCCL_DEBUG: WARN", "NCCL_DEBUG: WARN, AWS_ACCESS_KEY_ID: AKIA"), r"env AWS_ACCESS_KEY_ID"),
+    (lambda t: t.replace("NCCL_DEBUG: WARN", "NCCL_DEBUG: WARN, WANDB_API_KEY: x, PGPASSWORD: y, SSH_KEY: z"),
+     r"env WANDB_API_KEY, PGPASSWORD, SSH_KEY: a credential"),
+    (lambda t: t.replace("runs/resnet", "/data/runs"),
+     r"the run directory /data/runs is not on the run volume \(kubernetes.run_mount /runs\)"),
+    (lambda t: t + "workdir: /opt/work\n", r"the run directory /opt/work/runs/resnet is not on the run volume.*"
+                                           r"and a workdir under it"),
+])
+def test_what_a_cluster_cannot_take_is_refused_with_the_fix(tmp_path, edit, match):
+    with pytest.raises(RenderError, match=match):
+        render(tmp_path, edit(FULL))
+
+
+def test_a_secret_value_never_reaches_the_manifest(tmp_path):
+    text = FULL.replace("NCCL_DEBUG: WARN", "NCCL_DEBUG: WARN, AWS_SESSION_TOKEN: sekrit-value")
+    path = tmp_path / "job.yaml"
+    path.write_text(text)
+    assert main(["render", "k8s", str(path), "--output", str(tmp_path / "out.yaml")]) == 2
+    assert not (tmp_path / "out.yaml").exists()
+    # In secret_env instead, only its name and key are written.
+    text = FULL.replace("    AWS_SECRET", "    AWS_SESSION_TOKEN: {secret: s3-creds, key: token}\n    AWS_SECRET")
+    path.write_text(text)
+    assert main(["render", "k8s", str(path), "--output", str(tmp_path / "out.yaml")]) == 0
+    out = (tmp_path / "out.yaml").read_text()
+    assert "sekrit" not in out and "secretKeyRef:\n" in out
+    assert "# Needs, in the job's namespace: the PersistentVolumeClaim hvdtrain-runs (mounted at /runs" in out
+    assert ", the Secret s3-creds." in out
+    both = FULL.replace("NCCL_DEBUG: WARN", "NCCL_DEBUG: WARN, AWS_ACCESS_KEY_ID: x")
+    with pytest.raises(RenderError, match="AWS_ACCESS_KEY_ID"):
+        render(tmp_path, both)
+
+
+@pytest.mark.parametrize(("value", "match"), [
+    ({"secret_env": {"A": {"secret": "Bad_Name", "key": "k"}}}, r"kubernetes.secret_env.A.secret"),
+    ({"run_mount": "runs"}, r"kubernetes.run_mount.*expected an absolute path"),
+    ({"shm_size": "big"}, r"kubernetes.shm_size.*'auto' or a Kubernetes quantity"),
+    ({"imag": "x"}, r"kubernetes.imag"),
+])
+def test_bad_kubernetes_section_names_the_key(tmp_path, value, match, capsys):
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump({"script": "t.py", "np": 2, "kubernetes": value}))
+    assert main(["validate", str(path)]) == 2
+    assert re.search(match, capsys.readouterr().err, re.S)
+
+
+def test_auto_shm_is_what_the_loaders_need(tmp_path):
+    worker = pods(render(tmp_path, FULL))["Worker"]
+    # 8 ranks x 2 x 4 workers x 3 slots x a 64-sample batch of 3x224x224 float32 + an int64 label, page-rounded:
+    batch = math.ceil(64 * (3 * 224 * 224 * 4 + 8) / 4096) * 4096
+    need_mib = 8 * 2 * 4 * 3 * batch / 2**20 + 256 + 1024  # + small segments + NCCL
+    size = worker["volumes"][0]["emptyDir"]["sizeLimit"]
+    assert size == f"{math.ceil(need_mib / 256) * 256}Mi" == "8448Mi"
+    # A CPU job (no NCCL share), digits by default, 2 ranks per pod: the small floor.
+    cpu = FULL.replace("gpus_per_rank: 1", "gpus_per_rank: 0").replace("np: 16\nhosts: a:8,b:8", "np: 2")
+    cpu = cpu.replace('--dataset, synthetic, --synthetic-shape, "3,224,224", ', "")
+    assert pods(render(tmp_path, cpu))["Worker"]["volumes"][0]["emptyDir"]["sizeLimit"] == "512Mi"
+
+
+@pytest.mark.parametrize(("edit", "match"), [
+    (lambda t: t.replace("--dataset, synthetic", "--dataset, s3://bucket/imagenet"),
+     r"the size of a --dataset s3://bucket/imagenet sample is in its files on the cluster: set "
+     r"kubernetes.shm_size .* \(here: 4 worker\(s\) x 3 slots x 64 samples per batch\)"),
+    (lambda t: t.replace("pytorch_train.py", "my_train.py"), r"my_train.py is not a shipped recipe"),
+    (lambda t: t.replace('"64"', '"many"'), r"the recipe's args do not parse"),
+])
+def test_auto_shm_that_cannot_be_known_asks_for_a_size(tmp_path, edit, match):
+    with pytest.raises(RenderError, match=match):
+        render(tmp_path, edit(FULL))
+    worker = pods(render(tmp_path, edit(FULL), overrides=["kubernetes.shm_size=24Gi"]))["Worker"]
+    assert worker["volumes"][0]["emptyDir"]["sizeLimit"] == "24Gi"
+
+
+def test_recipe_flag_defaults_match_the_recipes():
+    torch_defaults = {f.name: f.default for f in dataclasses.fields(TorchConfig)}
+    for name in ("pytorch_train.py", "pytorch_elastic.py"):
+        assert (RECIPES[name].batch_size, RECIPES[name].num_workers) == \
+            (torch_defaults["batch_size"], torch_defaults["num_workers"])
+    # The Keras recipe's Config, read from its source (importing it imports TensorFlow).
+    tree = ast.parse((REPO / "recipes" / "keras_train.py").read_text())
+    config = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Config")
+    defaults = {s.target.id: ast.literal_eval(s.value.args[0] if s.value.args else s.value.keywords[0].value)
+                for s in config.body if isinstance(s, ast.AnnAssign) and s.target.id in ("batch_size", "num_workers")}
+    assert defaults == {"batch_size": RECIPES["keras_train.py"].batch_size,
+                        "num_workers": RECIPES["keras_train.py"].num_workers}
+    import inspect
+
+    from hvdtrain.data import ShmLoader
+    assert inspect.signature(ShmLoader).parameters["prefetch"].default == PREFETCH
+
+
+# The recipe's loader (ShmLoader over arrays, fetch=arrays.take) for 2 epochs, the last 2 batches held as the
+# prefetcher holds them, in a /dev/shm of argv[1] bytes.
+LOADER = textwrap.dedent("""
+    import os, sys
+    from hvdtrain.data import ShmLoader, SharedMemoryFullError
+    from hvdtrain.datasets import arrays
+    splits = arrays.synthetic((3, 32, 32), 1024, seed=0)
+    held = []
+    try:
+        with ShmLoader(splits.train, rank=0, size=1, batch_size=64, num_workers=2, fetch=arrays.take,
+                       epochs=2, timeout=60) as loader:
+            for epoch in range(2):
+                loader.set_epoch(epoch)
+                for batch in loader:
+                    held = [*held[-1:], batch]
+        print("fits", flush=True)
+    except SharedMemoryFullError as exc:
+        print("full:", exc, flush=True)
+""")
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
+                    reason="needs root and unshare for a private /dev/shm")
+def test_the_auto_size_holds_the_real_loader():
+    need = per_rank_bytes(64, 3 * 32 * 32 * 4, 2)  # what auto counts for one such rank
+
+    def run(nbytes: int) -> str:
+        inner = f"mount -t tmpfs -o size={nbytes} hvdtrain-test /dev/shm && exec \"$0\" -c \"$1\""
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        return subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", inner, sys.executable,
+                               LOADER], capture_output=True, text=True, timeout=120, env=env,
+                              stdin=subprocess.DEVNULL).stdout
+    assert run(need).strip() == "fits"
+    assert run(need // 4).startswith("full:")  # the check can fail: a quarter of it does not hold the slots
