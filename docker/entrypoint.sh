@@ -2,6 +2,9 @@
 # hvdtrain container entrypoint (installed as /usr/local/bin/hvdtrain-entrypoint).
 #
 #   hvdtrain-entrypoint sshd [SSHD-ARGS...]   run the ssh server in the foreground: worker nodes, MPIJob workers
+#   hvdtrain-entrypoint wait-ssh HOSTFILE PORT SECONDS -- CMD [ARGS...]
+#                                             run CMD once every host of HOSTFILE ('host slots=N' lines) takes
+#                                             TCP connections on PORT; exit 1 after SECONDS (an MPIJob's launcher)
 #   hvdtrain-entrypoint CMD [ARGS...]         run CMD (default: bash)
 #
 # Host keys are made on first start, per container: they are never baked into the image, so two containers
@@ -22,11 +25,41 @@ start_sshd() {
   exec /usr/sbin/sshd -D -e "$@"
 }
 
+wait_ssh() {
+  if [[ $# -lt 5 || "$4" != "--" || ! "$2" =~ ^[0-9]+$ || ! "$3" =~ ^[0-9]+$ ]]; then
+    echo "hvdtrain-entrypoint: usage: wait-ssh HOSTFILE PORT SECONDS -- CMD [ARGS...]" >&2
+    exit 2
+  fi
+  local hostfile=$1 port=$2 limit=$3 host rest waited=0
+  shift 4
+  local deadline=$((SECONDS + limit))
+  while read -r host rest || [[ -n "$host" ]]; do
+    [[ -z "$host" || "$host" == \#* ]] && continue
+    # /dev/tcp/HOST/PORT: bash opens a TCP connection; the name resolves once the worker's pod has its address.
+    until timeout 3 bash -c 'exec 3<>"/dev/tcp/$1/$2"' _ "$host" "$port" 2>/dev/null; do
+      if (( SECONDS >= deadline )); then
+        echo "hvdtrain-entrypoint: $host:$port took no connection within $limit s: is the worker's pod running" \
+             "(kubectl get pods; kubectl describe pod for an image pull or scheduling problem)?" >&2
+        exit 1
+      fi
+      waited=1
+      sleep 1
+    done
+  done < "$hostfile"
+  if (( waited )); then
+    echo "hvdtrain-entrypoint: every host in $hostfile takes connections on port $port" >&2
+  fi
+  exec "$@"
+}
+
 if [[ $# -eq 0 ]]; then
   exec bash
 elif [[ "$1" == "sshd" ]]; then
   shift
   start_sshd "$@"
+elif [[ "$1" == "wait-ssh" ]]; then
+  shift
+  wait_ssh "$@"
 else
   exec "$@"
 fi

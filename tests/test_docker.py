@@ -7,7 +7,10 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -160,6 +163,37 @@ def test_entrypoint_runs_commands_and_checks_syntax(tmp_path):
     assert proc.returncode == 0 and proc.stdout == "a b|$HOME|"
 
 
+def test_entrypoint_waits_for_every_hosts_port_then_runs_the_command(tmp_path):
+    """An MPIJob's launcher (`wait-ssh`): the command starts once every host of the operator's hostfile takes
+    connections, here a listener that opens 1.5 s late; a host that never does ends it with exit 1, naming it."""
+    entry = str(DOCKER / "entrypoint.sh")
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("127.0.0.1 slots=2\n# a comment\n\n127.0.0.1 slots=2")  # no newline at the end
+    listener = socket.socket()
+    timer = threading.Timer(1.5, lambda: (listener.bind(("127.0.0.1", port)), listener.listen()))
+    timer.start()
+    try:
+        start = time.monotonic()
+        proc = subprocess.run([entry, "wait-ssh", str(hostfile), str(port), "30", "--", "printf", "%s|", "a b"],
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0 and proc.stdout == "a b|", proc.stderr
+        assert time.monotonic() - start >= 1.4 and f"takes connections on port {port}" in proc.stderr
+    finally:
+        timer.join()
+        listener.close()
+    proc = subprocess.run([entry, "wait-ssh", str(hostfile), str(port), "2", "--", "printf", "ran"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert f"127.0.0.1:{port} took no connection within 2 s" in proc.stderr
+    proc = subprocess.run([entry, "wait-ssh", str(hostfile), "22", "soon", "printf"], capture_output=True, text=True,
+                          timeout=10)
+    assert proc.returncode == 2 and "usage: wait-ssh HOSTFILE PORT SECONDS -- CMD" in proc.stderr
+
+
 needs_openssh = pytest.mark.skipif(not (Path("/usr/sbin/sshd").exists() and shutil.which("ssh-keygen")
                                         and shutil.which("ssh")), reason="OpenSSH (server and client) not installed")
 
@@ -180,6 +214,7 @@ def test_sshd_config_is_key_only_on_the_port(tmp_path):
     assert effective["passwordauthentication"] == "no" and effective["kbdinteractiveauthentication"] == "no"
     assert effective["permitrootlogin"] in ("without-password", "prohibit-password")
     assert effective["pubkeyauthentication"] == "yes"
+    assert effective["strictmodes"] == "no"  # the MPI Operator's keys, mounted from a Secret
 
 
 @needs_openssh

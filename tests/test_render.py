@@ -119,14 +119,18 @@ def test_mpijob_layout_gpus_env_and_command(tmp_path):
                           controller="mpi", horovodrun="/opt/hvdtrain/.venv/bin/hvdtrain-horovodrun").argv
     at = expected.index("-H")
     expected[at:at + 2] = ["--hostfile", "/etc/mpi/hostfile"]
-    assert launcher["command"] == expected
+    # ... started once every worker's sshd takes connections (docker/entrypoint.sh wait-ssh).
+    assert launcher["command"] == ["/usr/local/bin/hvdtrain-entrypoint", "wait-ssh", "/etc/mpi/hostfile", "2222",
+                                   "900", "--", *expected]
     assert launcher["command"][-7:] == ["/opt/hvdtrain/.venv/bin/python", "-m", "hvdtrain.rank",
                                         "/opt/hvdtrain/recipes/train.py",
                                         "--epochs", "3", "--note=two words"]
     assert worker["volumeMounts"] == [{"name": "dshm", "mountPath": "/dev/shm"}, {"name": "runs", "mountPath": "/runs"}]
-    assert launcher["volumeMounts"] == [{"name": "runs", "mountPath": "/runs"}] and launcher["workingDir"] == "/runs"
-    for pod in (replicas["Launcher"]["template"]["spec"], replicas["Worker"]["template"]["spec"]):
-        assert {"name": "runs", "persistentVolumeClaim": {"claimName": "runs-pvc"}} in pod["volumes"]
+    # The ranks start in the launcher's folder on the workers, where the claim is; the launcher writes nothing there.
+    assert launcher["workingDir"] == "/runs" and "volumeMounts" not in launcher
+    assert "volumes" not in replicas["Launcher"]["template"]["spec"]
+    assert {"name": "runs", "persistentVolumeClaim": {"claimName": "runs-pvc"}} in \
+        replicas["Worker"]["template"]["spec"]["volumes"]
     assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "8Gi"}} in \
         replicas["Worker"]["template"]["spec"]["volumes"]
 

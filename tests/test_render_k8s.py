@@ -21,8 +21,10 @@ import pytest
 import yaml
 
 from hvdtrain.cli import main
+from hvdtrain.datasets.arrays import digits
 from hvdtrain.render import ClusterOptions, K8sOptions, RenderError, render_file
-from hvdtrain.render.shmsize import PREFETCH, RECIPES, per_rank_bytes
+from hvdtrain.render.shmsize import PREFETCH, RECIPES, SAMPLE_BYTES, SLOT_BYTES, per_rank_bytes
+from hvdtrain.train.config import RecipeConfig
 from hvdtrain.train.torchkit import TorchConfig
 from tests.harness import REPO
 from tests.test_render import validator  # noqa: F401  (the fixture: the CRD's schema, strict)
@@ -63,13 +65,22 @@ def as_pod_template(pod: dict) -> dict:
 
 
 def test_full_spec_is_valid_for_the_crd_and_for_kubernetes(tmp_path, validator):  # noqa: F811
+    as_documented = ClusterOptions(name="k8s", slots_per_node=8)  # jobs/k8s.yaml's render command
+    shipped = yaml.safe_load(render_file("k8s", REPO / "jobs" / "k8s.yaml", as_documented, K8sOptions()))
+    for obj in (render(tmp_path, FULL), shipped):
+        assert not sorted(validator.iter_errors(obj), key=str)
+        for pod in pods(obj).values():
+            kubernetes_validate.validate(as_pod_template(pod), K8S_VERSION, strict=True)
+    assert shipped["spec"]["mpiReplicaSpecs"]["Worker"]["replicas"] == 2  # as jobs/k8s.yaml's comment says
+    assert pods(shipped)["Worker"]["volumes"][0]["emptyDir"]["sizeLimit"] == "8448Mi"
     obj = render(tmp_path, FULL)
-    assert not sorted(validator.iter_errors(obj), key=str)
-    for pod in pods(obj).values():
-        kubernetes_validate.validate(as_pod_template(pod), K8S_VERSION, strict=True)
     # Kubernetes' schema can fail: a volume without its claim's name, a misspelt secretKeyRef.
     broken = copy.deepcopy(pods(obj)["Launcher"])
-    broken["volumes"][0]["persistentVolumeClaim"] = {"readOnly": False}
+    broken = copy.deepcopy(pods(obj)["Worker"])
+    broken["volumes"][1]["persistentVolumeClaim"] = {"readOnly": False}
+    with pytest.raises(kubernetes_validate.ValidationError, match="claimName"):
+        kubernetes_validate.validate(as_pod_template(broken), K8S_VERSION, strict=True)
+    broken = copy.deepcopy(pods(obj)["Launcher"])
     broken["containers"][0]["env"][-1]["valueFrom"] = {"secretKeyRefs": {"name": "s3-creds", "key": "k"}}
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(as_pod_template(broken), K8S_VERSION, strict=True)
@@ -79,13 +90,14 @@ def test_image_run_volume_secrets_and_gpus_come_from_the_spec(tmp_path):
     obj = render(tmp_path, FULL)
     assert obj["metadata"]["namespace"] == "ml"
     launcher, worker = pods(obj)["Launcher"], pods(obj)["Worker"]
-    for pod in (launcher, worker):
-        assert pod["containers"][0]["image"] == "registry.example.com/team/hvdtrain:gpu"
-        assert {"name": "runs", "persistentVolumeClaim": {"claimName": "hvdtrain-runs"}} in pod["volumes"]
-        assert {"name": "runs", "mountPath": "/runs"} in pod["containers"][0]["volumeMounts"]
+    assert launcher["containers"][0]["image"] == worker["containers"][0]["image"] == \
+        "registry.example.com/team/hvdtrain:gpu"
+    assert {"name": "runs", "persistentVolumeClaim": {"claimName": "hvdtrain-runs"}} in worker["volumes"]
+    assert {"name": "runs", "mountPath": "/runs"} in worker["containers"][0]["volumeMounts"]
     container = launcher["containers"][0]
-    assert container["workingDir"] == "/runs"  # so the recipe's relative --run-dir is on the claim
-    assert container["command"][0] == "/opt/hvdtrain/.venv/bin/hvdtrain-horovodrun"
+    assert container["workingDir"] == "/runs"  # the ranks start there on the workers: a relative --run-dir is on it
+    assert container["command"][:7] == ["/usr/local/bin/hvdtrain-entrypoint", "wait-ssh", "/etc/mpi/hostfile", "2222",
+                                        "900", "--", "/opt/hvdtrain/.venv/bin/hvdtrain-horovodrun"]
     assert container["env"][-2:] == [
         {"name": "AWS_ACCESS_KEY_ID", "valueFrom": {"secretKeyRef": {"name": "s3-creds", "key": "access-key"}}},
         {"name": "AWS_SECRET_ACCESS_KEY", "valueFrom": {"secretKeyRef": {"name": "s3-creds", "key": "secret-key"}}}]
@@ -111,7 +123,7 @@ def test_flags_override_the_spec_and_are_checked_like_it(tmp_path):
      r"kubernetes.run_volume is not set: without a PersistentVolumeClaim the run directory"),
     (lambda t: t.replace("NCCL_DEBUG: WARN", "NCCL_DEBUG: WARN, HF_TOKEN: hf_abc, DB_PASSWORD: pw"),
      r"env HF_TOKEN, DB_PASSWORD: a credential would be written into the manifest as plain text\. Put it in a "
-     r"Secret \(kubectl create secret generic s3-creds --from-literal=HF_TOKEN=\.\.\.\) .*secret_env"),
+     r"Secret \(kubectl create secret generic job-secrets --from-literal=HF_TOKEN=\.\.\.\) .*secret_env"),
     (lambda t: t.replace("NCCL_DEBUG: WARN", "NCCL_DEBUG: WARN, AWS_ACCESS_KEY_ID: AKIA"), r"env AWS_ACCESS_KEY_ID"),
     (lambda t: t.replace("NCCL_DEBUG: WARN", "NCCL_DEBUG: WARN, WANDB_API_KEY: x, PGPASSWORD: y, SSH_KEY: z"),
      r"env WANDB_API_KEY, PGPASSWORD, SSH_KEY: a credential"),
@@ -119,10 +131,28 @@ def test_flags_override_the_spec_and_are_checked_like_it(tmp_path):
      r"the run directory /data/runs is not on the run volume \(kubernetes.run_mount /runs\)"),
     (lambda t: t + "workdir: /opt/work\n", r"the run directory /opt/work/runs/resnet is not on the run volume.*"
                                            r"and a workdir under it"),
+    (lambda t: t + "  run_mount: /opt\n", r"kubernetes.run_mount '/opt' would cover /opt/hvdtrain in the pods"),
+    (lambda t: t + "  run_mount: /dev/shm\n", r"kubernetes.run_mount '/dev/shm' would cover /dev"),
+    (lambda t: t + "  run_mount: /root/\n", r"kubernetes.run_mount '/root/' would cover /root/.ssh"),
+    (lambda t: t + "  run_mount: /\n", r"kubernetes.run_mount '/' would cover the whole image"),
+    (lambda t: t.replace("NCCL_DEBUG: WARN", "NCCL_DEBUG: WARN, MLFLOW_TRACKING_URI: 'https://me:pw@mlflow.example'"),
+     r"env MLFLOW_TRACKING_URI: a credential"),
+    (lambda t: t + "horovod: {verbose: true}\n",
+     r"horovod.verbose with kubernetes.secret_env under Gloo: horovodrun would print every rank's command"),
 ])
 def test_what_a_cluster_cannot_take_is_refused_with_the_fix(tmp_path, edit, match):
     with pytest.raises(RenderError, match=match):
         render(tmp_path, edit(FULL))
+
+
+def test_plain_env_lets_a_name_that_only_looks_secret_through(tmp_path):
+    text = FULL.replace("NCCL_DEBUG: WARN", "NCCL_DEBUG: WARN, HF_HUB_DISABLE_IMPLICIT_TOKEN: '1'")
+    with pytest.raises(RenderError, match=r"if it is not a credential, list it in kubernetes\.plain_env"):
+        render(tmp_path, text)
+    env = pods(render(tmp_path, text + "  plain_env: [HF_HUB_DISABLE_IMPLICIT_TOKEN]\n"))["Launcher"]
+    assert {"name": "HF_HUB_DISABLE_IMPLICIT_TOKEN", "value": "1"} in env["containers"][0]["env"]
+    # MPI passes variables by name: verbose is fine there.
+    assert render(tmp_path, FULL + "horovod: {verbose: true}\ncontroller: mpi\n")
 
 
 def test_a_secret_value_never_reaches_the_manifest(tmp_path):
@@ -168,6 +198,9 @@ def test_auto_shm_is_what_the_loaders_need(tmp_path):
     cpu = FULL.replace("gpus_per_rank: 1", "gpus_per_rank: 0").replace("np: 16\nhosts: a:8,b:8", "np: 2")
     cpu = cpu.replace('--dataset, synthetic, --synthetic-shape, "3,224,224", ', "")
     assert pods(render(tmp_path, cpu))["Worker"]["volumes"][0]["emptyDir"]["sizeLimit"] == "512Mi"
+    # Abbreviated flags count, as the recipes' parser takes them: 4096 samples a batch need 14 GiB a rank.
+    big = pods(render(tmp_path, FULL.replace('--batch-size, "64"', '--batch, "4096"')))["Worker"]
+    assert int(big["volumes"][0]["emptyDir"]["sizeLimit"].removesuffix("Mi")) > 8 * 14 * 1024
 
 
 @pytest.mark.parametrize(("edit", "match"), [
@@ -176,6 +209,8 @@ def test_auto_shm_is_what_the_loaders_need(tmp_path):
      r"kubernetes.shm_size .* \(here: 4 worker\(s\) x 3 slots x 64 samples per batch\)"),
     (lambda t: t.replace("pytorch_train.py", "my_train.py"), r"my_train.py is not a shipped recipe"),
     (lambda t: t.replace('"64"', '"many"'), r"the recipe's args do not parse"),
+    (lambda t: t.replace("3,224,224", "3,-224,224"), r"--synthetic-shape '3,-224,224' in args is not a sample shape"),
+    (lambda t: t.replace("3,224,224", "3x224x224"), r"--synthetic-shape '3x224x224' in args is not a sample shape"),
 ])
 def test_auto_shm_that_cannot_be_known_asks_for_a_size(tmp_path, edit, match):
     with pytest.raises(RenderError, match=match):
@@ -184,26 +219,32 @@ def test_auto_shm_that_cannot_be_known_asks_for_a_size(tmp_path, edit, match):
     assert worker["volumes"][0]["emptyDir"]["sizeLimit"] == "24Gi"
 
 
+def recipe_config_defaults(name: str) -> dict[str, object]:
+    """The defaults a recipe's own Config sets, read from its source (importing keras_train imports TensorFlow)."""
+    tree = ast.parse((REPO / "recipes" / name).read_text())
+    config = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Config")
+    return {s.target.id: ast.literal_eval(s.value.keywords[0].value if s.value.keywords else s.value.args[0])
+            for s in config.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)
+            and isinstance(s.value, ast.Call) and s.target.id in ("batch_size", "num_workers")}
+
+
 def test_recipe_flag_defaults_match_the_recipes():
     torch_defaults = {f.name: f.default for f in dataclasses.fields(TorchConfig)}
-    for name in ("pytorch_train.py", "pytorch_elastic.py"):
-        assert (RECIPES[name].batch_size, RECIPES[name].num_workers) == \
-            (torch_defaults["batch_size"], torch_defaults["num_workers"])
-    # The Keras recipe's Config, read from its source (importing it imports TensorFlow).
-    tree = ast.parse((REPO / "recipes" / "keras_train.py").read_text())
-    config = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Config")
-    defaults = {s.target.id: ast.literal_eval(s.value.args[0] if s.value.args else s.value.keywords[0].value)
-                for s in config.body if isinstance(s, ast.AnnAssign) and s.target.id in ("batch_size", "num_workers")}
-    assert defaults == {"batch_size": RECIPES["keras_train.py"].batch_size,
-                        "num_workers": RECIPES["keras_train.py"].num_workers}
+    for name, recipe in RECIPES.items():
+        own = recipe_config_defaults(name)
+        expected = {key: own.get(key, torch_defaults[key]) for key in ("batch_size", "num_workers")}
+        assert {"batch_size": recipe.batch_size, "num_workers": recipe.num_workers} == expected, name
+    recipe_flags = {f.name: f.default for f in dataclasses.fields(RecipeConfig)}
+    assert (recipe_flags["dataset"], recipe_flags["synthetic_shape"]) == ("digits", (3, 32, 32))  # shmsize._flags'
+    assert "digits" in SAMPLE_BYTES and SAMPLE_BYTES["digits"] == digits().train.x[0].nbytes
     import inspect
 
     from hvdtrain.data import ShmLoader
     assert inspect.signature(ShmLoader).parameters["prefetch"].default == PREFETCH
 
 
-# The recipe's loader (ShmLoader over arrays, fetch=arrays.take) for 2 epochs, the last 2 batches held as the
-# prefetcher holds them, in a /dev/shm of argv[1] bytes.
+# The recipe's loader (ShmLoader over arrays, fetch=arrays.take; batches of argv[1] samples) for 2 epochs, the last
+# 2 batches held as the prefetcher holds them.
 LOADER = textwrap.dedent("""
     import os, sys
     from hvdtrain.data import ShmLoader, SharedMemoryFullError
@@ -211,7 +252,7 @@ LOADER = textwrap.dedent("""
     splits = arrays.synthetic((3, 32, 32), 1024, seed=0)
     held = []
     try:
-        with ShmLoader(splits.train, rank=0, size=1, batch_size=64, num_workers=2, fetch=arrays.take,
+        with ShmLoader(splits.train, rank=0, size=1, batch_size=int(sys.argv[1]), num_workers=2, fetch=arrays.take,
                        epochs=2, timeout=60) as loader:
             for epoch in range(2):
                 loader.set_epoch(epoch)
@@ -228,11 +269,15 @@ LOADER = textwrap.dedent("""
 def test_the_auto_size_holds_the_real_loader():
     need = per_rank_bytes(64, 3 * 32 * 32 * 4, 2)  # what auto counts for one such rank
 
-    def run(nbytes: int) -> str:
-        inner = f"mount -t tmpfs -o size={nbytes} hvdtrain-test /dev/shm && exec \"$0\" -c \"$1\""
+    def run(nbytes: int, batch: int = 64) -> str:
+        inner = f"mount -t tmpfs -o size={nbytes} hvdtrain-test /dev/shm && exec \"$0\" -c \"$1\" {batch}"
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         return subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", inner, sys.executable,
                                LOADER], capture_output=True, text=True, timeout=120, env=env,
                               stdin=subprocess.DEVNULL).stdout
     assert run(need).strip() == "fits"
     assert run(need // 4).startswith("full:")  # the check can fail: a quarter of it does not hold the slots
+    # Small batches: every slot still starts with a 1 MiB segment.
+    small = per_rank_bytes(8, 3 * 32 * 32 * 4, 2)
+    assert small == 2 * 2 * 3 * SLOT_BYTES
+    assert run(small, batch=8).strip() == "fits"

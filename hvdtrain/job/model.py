@@ -235,15 +235,18 @@ class Kubernetes(_Model):
     namespace: Annotated[str, _matching(K8S_LABEL, "a namespace name: 1-63 lowercase letters, digits and '-'")] \
         | None = Field(None, description="Namespace of the MPIJob (default: kubectl's current one).")
     run_volume: K8sName | None = Field(
-        None, description="PersistentVolumeClaim mounted at run_mount on the launcher and every worker; the job runs "
-                          "there, so the recipes' relative --run-dir (checkpoints, summary.json) outlives the pods. "
-                          "Required by `hvdtrain render k8s`; create it first (ReadWriteMany for several workers).")
+        None, description="PersistentVolumeClaim mounted at run_mount on every worker; the job runs there, so the "
+                          "recipes' relative --run-dir (checkpoints, summary.json) outlives the pods. Required by "
+                          "`hvdtrain render k8s`; create it first (ReadWriteMany when there are several workers).")
     run_mount: Annotated[str, AfterValidator(lambda v: _shell_safe(_absolute(v)))] = Field(
         "/runs", description="Where run_volume is mounted in every pod, an absolute path; the job's working "
                              "directory unless workdir is set.")
     secret_env: dict[EnvName, SecretRef] = Field(
         default_factory=dict, description="Environment variables read from Secrets (NAME: {secret: ..., key: ...}), "
                                           "e.g. AWS_SECRET_ACCESS_KEY: never written into the manifest.")
+    plain_env: list[EnvName] = Field(
+        default_factory=list, description="env names that look like credentials but are not (e.g. "
+                                          "HF_HUB_DISABLE_IMPLICIT_TOKEN): written into the manifest as given.")
     shm_size: Annotated[str, AfterValidator(_quantity)] = Field(
         "auto", description="Size of each worker's /dev/shm (a memory-backed emptyDir): a quantity such as 16Gi, or "
                             "'auto': what the shipped recipes' loaders need for the ranks of one worker, with NCCL's "

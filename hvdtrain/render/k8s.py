@@ -17,7 +17,6 @@ with Gloo, by name (`mpirun -x`) with MPI.
 from __future__ import annotations
 
 import posixpath
-import re
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import Any
@@ -28,6 +27,7 @@ from pydantic import ValidationError
 from hvdtrain.job.model import JobSpec, Kubernetes
 from hvdtrain.render.common import (
     IMAGE_PYTHON,
+    IMAGE_ROOT,
     IMAGE_SSH_PORT,
     ClusterOptions,
     Placement,
@@ -38,6 +38,7 @@ from hvdtrain.render.common import (
     ignored_keys,
     placement,
 )
+from hvdtrain.render.credentials import credential_problem
 from hvdtrain.render.shmsize import RECIPES, ShmSize, shm_size
 
 API_VERSION = "kubeflow.org/v2beta1"
@@ -45,12 +46,9 @@ OPERATOR_HOSTFILE = "/etc/mpi/hostfile"
 ENTRYPOINT = "/usr/local/bin/hvdtrain-entrypoint"
 RUN_VOLUME = "runs"
 HVDTRAIN_HOROVODRUN = "hvdtrain-horovodrun"  # the image's hvdtrain console script (pyproject.toml)
-# Environment variable names that hold credentials, never written into a manifest as values: one containing these,
-# or with one of SECRET_WORDS between its underscores (HF_TOKEN, AWS_ACCESS_KEY_ID; not TOKENIZERS_PARALLELISM).
-SECRET_PART = re.compile(r"SECRET|PASSWORD|PASSWD|CREDENTIAL")
-SECRET_WORDS = frozenset({"TOKEN", "KEY", "APIKEY"})
-NOT_SECRET = re.compile(r"_(FILE|PATH|DIR)$|^GOOGLE_APPLICATION_CREDENTIALS$")  # paths to a credentials file
-
+WORKER_WAIT_S = 900  # how long the launcher waits for every worker's sshd (pulling a GPU image takes minutes)
+# Paths a run volume may not be mounted at or over: the image's venv, the operator's ssh keys and hostfile, devices.
+RESERVED = (IMAGE_ROOT, "/root/.ssh", "/etc/mpi", "/dev", "/proc", "/sys", "/usr", "/bin", "/lib")
 
 @dataclass(frozen=True)
 class K8sOptions:
@@ -63,13 +61,6 @@ class K8sOptions:
     ssh_port: int = IMAGE_SSH_PORT  # the image's sshd, where the spec's ssh.port is unset
 
 
-def credential_names(spec: JobSpec) -> list[str]:
-    """The spec's env names that look like credentials (render k8s refuses to write their values)."""
-    def looks_secret(name: str) -> bool:
-        return bool(SECRET_PART.search(name) or SECRET_WORDS & set(name.split("_"))) and not NOT_SECRET.search(name)
-    return [name for name in spec.env if looks_secret(name.upper())]
-
-
 def _check(spec: JobSpec) -> Kubernetes:
     k8s = spec.kubernetes
     if k8s.image is None:
@@ -79,18 +70,17 @@ def _check(spec: JobSpec) -> Kubernetes:
     if k8s.run_volume is None:
         raise RenderError("kubernetes.run_volume is not set: without a PersistentVolumeClaim the run directory "
                           "(checkpoints, summary.json) lives in a pod and is lost with it. Create a claim "
-                          "(ReadWriteMany for several workers) and name it (kubernetes: {run_volume: hvdtrain-runs}, "
-                          f"mounted at kubernetes.run_mount, {k8s.run_mount})")
-    secrets = credential_names(spec)
-    if secrets:
-        first = secrets[0]
-        raise RenderError(f"env {', '.join(secrets)}: a credential would be written into the manifest as plain text. "
-                          f"Put it in a Secret (kubectl create secret generic s3-creds --from-literal={first}=...) and "
-                          f"name it in the spec instead: kubernetes: {{secret_env: {{{first}: {{secret: s3-creds, key: "
-                          f"{first}}}}}}}, and remove it from env")
-    both = sorted(set(spec.env) & set(k8s.secret_env))
-    if both:
-        raise RenderError(f"{', '.join(both)}: both in env and in kubernetes.secret_env; keep one")
+                          "(ReadWriteMany when there are several workers) and name it (kubernetes: {run_volume: "
+                          f"hvdtrain-runs}}, mounted at kubernetes.run_mount, {k8s.run_mount})")
+    mount = k8s.run_mount.rstrip("/") or "/"
+    clash = next((p for p in RESERVED if p == mount or p.startswith(mount + "/") or mount.startswith(p + "/")), None)
+    if mount == "/" or clash:
+        raise RenderError(f"kubernetes.run_mount {k8s.run_mount!r} would cover {clash or 'the whole image'} in the "
+                          "pods (the image's venv, the operator's ssh keys and hostfile, devices): mount the run "
+                          "volume at a folder of its own, e.g. /runs (the default)")
+    problem = credential_problem(spec)
+    if problem:
+        raise RenderError(problem)
     return k8s
 
 
@@ -134,14 +124,16 @@ def _launcher(spec: JobSpec, cluster: ClusterOptions, opts: K8sOptions) -> dict[
     # hvdtrain's horovodrun (the same code without its framework probe: hvdtrain/launch/hvdrun.py), in the image.
     argv[0] = str(PurePosixPath(argv[0]).with_name(HVDTRAIN_HOROVODRUN))
     argv[hosts_at - 1: hosts_at + 1] = ["--hostfile", OPERATOR_HOSTFILE]
+    # The operator starts the launcher with the workers: it waits until every worker's sshd takes connections
+    # (horovodrun's own ssh check tries 5 times at once, and the launcher runs once).
+    port = str(spec.ssh.port or opts.ssh_port)
+    command = [ENTRYPOINT, "wait-ssh", OPERATOR_HOSTFILE, port, str(WORKER_WAIT_S), "--", *argv]
     k8s = spec.kubernetes
-    container = _container("launcher", k8s, argv, _env(spec))
-    # horovodrun starts the ranks in its own folder on the workers: the run volume, unless the spec says otherwise.
+    container = _container("launcher", k8s, command, _env(spec))
+    # horovodrun starts the ranks in its own folder on the workers: the run volume there, unless the spec says
+    # otherwise. The launcher itself writes nothing there, so it does not mount the claim (one worker: ReadWriteOnce).
     container["workingDir"] = spec.workdir or k8s.run_mount
-    volume, mount = _run_volume(k8s)
-    container["volumeMounts"] = [mount]
-    pod = {"containers": [container], "volumes": [volume]}
-    return {"replicas": 1, "restartPolicy": "Never", "template": {"spec": pod}}
+    return {"replicas": 1, "restartPolicy": "Never", "template": {"spec": {"containers": [container]}}}
 
 
 def _worker(spec: JobSpec, lay: Placement, shm: ShmSize) -> dict[str, Any]:

@@ -1,12 +1,12 @@
 """How big a worker pod's /dev/shm must be (`kubernetes.shm_size: auto`): what the shipped recipes' loaders need.
 
 A rank's ShmLoader keeps `num_workers` producer processes, each with `prefetch + 1` batch slots in shared memory,
-every slot a segment the size of a batch (page-rounded) — what a rank that runs out is told, by
-`hvdtrain.data.shm.full_message`. A batch the trainer still holds keeps its segment while its slot takes a new one,
-so the need is doubled. Every rank of a worker pod shares its /dev/shm; NCCL's shared-memory transport between the
-GPUs of one pod takes its own share. The sizes come from the recipe's own flags in the spec's args (their
-defaults, where the args leave them out); a dataset whose sample size is only known from its files on the cluster
-cannot be sized here, and the error says what to set instead.
+every slot a segment the size of a batch (page-rounded) and at least 1 MiB (the slots' first segments) — what a
+rank that runs out is told, by `hvdtrain.data.shm.full_message`. A batch the trainer still holds keeps its segment
+while its slot takes a new one, so the need is doubled. Every rank of a worker pod shares its /dev/shm; NCCL's
+shared-memory transport between the GPUs of one pod takes its own share. The sizes come from the recipe's own
+flags in the spec's args (their defaults, where the args leave them out); a dataset whose sample size is only
+known from its files on the cluster cannot be sized here, and the error says what to set instead.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from hvdtrain.render.common import RenderError
 
 PAGE = 4096
 PREFETCH = 2  # ShmLoader's default, which the recipes use: prefetch + 1 slots per producer
+SLOT_BYTES = 1 << 20  # a slot's first segment (hvdtrain.data.loader.SLOT_BYTES), reserved before the first batch
 HEADROOM = 2  # a lent batch's segment plus its slot's new one
 BASE_MIB = 256  # small segments (rings, epoch orders), Python's multiprocessing, the rest of the pod's /dev/shm users
 NCCL_MIB = 1024  # NCCL's shared-memory transport within a pod with GPUs
@@ -49,7 +50,8 @@ class ShmSize:
 
 
 def _flags(args: list[str], recipe: RecipeFlags) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
+    # Abbreviations allowed, as the recipes' own parser allows them (--batch 64).
+    parser = argparse.ArgumentParser(add_help=False, exit_on_error=False)
     parser.add_argument("--dataset", default="digits")
     parser.add_argument("--batch-size", type=int, default=recipe.batch_size)
     parser.add_argument("--num-workers", type=int, default=recipe.num_workers)
@@ -68,7 +70,10 @@ def _sample_bytes(flags: argparse.Namespace) -> int | None:
         try:
             dims = [int(d) for d in flags.synthetic_shape.split(",")]
         except ValueError:
-            return None
+            dims = []
+        if not dims or min(dims) < 1:
+            raise RenderError(f"--synthetic-shape {flags.synthetic_shape!r} in args is not a sample shape: write "
+                              "positive integers C,H,W, e.g. 3,224,224")
         return math.prod(dims) * 4  # float32 (hvdtrain.datasets.arrays.synthetic)
     return SAMPLE_BYTES.get(flags.dataset)
 
@@ -82,8 +87,9 @@ def _quantity(mib: int) -> str:
 
 
 def per_rank_bytes(batch_samples: int, sample_bytes: int, workers: int) -> int:
-    """A rank's loader need: workers × (prefetch + 1) slots × a page-rounded batch, × HEADROOM."""
-    batch = -(-batch_samples * (sample_bytes + LABEL_BYTES) // PAGE) * PAGE
+    """A rank's loader need: workers × (prefetch + 1) slots × a page-rounded batch (at least SLOT_BYTES), ×
+    HEADROOM."""
+    batch = max(SLOT_BYTES, -(-batch_samples * (sample_bytes + LABEL_BYTES) // PAGE) * PAGE)
     return HEADROOM * workers * (PREFETCH + 1) * batch
 
 
@@ -113,6 +119,6 @@ def shm_size(spec: JobSpec, ranks_per_pod: int, gpus_per_pod: int) -> ShmSize:
     extra = BASE_MIB + (NCCL_MIB if gpus_per_pod else 0)
     mib = -(-(math.ceil(_mib(loaders)) + extra) // 256) * 256
     why = (f"auto: {ranks_per_pod} rank(s) x {HEADROOM} x {flags.num_workers} worker(s) x {PREFETCH + 1} slots x "
-           f"{batch} samples of {sample + LABEL_BYTES} B = {_mib(loaders):.1f} MiB, + {BASE_MIB} MiB"
+           f"{batch} samples of {sample + LABEL_BYTES} B (at least 1 MiB) = {_mib(loaders):.1f} MiB, + {BASE_MIB} MiB"
            + (f" + {NCCL_MIB} MiB for NCCL" if gpus_per_pod else "") + ", rounded up")
     return ShmSize(_quantity(mib), why)
