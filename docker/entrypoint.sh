@@ -26,12 +26,28 @@ start_sshd() {
 }
 
 wait_ssh() {
-  if [[ $# -lt 5 || "$4" != "--" || ! "$2" =~ ^[0-9]+$ || ! "$3" =~ ^[0-9]+$ ]]; then
-    echo "hvdtrain-entrypoint: usage: wait-ssh HOSTFILE PORT SECONDS -- CMD [ARGS...]" >&2
+  local usage="usage: wait-ssh HOSTFILE PORT SECONDS -- CMD [ARGS...]"
+  if [[ $# -lt 5 || "$4" != "--" ]]; then
+    echo "hvdtrain-entrypoint: $usage" >&2
     exit 2
   fi
-  local hostfile=$1 port=$2 limit=$3 host rest waited=0
+  if [[ ! "$2" =~ ^[0-9]{1,5}$ ]] || (( 10#$2 < 1 || 10#$2 > 65535 )); then
+    echo "hvdtrain-entrypoint: wait-ssh: PORT '$2' is not a port (1..65535); $usage" >&2
+    exit 2
+  fi
+  if [[ ! "$3" =~ ^[0-9]{1,6}$ ]]; then
+    echo "hvdtrain-entrypoint: wait-ssh: SECONDS '$3' is not a whole number of seconds; $usage" >&2
+    exit 2
+  fi
+  local hostfile=$1 port=$((10#$2)) limit=$((10#$3)) host="" rest="" waited=0
   shift 4
+  if [[ ! -f "$hostfile" || ! -r "$hostfile" ]]; then
+    echo "hvdtrain-entrypoint: wait-ssh: cannot read the hostfile $hostfile (an MPIJob's launcher has the" \
+         "operator's /etc/mpi/hostfile)" >&2
+    exit 1
+  fi
+  # The operator starts the launcher with the workers: a `kubectl delete` meanwhile ends the wait at once.
+  trap 'exit 143' TERM
   local deadline=$((SECONDS + limit))
   while read -r host rest || [[ -n "$host" ]]; do
     [[ -z "$host" || "$host" == \#* ]] && continue
@@ -46,6 +62,7 @@ wait_ssh() {
       sleep 1
     done
   done < "$hostfile"
+  trap - TERM
   if (( waited )); then
     echo "hvdtrain-entrypoint: every host in $hostfile takes connections on port $port" >&2
   fi

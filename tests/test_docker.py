@@ -189,9 +189,14 @@ def test_entrypoint_waits_for_every_hosts_port_then_runs_the_command(tmp_path):
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and proc.stdout == ""
     assert f"127.0.0.1:{port} took no connection within 2 s" in proc.stderr
-    proc = subprocess.run([entry, "wait-ssh", str(hostfile), "22", "soon", "printf"], capture_output=True, text=True,
-                          timeout=10)
-    assert proc.returncode == 2 and "usage: wait-ssh HOSTFILE PORT SECONDS -- CMD" in proc.stderr
+    for args, error in ((["22", "soon", "--"], "SECONDS 'soon' is not a whole number"),
+                        (["99999", "5", "--"], "PORT '99999' is not a port"), (["22", "5", "printf"], "usage:")):
+        proc = subprocess.run([entry, "wait-ssh", str(hostfile), *args, "printf"], capture_output=True, text=True,
+                              timeout=10)
+        assert proc.returncode == 2 and error in proc.stderr and "wait-ssh HOSTFILE PORT SECONDS -- CMD" in proc.stderr
+    proc = subprocess.run([entry, "wait-ssh", str(tmp_path / "none"), "22", "08", "--", "printf"],
+                          capture_output=True, text=True, timeout=10)
+    assert proc.returncode == 1 and "cannot read the hostfile" in proc.stderr
 
 
 needs_openssh = pytest.mark.skipif(not (Path("/usr/sbin/sshd").exists() and shutil.which("ssh-keygen")

@@ -110,7 +110,7 @@ def test_mpijob_layout_gpus_env_and_command(tmp_path):
     assert worker["resources"] == {"limits": {"nvidia.com/gpu": 4}}
     assert "resources" not in launcher
     assert launcher["image"] == worker["image"] == "reg.example/hvd:1"
-    assert worker["command"] == ["/usr/local/bin/hvdtrain-entrypoint", "sshd"]
+    assert worker["command"] == ["/usr/local/bin/hvdtrain-entrypoint", "sshd", "-p", "2222"]
     assert launcher["env"] == [{"name": "NCCL_DEBUG", "value": "WARN"}, {"name": "NOTE", "value": NASTY}]
     assert "env" not in worker  # ranks get the launcher's environment from horovodrun, not the sshd's
     # The same argv `hvdtrain run` builds, with the operator's hostfile in place of -H and the image's paths.

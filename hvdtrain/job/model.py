@@ -239,8 +239,8 @@ class Kubernetes(_Model):
                           "recipes' relative --run-dir (checkpoints, summary.json) outlives the pods. Required by "
                           "`hvdtrain render k8s`; create it first (ReadWriteMany when there are several workers).")
     run_mount: Annotated[str, AfterValidator(lambda v: _shell_safe(_absolute(v)))] = Field(
-        "/runs", description="Where run_volume is mounted in every pod, an absolute path; the job's working "
-                             "directory unless workdir is set.")
+        "/runs", description="Where run_volume is mounted in every worker pod, an absolute path; where the ranks "
+                             "start unless workdir is set.")
     secret_env: dict[EnvName, SecretRef] = Field(
         default_factory=dict, description="Environment variables read from Secrets (NAME: {secret: ..., key: ...}), "
                                           "e.g. AWS_SECRET_ACCESS_KEY: never written into the manifest.")
@@ -254,8 +254,8 @@ class Kubernetes(_Model):
 
 
 def _absolute(value: str) -> str:
-    if not value.startswith("/"):
-        raise ValueError("expected an absolute path, e.g. /runs")
+    if not value.startswith("/") or ".." in value.split("/"):
+        raise ValueError("expected an absolute path without '..', e.g. /runs")
     return value
 
 

@@ -32,8 +32,9 @@ def credential_names(spec: JobSpec) -> list[str]:
     return [name for name, value in spec.env.items() if name not in plain and looks_secret(name, value)]
 
 
-def credential_problem(spec: JobSpec) -> str | None:
-    """Why the spec's env cannot go into a manifest as it is, with the fix; None when it can."""
+def credential_problem(spec: JobSpec, controller: str) -> str | None:
+    """Why the spec's env cannot go into a manifest as it is, with the fix; None when it can. `controller`: the
+    job's ('gloo' or 'mpi')."""
     names = credential_names(spec)
     if names:
         first = names[0]
@@ -44,8 +45,8 @@ def credential_problem(spec: JobSpec) -> str | None:
     both = sorted(set(spec.env) & set(spec.kubernetes.secret_env))
     if both:
         return f"{', '.join(both)}: both in env and in kubernetes.secret_env; keep one"
-    if spec.kubernetes.secret_env and spec.horovod.verbose and spec.controller != "mpi":
+    if spec.kubernetes.secret_env and spec.horovod.verbose and controller != "mpi":
         return ("horovod.verbose with kubernetes.secret_env under Gloo: horovodrun would print every rank's command, "
                 "with the Secrets' values on it, into the launcher's log; set horovod.verbose: false, or controller: "
-                "mpi (which passes variables by name)")
+                "mpi (or --controller mpi: MPI passes variables by name)")
     return None

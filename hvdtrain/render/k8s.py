@@ -6,8 +6,8 @@ writes the workers' `host slots=N` lines to /etc/mpi/hostfile on the launcher. T
 would (through `hvdtrain-horovodrun`), with `--hostfile /etc/mpi/hostfile` in place of `-H`.
 
 What the spec's `kubernetes` section gives (the render's --image, --namespace, --pull-policy and --shm-size override
-it): the image, which must be set; the PersistentVolumeClaim of the run directory, mounted on every pod and the
-job's working directory, which must be set too, so that checkpoints outlive the pods; credentials, as
+it): the image, which must be set; the PersistentVolumeClaim of the run directory, mounted on every worker pod
+where the ranks start, which must be set too, so that checkpoints outlive the pods; credentials, as
 `valueFrom.secretKeyRef` on the launcher (an env value that looks like a credential is refused); each worker's
 /dev/shm, a memory-backed emptyDir sized from what its ranks' loaders need (`shmsize.py`). Horovod forwards the
 launcher's environment (the spec's `env` and those Secrets' values) to every rank: over ssh on the command line
@@ -16,6 +16,7 @@ with Gloo, by name (`mpirun -x`) with MPI.
 
 from __future__ import annotations
 
+import argparse
 import posixpath
 from dataclasses import dataclass
 from pathlib import PurePosixPath
@@ -50,6 +51,7 @@ WORKER_WAIT_S = 900  # how long the launcher waits for every worker's sshd (pull
 # Paths a run volume may not be mounted at or over: the image's venv, the operator's ssh keys and hostfile, devices.
 RESERVED = (IMAGE_ROOT, "/root/.ssh", "/etc/mpi", "/dev", "/proc", "/sys", "/usr", "/bin", "/lib")
 
+
 @dataclass(frozen=True)
 class K8sOptions:
     """The render command's flags; None: the spec's `kubernetes` section (`--image X` is `-o kubernetes.image=X`)."""
@@ -61,7 +63,7 @@ class K8sOptions:
     ssh_port: int = IMAGE_SSH_PORT  # the image's sshd, where the spec's ssh.port is unset
 
 
-def _check(spec: JobSpec) -> Kubernetes:
+def _check(spec: JobSpec, controller: str) -> Kubernetes:
     k8s = spec.kubernetes
     if k8s.image is None:
         raise RenderError("kubernetes.image is not set: the pods need an image the cluster can pull. Build "
@@ -73,12 +75,15 @@ def _check(spec: JobSpec) -> Kubernetes:
                           "(ReadWriteMany when there are several workers) and name it (kubernetes: {run_volume: "
                           f"hvdtrain-runs}}, mounted at kubernetes.run_mount, {k8s.run_mount})")
     mount = k8s.run_mount.rstrip("/") or "/"
-    clash = next((p for p in RESERVED if p == mount or p.startswith(mount + "/") or mount.startswith(p + "/")), None)
-    if mount == "/" or clash:
-        raise RenderError(f"kubernetes.run_mount {k8s.run_mount!r} would cover {clash or 'the whole image'} in the "
-                          "pods (the image's venv, the operator's ssh keys and hostfile, devices): mount the run "
-                          "volume at a folder of its own, e.g. /runs (the default)")
-    problem = credential_problem(spec)
+    covers = "the whole image" if mount == "/" else \
+        next((p for p in RESERVED if p == mount or p.startswith(mount + "/")), None)
+    inside = next((p for p in RESERVED if mount.startswith(p + "/")), None)
+    if covers or inside:
+        where = f"would cover {covers}" if covers else f"is inside {inside}"
+        raise RenderError(f"kubernetes.run_mount {k8s.run_mount!r} {where} in the pods (the image's venv, the "
+                          "operator's ssh keys and hostfile, system folders): mount the run volume at a folder of its "
+                          "own, e.g. /runs (the default)")
+    problem = credential_problem(spec, controller)
     if problem:
         raise RenderError(problem)
     return k8s
@@ -86,10 +91,13 @@ def _check(spec: JobSpec) -> Kubernetes:
 
 def _run_dir_problem(spec: JobSpec, cwd: str, mount: str) -> str | None:
     """Why the recipe's --run-dir would not be on the run volume, or None."""
-    args = spec.args
-    values = [args[i + 1] for i, a in enumerate(args[:-1]) if a == "--run-dir"]
-    values += [a.split("=", 1)[1] for a in args if a.startswith("--run-dir=")]
-    run_dir = posixpath.normpath(posixpath.join(cwd, values[-1] if values else "runs"))
+    parser = argparse.ArgumentParser(add_help=False, exit_on_error=False)  # abbreviations too, as the recipes take
+    parser.add_argument("--run-dir", default="runs")
+    try:
+        given = parser.parse_known_args(spec.args)[0].run_dir
+    except (argparse.ArgumentError, SystemExit) as exc:
+        raise RenderError(f"args: {exc}: --run-dir needs a folder") from None
+    run_dir = posixpath.normpath(posixpath.join(cwd, given))
     if run_dir == mount or run_dir.startswith(mount.rstrip("/") + "/"):
         return None
     return (f"the run directory {run_dir} is not on the run volume (kubernetes.run_mount {mount}), so its "
@@ -118,6 +126,11 @@ def _run_volume(k8s: Kubernetes) -> tuple[dict[str, Any], dict[str, Any]]:
             {"name": RUN_VOLUME, "mountPath": k8s.run_mount})
 
 
+def ssh_port(spec: JobSpec, opts: K8sOptions) -> int:
+    """Where the workers' sshd listens and horovodrun connects: the spec's ssh.port, else --ssh-port (2222)."""
+    return spec.ssh.port or opts.ssh_port
+
+
 def _launcher(spec: JobSpec, cluster: ClusterOptions, opts: K8sOptions) -> dict[str, Any]:
     python = cluster.python or IMAGE_PYTHON
     argv, hosts_at = horovodrun_argv(spec, python, opts.ssh_port, cluster.controller)
@@ -126,8 +139,7 @@ def _launcher(spec: JobSpec, cluster: ClusterOptions, opts: K8sOptions) -> dict[
     argv[hosts_at - 1: hosts_at + 1] = ["--hostfile", OPERATOR_HOSTFILE]
     # The operator starts the launcher with the workers: it waits until every worker's sshd takes connections
     # (horovodrun's own ssh check tries 5 times at once, and the launcher runs once).
-    port = str(spec.ssh.port or opts.ssh_port)
-    command = [ENTRYPOINT, "wait-ssh", OPERATOR_HOSTFILE, port, str(WORKER_WAIT_S), "--", *argv]
+    command = [ENTRYPOINT, "wait-ssh", OPERATOR_HOSTFILE, str(ssh_port(spec, opts)), str(WORKER_WAIT_S), "--", *argv]
     k8s = spec.kubernetes
     container = _container("launcher", k8s, command, _env(spec))
     # horovodrun starts the ranks in its own folder on the workers: the run volume there, unless the spec says
@@ -136,9 +148,9 @@ def _launcher(spec: JobSpec, cluster: ClusterOptions, opts: K8sOptions) -> dict[
     return {"replicas": 1, "restartPolicy": "Never", "template": {"spec": {"containers": [container]}}}
 
 
-def _worker(spec: JobSpec, lay: Placement, shm: ShmSize) -> dict[str, Any]:
+def _worker(spec: JobSpec, lay: Placement, shm: ShmSize, port: int) -> dict[str, Any]:
     k8s = spec.kubernetes
-    container = _container("worker", k8s, [ENTRYPOINT, "sshd"], [])
+    container = _container("worker", k8s, [ENTRYPOINT, "sshd", "-p", str(port)], [])  # -p: over the image's Port
     if lay.gpus_per_node:
         container["resources"] = {"limits": {"nvidia.com/gpu": lay.gpus_per_node}}
     # /dev/shm is 64 MiB in a pod by default: too small for NCCL and hvdtrain's shared-memory loader.
@@ -177,7 +189,7 @@ def mpijob(spec: JobSpec, cluster: ClusterOptions, opts: K8sOptions | None = Non
     check_renderable(spec)
     lay = placement(spec, cluster)
     name = check_name(cluster.name)
-    k8s = _check(spec)
+    k8s = _check(spec, spec.controller or cluster.controller or "gloo")  # horovodrun_argv's controller
     problem = _run_dir_problem(spec, spec.workdir or k8s.run_mount, k8s.run_mount) \
         if PurePosixPath(spec.script).name in RECIPES else None
     if problem:
@@ -185,7 +197,7 @@ def mpijob(spec: JobSpec, cluster: ClusterOptions, opts: K8sOptions | None = Non
     metadata: dict[str, Any] = {"name": name, "labels": {"app.kubernetes.io/name": "hvdtrain"}}
     if k8s.namespace:
         metadata["namespace"] = k8s.namespace
-    worker = _worker(spec, lay, shm_size(spec, lay.slots_per_node, lay.gpus_per_node))
+    worker = _worker(spec, lay, shm_size(spec, lay.slots_per_node, lay.gpus_per_node), ssh_port(spec, opts))
     return {
         "apiVersion": API_VERSION,
         "kind": "MPIJob",

@@ -113,8 +113,9 @@ def shm_size(spec: JobSpec, ranks_per_pod: int, gpus_per_pod: int) -> ShmSize:
                           f"its files on the cluster: {fix} (here: {flags.num_workers} worker(s) x {PREFETCH + 1} "
                           f"slots x {batch} samples per batch)")
     if min(batch, flags.num_workers) < 1:
-        raise RenderError(f"kubernetes.shm_size is 'auto', but the args give {batch} samples per batch and "
-                          f"{flags.num_workers} worker(s): fix args, or set kubernetes.shm_size")
+        raise RenderError(f"kubernetes.shm_size is 'auto', but the args give {batch} samples per batch (--batch-size "
+                          f"x --backward-passes-per-step) and {flags.num_workers} worker(s) (--num-workers): each must "
+                          "be at least 1; fix args, or set kubernetes.shm_size")
     loaders = ranks_per_pod * per_rank_bytes(batch, sample, flags.num_workers)
     extra = BASE_MIB + (NCCL_MIB if gpus_per_pod else 0)
     mib = -(-(math.ceil(_mib(loaders)) + extra) // 256) * 256
