@@ -181,8 +181,8 @@ def test_a_secret_value_never_reaches_the_manifest(tmp_path):
     assert main(["render", "k8s", str(path), "--output", str(tmp_path / "out.yaml")]) == 0
     out = (tmp_path / "out.yaml").read_text()
     assert "sekrit" not in out and "secretKeyRef:\n" in out
-    assert "# Needs, in the job's namespace: the PersistentVolumeClaim hvdtrain-runs (mounted at /runs" in out
-    assert ", the Secret s3-creds." in out
+    assert "# Needs, in the job's namespace: the PersistentVolumeClaim hvdtrain-runs (mounted on the workers at " \
+        "/runs), the Secret s3-creds.\n" in out
     both = FULL.replace("NCCL_DEBUG: WARN", "NCCL_DEBUG: WARN, AWS_ACCESS_KEY_ID: x")
     with pytest.raises(RenderError, match="AWS_ACCESS_KEY_ID"):
         render(tmp_path, both)

@@ -182,9 +182,17 @@ def with_flags(spec: JobSpec, opts: K8sOptions) -> JobSpec:
     return spec.model_copy(update={"kubernetes": k8s})
 
 
-def mpijob(spec: JobSpec, cluster: ClusterOptions, opts: K8sOptions | None = None) -> dict[str, Any]:
-    """The MPIJob object for a loaded spec (see `render_k8s` for the YAML text)."""
-    opts = opts or K8sOptions()
+@dataclass(frozen=True)
+class Rendered:
+    """The MPIJob and what its header says: the spec with the render's flags in, its placement, its /dev/shm."""
+
+    obj: dict[str, Any]
+    spec: JobSpec
+    lay: Placement
+    shm: ShmSize
+
+
+def _render(spec: JobSpec, cluster: ClusterOptions, opts: K8sOptions) -> Rendered:
     spec = with_flags(spec, opts)
     check_renderable(spec)
     lay = placement(spec, cluster)
@@ -197,8 +205,8 @@ def mpijob(spec: JobSpec, cluster: ClusterOptions, opts: K8sOptions | None = Non
     metadata: dict[str, Any] = {"name": name, "labels": {"app.kubernetes.io/name": "hvdtrain"}}
     if k8s.namespace:
         metadata["namespace"] = k8s.namespace
-    worker = _worker(spec, lay, shm_size(spec, lay.slots_per_node, lay.gpus_per_node), ssh_port(spec, opts))
-    return {
+    shm = shm_size(spec, lay.slots_per_node, lay.gpus_per_node)
+    obj = {
         "apiVersion": API_VERSION,
         "kind": "MPIJob",
         "metadata": metadata,
@@ -207,25 +215,30 @@ def mpijob(spec: JobSpec, cluster: ClusterOptions, opts: K8sOptions | None = Non
             "mpiImplementation": "OpenMPI",
             "sshAuthMountPath": "/root/.ssh",
             "runPolicy": {"cleanPodPolicy": "Running", "backoffLimit": 0},
-            "mpiReplicaSpecs": {"Launcher": _launcher(spec, cluster, opts), "Worker": worker},
+            "mpiReplicaSpecs": {"Launcher": _launcher(spec, cluster, opts),
+                                "Worker": _worker(spec, lay, shm, ssh_port(spec, opts))},
         },
     }
+    return Rendered(obj, spec, lay, shm)
+
+
+def mpijob(spec: JobSpec, cluster: ClusterOptions, opts: K8sOptions | None = None) -> dict[str, Any]:
+    """The MPIJob object for a loaded spec (see `render_k8s` for the YAML text)."""
+    return _render(spec, cluster, opts or K8sOptions()).obj
 
 
 def render_k8s(spec: JobSpec, cluster: ClusterOptions, opts: K8sOptions | None = None, *,
                source: str = "JOB.yaml") -> str:
     """The MPIJob manifest as YAML text, with a header naming its source, what it needs and what it leaves out."""
-    obj = mpijob(spec, cluster, opts)
-    spec = with_flags(spec, opts or K8sOptions())
-    k8s, lay = spec.kubernetes, placement(spec, cluster)
-    shm = shm_size(spec, lay.slots_per_node, lay.gpus_per_node)
+    out = _render(spec, cluster, opts or K8sOptions())
+    spec, lay, k8s = out.spec, out.lay, out.spec.kubernetes
+    secrets = "".join(f", the Secret {name}" for name in sorted({r.secret for r in k8s.secret_env.values()}))
     header = [f"# Rendered by `hvdtrain render k8s {source}`: edit the job spec and render again.",
               f"# {spec.np} ranks = {lay.nodes} worker pod(s) x {lay.slots_per_node} slots, "
               f"{lay.gpus_per_node} GPU(s) per worker. Needs the Kubeflow MPI Operator (v2beta1 API).",
-              f"# Needs, in the job's namespace: the PersistentVolumeClaim {k8s.run_volume} (mounted at "
-              f"{k8s.run_mount}, the job's working directory)"
-              + "".join(f", the Secret {name}" for name in sorted({r.secret for r in k8s.secret_env.values()})) + ".",
-              f"# /dev/shm per worker: {shm.quantity} ({shm.why}); it counts against the pod's memory.",
+              f"# Needs, in the job's namespace: the PersistentVolumeClaim {k8s.run_volume} (mounted on the workers "
+              f"at {k8s.run_mount}){secrets}.",
+              f"# /dev/shm per worker: {out.shm.quantity} ({out.shm.why}); it counts against the pod's memory.",
               "# Submit: kubectl apply -f FILE; follow: kubectl logs -f job/<name>-launcher"]
     header += [f"# Not used here: {item}" for item in ignored_keys(spec)]
-    return "\n".join(header) + "\n" + yaml.safe_dump(obj, sort_keys=False, default_flow_style=False, width=1000)
+    return "\n".join(header) + "\n" + yaml.safe_dump(out.obj, sort_keys=False, default_flow_style=False, width=1000)
