@@ -1,7 +1,14 @@
 #!/usr/bin/env bash
 # hvdtrain container entrypoint (installed as /usr/local/bin/hvdtrain-entrypoint).
 #
-#   hvdtrain-entrypoint sshd [SSHD-ARGS...]   run the ssh server in the foreground: worker nodes, MPIJob workers
+#   hvdtrain-entrypoint sshd [SSHD-ARGS...]   run the ssh server in the foreground (supervised, below): worker
+#                                             nodes, MPIJob workers
+#   hvdtrain-entrypoint supervise CMD [ARGS...]
+#                                             run CMD; SIGTERM (kubectl delete, a node drain, preemption: to the
+#                                             pod's PID 1) goes to the training ranks among CMD's descendants, which
+#                                             checkpoint at their next step boundary and exit; then CMD is stopped
+#                                             and this exits 143 (HVDTRAIN_STOP_WAIT_S, default 300: the most it
+#                                             waits for the ranks)
 #   hvdtrain-entrypoint wait-ssh HOSTFILE PORT SECONDS -- CMD [ARGS...]
 #                                             run CMD once every host of HOSTFILE ('host slots=N' lines) takes
 #                                             TCP connections on PORT; exit 1 after SECONDS (an MPIJob's launcher)
@@ -22,7 +29,78 @@ start_sshd() {
   fi
   /usr/sbin/sshd -t
   echo "hvdtrain-entrypoint: sshd listening on port ${SSHD_PORT:-22} (key-only)" >&2
-  exec /usr/sbin/sshd -D -e "$@"
+  supervise /usr/sbin/sshd -D -e "$@"
+}
+
+# Does process $1 have a rank's environment (horovodrun's HOROVOD_RANK under Gloo, mpirun's OMPI_COMM_WORLD_RANK)?
+has_rank_env() {
+  grep -qzE '^(HOROVOD_RANK|OMPI_COMM_WORLD_RANK)=' "/proc/$1/environ" 2>/dev/null
+}
+
+# Could process $1 be a rank: a rank's environment, and not a shell or ssh that only starts one?
+is_rank_like() {
+  has_rank_env "$1" || return 1
+  case "$(basename "$(readlink "/proc/$1/exe" 2>/dev/null)")" in
+    sh | bash | dash | env | ssh | sshd | "") return 1 ;;
+  esac
+}
+
+# The training ranks among the descendants of process $1: rank-like, with no rank-like ancestor (a rank's data
+# producers, compile workers and the like inherit its environment: they must not be signalled, or the rank could
+# not finish its checkpoint).
+rank_pids() {
+  local root=$1 stat pid line p top
+  local -A parent=()
+  for stat in /proc/[0-9]*/stat; do
+    pid=${stat#/proc/}
+    pid=${pid%/stat}
+    read -r line < "$stat" 2>/dev/null || continue
+    line=${line##*) }  # after the command's name, which may hold spaces: "STATE PPID ..."
+    line=${line#* }
+    parent[$pid]=${line%% *}
+  done
+  for pid in "${!parent[@]}"; do
+    is_rank_like "$pid" || continue
+    p=${parent[$pid]} top=1
+    while [[ "$p" != "$root" && -n "${parent[$p]:-}" ]]; do
+      if is_rank_like "$p"; then top=0; fi
+      p=${parent[$p]}
+    done
+    if [[ "$p" == "$root" ]] && (( top )); then
+      echo "$pid"
+    fi
+  done
+}
+
+# NOTE [a worker pod's SIGTERM]: Kubernetes signals only a container's PID 1 (this script), which under sshd would
+# be the ssh server: the ranks (started over ssh by horovodrun or mpirun) would get nothing until the SIGKILL at
+# the end of terminationGracePeriodSeconds. So PID 1 keeps CMD as its child, passes SIGTERM to the ranks (the
+# recipes checkpoint at the next step boundary, every rank of the job stops after the same step, exit 75:
+# hvdtrain/train/preempt.py), waits for them to exit, and only then stops CMD.
+supervise() {
+  stop_requested=0
+  trap 'stop_requested=1' TERM
+  "$@" &
+  local child=$! code=0 pids="" waited=0
+  wait "$child" || code=$?  # returns early when SIGTERM comes (its trap ran)
+  if (( ! stop_requested )); then
+    return "$code"  # CMD ended by itself
+  fi
+  trap - TERM
+  pids=$(rank_pids "$child" | paste -sd ' ' -)
+  echo "hvdtrain-entrypoint: SIGTERM: passed to the ranks here (pids ${pids:-none}) to checkpoint and stop" >&2
+  if [[ -n "$pids" ]]; then
+    # shellcheck disable=SC2086  # one pid per word
+    kill -TERM $pids 2>/dev/null || true
+  fi
+  local limit=${HVDTRAIN_STOP_WAIT_S:-300}
+  while [[ -n "$(rank_pids "$child")" ]] && (( waited < limit * 5 )); do
+    sleep 0.2
+    waited=$((waited + 1))
+  done
+  kill -TERM "$child" 2>/dev/null || true
+  wait "$child" 2>/dev/null || true
+  exit 143
 }
 
 wait_ssh() {
@@ -77,6 +155,13 @@ elif [[ "$1" == "sshd" ]]; then
 elif [[ "$1" == "wait-ssh" ]]; then
   shift
   wait_ssh "$@"
+elif [[ "$1" == "supervise" ]]; then
+  shift
+  if [[ $# -eq 0 ]]; then
+    echo "hvdtrain-entrypoint: usage: supervise CMD [ARGS...]" >&2
+    exit 2
+  fi
+  supervise "$@"
 else
   exec "$@"
 fi

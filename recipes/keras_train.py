@@ -26,15 +26,21 @@ What each rank does, in order (Horovod's six Keras steps, plus resume):
  2. The model (--precision bf16/fp16: a mixed dtype policy); LR = base LR × world size; wrap the optimizer in
     hvd.DistributedOptimizer (fp16: that in a LossScaleOptimizer, NOTE [Keras loss scaling with Horovod]).
  3. Resume: rank 0 loads the newest checkpoint; the epoch and history are broadcast, the weights and optimizer
-    state too (before fit, and by the callback after the first batch).
+    state too (before fit, and by the callback after the first batch); from a checkpoint written mid-epoch, the
+    position too: the rest of that epoch is a fit of its own, each rank's metric sums put back.
  4. Callbacks in Horovod's order: BroadcastGlobalVariablesCallback(0), MetricAverageCallback(),
     LearningRateScheduleCallback (the PyTorch recipe's warmup and milestones); a NaN/Inf check of the weights
-    after each step (every rank stops at the same step, exit 3); then, on rank 0 only, checkpoints and TensorBoard.
+    after each step (every rank stops at the same step, exit 3); then, on rank 0 only, checkpoints and TensorBoard;
+    last, on every rank, the stop vote (below).
     Then fit on each rank's shard of the training set (hvdtrain's ShardSampler: the same steps on every rank) from
     the loader's producer processes (ShmLoader: batches read, checked and moved to N×H×W×C there, an MDS dataset
     or URL streamed with fetch ahead) through tf.data (to_tf_dataset), one loader epoch per Keras epoch; this
     rank's share of the validation set read in the trainer, batch by batch.
  5. Rank 0 writes <run-dir>/summary.json; every rank checks that the weights are identical everywhere.
+Asked to stop (SIGUSR1 or SIGTERM to any rank; `hvdtrain run` given SIGUSR1, as a Slurm job is before its time
+limit) every rank stops after the same step (the last callback votes), rank 0 checkpoints there (mid-epoch, with
+the loader's position and each rank's metric sums) and all exit 75; run the same command again to resume at that
+step (NOTE [Keras stops mid-epoch] in hvdtrain/train/kerasstop.py).
 """
 
 from __future__ import annotations
@@ -46,9 +52,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hvdtrain import rundir, tfkeras
-from hvdtrain.data import ShmLoader, expected_batches
+from hvdtrain import exitcodes, records, rundir, tfkeras
+from hvdtrain.data import LoaderError, ShmLoader, expected_batches
 from hvdtrain.datasets import arrays
+from hvdtrain.train import checkpoint, preempt
 from hvdtrain.train.channels_last import channels_last_shape, take_channels_last
 from hvdtrain.train.config import RecipeConfig, parse_config
 from hvdtrain.train.entry import exit_with
@@ -104,21 +111,36 @@ def lr_schedule(cfg: Config, lr: float) -> LRSchedule:
                       milestones=cfg.lr_milestones, gamma=cfg.lr_gamma)
 
 
-def lr_callback(hvd: Any, schedule: LRSchedule, steps: int) -> Any:
+@dataclass(frozen=True)
+class Leg:
+    """One `model.fit`: Keras epochs data.first..data.epochs-1 of `data` (hvdtrain.train.keraskit.LoaderEpochs),
+    `steps` per epoch; after a stop mid-epoch, the rest of that epoch is a leg of its own: `first_step` steps of it
+    were trained before (`steps`: the batches left) and `metrics` are this rank's metric sums then (NOTE [Keras stops
+    mid-epoch] in hvdtrain/train/kerasstop.py)."""
+
+    data: Any
+    steps: int
+    first_step: int = 0
+    metrics: list[float] | None = None
+
+
+def lr_callback(hvd: Any, schedule: LRSchedule, leg: Leg) -> Any:
     # Horovod: the LR of every step: scaled by the world size, ramped up linearly over the warmup epochs (Goyal et
     # al.), × gamma from each milestone on. One LearningRateScheduleCallback with the PyTorch recipe's schedule
     # (hvdtrain/train/lr.py), evaluated at each step's end as there: Horovod's own warmup callback plus a constant
     # multiplier per milestone would compound (it applies a constant as multiplier ** (epoch - start_epoch)).
     # momentum_correction=False: Keras 2.11+ optimizers hold momentum as a Python float, which Horovod 0.28.1's
     # correction (scale momentum by new_lr / old_lr for one step) tries to set as a variable and fails.
-    peak = schedule.peak_lr
+    peak, steps = schedule.peak_lr, leg.first_step + leg.steps  # the epoch's steps (a resumed leg: its rest)
 
-    def multiplier(at: float) -> float:  # Horovod calls it with epoch + batch / steps before each batch
+    def multiplier(at: float) -> float:  # Horovod calls it with epoch + batch / leg.steps before each batch
         epoch = int(at)
-        return schedule.lr_for_step(epoch, min(round((at - epoch) * steps), steps - 1), steps) / peak
+        step = leg.first_step + min(round((at - epoch) * leg.steps), leg.steps - 1)
+        return schedule.lr_for_step(epoch, step, steps) / peak
 
     return hvd.callbacks.LearningRateScheduleCallback(
-        initial_lr=peak, multiplier=multiplier, staircase=False, steps_per_epoch=steps, momentum_correction=False)
+        initial_lr=peak, multiplier=multiplier, staircase=False, steps_per_epoch=leg.steps,
+        momentum_correction=False)
 
 
 # The helpers below run inside main(), after it imported TensorFlow with Keras 2 selected: they import keraskit
@@ -183,10 +205,52 @@ def rank_0_callbacks(cfg: Config, run_dir: Path, history: History) -> list[Any]:
     return callbacks
 
 
+def stop_vote(hvd_tf: Any, request: preempt.StopRequest) -> preempt.StopVote:
+    """SIGUSR1, SIGTERM or `hvdtrain run`'s stop file on any rank stops every rank after the same step (NOTE [stop
+    requests] in hvdtrain/train/preempt.py)."""
+    from hvdtrain.train import keraskit
+
+    tf = keraskit.tf
+    # Horovod: each rank's [0/1 flag, steps until the next vote], maxed over the ranks by an allreduce about every
+    # 0.25 s (horovod.tensorflow's allreduce returns when it is done: NOTE [Keras stops mid-epoch]).
+    return preempt.StopVote(
+        request, lambda values: hvd_tf.allreduce(tf.constant(values, tf.int32), op=hvd_tf.Max, name="stop.vote"),
+        lambda result: [int(v) for v in result.numpy()])
+
+
+def save_stop(cfg: Config, hvd_tf: Any, ckpt_dir: Path, model: Any, history: History, leg: Leg, epoch: int,
+              step: int, trained: int) -> str:
+    """Every rank, after the step the ranks agreed to stop at (`step` of epoch `epoch`, `trained` of them in this
+    leg): rank 0 writes the checkpoint of this point in the epoch; returns its path."""
+    from hvdtrain.train import keraskit, kerasstop
+
+    # Horovod: rank 0 keeps what of every rank no collective has made equal (its metric sums): gather it.
+    ranks = hvd_tf.allgather_object(kerasstop.metric_state(model), name="stop.ranks")
+    path = ""
+    if hvd_tf.rank() == 0:  # the loader's position: the epoch's start + the steps trained (tf.data reads ahead)
+        loader = kerasstop.advanced(leg.data.loader.sampler, leg.data.starts[epoch], trained)
+        position = {"epoch": epoch, "step": step, "loader": loader, "ranks": ranks}
+        path = str(keraskit.save_checkpoint(ckpt_dir, cfg.keep_checkpoints, model, history, epoch, position))
+    # Horovod: no rank exits before the checkpoint is written (under horovodrun the first exit ends the job).
+    return str(hvd_tf.broadcast_object(path, root_rank=0, name="stop.saved"))
+
+
+def legs(loader: ShmLoader, first: int, epochs: int, steps: int, position: dict[str, Any] | None,
+         metrics: list[float] | None) -> list[Leg]:
+    """The fits from epoch `first` (from `position` if a stop mid-epoch left one: its rest, then the others)."""
+    from hvdtrain.train import keraskit
+
+    if position is None:
+        return [Leg(keraskit.LoaderEpochs(loader, first, epochs), steps)]
+    loader.load_state_dict(position["loader"])  # the next iteration starts after the batches trained
+    rest = Leg(keraskit.LoaderEpochs(loader, first, first + 1), len(loader), position["step"], metrics)
+    return [rest] + ([Leg(keraskit.LoaderEpochs(loader, first + 1, epochs), steps)] if first + 1 < epochs else [])
+
+
 def fit(cfg: Config, model: Any, splits: arrays.Splits, rank: int, size: int, first: int, epochs: int, steps: int,
-        callbacks: list[Any]) -> None:
+        position: dict[str, Any] | None, metrics: list[float] | None, callbacks: Any) -> None:
     """Keras epochs first..epochs-1 on this rank's shard of the training set, validating on its share of the
-    validation split."""
+    validation split; `callbacks(leg)` gives each fit's."""
     from hvdtrain.train import keraskit
 
     # Horovod: each rank reads only its shard (ShardSampler: strided over a per-epoch permutation that is the same on
@@ -198,10 +262,30 @@ def fit(cfg: Config, model: Any, splits: arrays.Splits, rank: int, size: int, fi
     with ShmLoader(splits.train, rank=rank, size=size, batch_size=cfg.batch_size, num_workers=cfg.num_workers,
                    seed=cfg.seed, fetch=take_channels_last, order=splits.train.order,
                    epochs=epochs) as loader, keraskit.data_errors_reraised():
-        train = keraskit.train_input(loader, first, epochs, channels_last_shape(splits.train.sample_shape))
-        model.fit(train, steps_per_epoch=steps, epochs=epochs, initial_epoch=first,
-                  validation_data=keraskit.val_input(splits.val, rank, size), callbacks=callbacks,
-                  verbose=cfg.verbose if rank == 0 else 0)  # Horovod: output on rank 0 only
+        todo = legs(loader, first, epochs, steps, position, metrics)
+        for i, leg in enumerate(todo):
+            model.fit(keraskit.train_input(leg.data, channels_last_shape(splits.train.sample_shape)),
+                      steps_per_epoch=leg.steps, epochs=leg.data.epochs, initial_epoch=leg.data.first,
+                      validation_data=keraskit.val_input(splits.val, rank, size), callbacks=callbacks(leg),
+                      verbose=cfg.verbose if rank == 0 else 0)  # Horovod: output on rank 0 only
+            if model.stop_training or i + 1 == len(todo):  # --stop-after-epoch (every rank alike), or the last leg
+                return
+            # One thread at a time iterates the loader: this leg's input has ended before the next one starts.
+            if not leg.data.finished.wait(loader.timeout):
+                raise LoaderError(f"the input of epochs {leg.data.first + 1}..{leg.data.epochs} did not end within "
+                                  f"{loader.timeout:g} s of their last step")
+
+
+def resumed_metrics(position: dict[str, Any] | None, rank: int, size: int) -> list[float] | None:
+    """This rank's metric sums from a checkpoint written mid-epoch; None if there are none to match to it."""
+    if position is None:
+        return None
+    ranks = position["ranks"]
+    if len(ranks) != size:  # the loader re-shards; what was each rank's own cannot be matched to a rank
+        log(rank, f"the checkpoint stopped mid-epoch with {len(ranks)} ranks, this run has {size}: each rank's "
+                  "metric sums start afresh (the epoch's metrics cover only its rest)")
+        return None
+    return [float(v) for v in ranks[rank]]
 
 
 def finish(cfg: Config, run_dir: Path, splits: arrays.Splits, model: Any, lr: float, first: int, epochs: int,
@@ -251,9 +335,11 @@ def main(argv: list[str] | None = None) -> int:
     import horovod.tensorflow as hvd_tf  # broadcast_object / allgather_object
     import horovod.tensorflow.keras as hvd
 
-    from hvdtrain.train import keraskit
+    from hvdtrain.train import keraskit, kerasstop
     # ---- 1. processes and devices
     hvd.init()  # Horovod: join the job; rank/size come from horovodrun (or mpirun).
+    # Asked to stop (SIGUSR1, SIGTERM, hvdtrain run's stop file) from now on: acted on at the first step boundary.
+    request = preempt.StopRequest(records.directory(), sigterm_grace_s=cfg.sigterm_grace).install()
     rank, size = hvd.rank(), hvd.size()
     # Horovod: pin one GPU per process (visible device = the local rank's), its memory allocated as needed.
     gpus = tf.config.list_physical_devices("GPU")
@@ -263,6 +349,7 @@ def main(argv: list[str] | None = None) -> int:
         tf.config.set_visible_devices(gpus[hvd.local_rank()], "GPU")
     where = keraskit.setup_process(cfg.threads, hvd.local_size())  # CPU threads per rank; stale /dev/shm swept
     run_dir = Path(cfg.run_dir).absolute()
+    ckpt_dir = run_dir / "checkpoints"
     # Horovod: rank 0 alone writes the run directory and locks it; if another job holds it, every rank stops: exit 2.
     run_lock = rundir.claim(run_dir, rank, lambda v: hvd_tf.broadcast_object(v, root_rank=0, name="run_dir.lock"))
     # ---- 2. data (each rank's shard is read in fit, below), model, LR, optimizer
@@ -275,28 +362,51 @@ def main(argv: list[str] | None = None) -> int:
     compile_model(model, make_optimizer(cfg, hvd, schedule.lr_at(0)))
     epochs = scaled_epochs(cfg.epochs, size, cfg.scale_epochs_by_size)  # Horovod: ceil(epochs / size) if asked
     # ---- 3. resume: rank 0 restores the newest intact checkpoint; every rank starts from rank 0's
-    first, rows = keraskit.load_latest(run_dir / "checkpoints", model) if rank == 0 and cfg.resume else (0, [])
+    first, rows, position = (keraskit.load_latest(ckpt_dir, model) if rank == 0 and cfg.resume else (0, [], None))
     # Horovod: every rank starts at rank 0's epoch and history, and with its weights and optimizer state: before fit
-    # too (the callback below broadcasts after the first batch, which would average in gradients at other weights).
+    # too (the callback below broadcasts after the first batch, which would average in gradients at other weights);
+    # from a checkpoint written mid-epoch, at its step with each rank's own metric sums (NOTE [Keras stops
+    # mid-epoch] in hvdtrain/train/kerasstop.py).
     first = hvd_tf.broadcast_object(first, root_rank=0, name="resume.epoch")
     history = History(hvd_tf.broadcast_object(rows, root_rank=0, name="resume.history"))
-    if first:
+    position = hvd_tf.broadcast_object(position, root_rank=0, name="resume.position")
+    if first or position is not None:
         hvd_tf.broadcast_variables(model.variables + list(model.optimizer.variables)
                                    + keraskit.loss_scale_variables(model.optimizer), root_rank=0)  # fp16's scale
     log(rank, start_line(cfg, size, where, splits, first, epochs, steps, lr))
     # ---- 4. callbacks in Horovod's order, then fit on this rank's shard
     samples = math.ceil(len(splits.train) / size) * size  # per epoch, over all ranks
     recorder = keraskit.Recorder(history, samples, rank, epochs, cfg.stop_after_epoch)
-    callbacks = [
-        hvd.callbacks.BroadcastGlobalVariablesCallback(0),  # Horovod: rank 0's weights and optimizer state
-        hvd.callbacks.MetricAverageCallback(),  # Horovod: each epoch's metrics averaged over all ranks before any log
-        lr_callback(hvd, schedule, steps),  # Horovod: the LR of every step (warmup, milestones)
-        *([keraskit.StopOnNonFinite(steps)] if cfg.check_finite else []),  # NaN/Inf: every rank stops at one step
-        recorder,  # each epoch's (averaged) metrics, LR and timing into the history, on every rank
-        *(rank_0_callbacks(cfg, run_dir, history) if rank == 0 else []),  # Horovod: checkpoints on rank 0 only
-    ]
+    broadcast = hvd.callbacks.BroadcastGlobalVariablesCallback(0)  # one for every fit: it broadcasts once
+    vote = stop_vote(hvd_tf, request)  # SIGUSR1/SIGTERM: checkpoint at the next step boundary, exit 75
+
+    def callbacks(leg: Leg) -> list[Any]:
+        if leg.first_step:  # the rest of a stopped epoch: its share of the samples, its first step's LR
+            recorder.resumed(leg.steps / (leg.first_step + leg.steps),
+                             schedule.lr_for_step(leg.data.first, 0, leg.first_step + leg.steps))
+        return [
+            broadcast,  # Horovod: rank 0's weights and optimizer state
+            hvd.callbacks.MetricAverageCallback(),  # Horovod: each epoch's metrics averaged over all ranks
+            lr_callback(hvd, schedule, leg),  # Horovod: the LR of every step (warmup, milestones)
+            *([keraskit.StopOnNonFinite(leg.first_step + leg.steps, leg.first_step)] if cfg.check_finite
+              else []),  # NaN/Inf: every rank stops at the same step
+            recorder,  # each epoch's (averaged) metrics, LR and timing into the history, on every rank
+            *(rank_0_callbacks(cfg, run_dir, history) if rank == 0 else []),  # Horovod: checkpoints on rank 0 only
+            kerasstop.StopAtBoundary(  # last: a stop request on any rank stops every rank after the same step
+                vote, lambda epoch, step, trained: save_stop(cfg, hvd_tf, ckpt_dir, model, history, leg, epoch, step,
+                                                             trained),
+                lambda done: str(checkpoint.checkpoint_path(ckpt_dir, done)), epochs, first_step=leg.first_step,
+                metrics=leg.metrics),
+        ]
+
     if first < epochs:
-        fit(cfg, model, splits, rank, size, first, epochs, steps, callbacks)
+        try:
+            fit(cfg, model, splits, rank, size, first, epochs, steps, position,
+                resumed_metrics(position, rank, size), callbacks)
+        except kerasstop.Preempted as stop:  # every rank, after the same step; checkpointed
+            if rank == 0:
+                print(preempt.stop_line(request, stop.path), flush=True)
+            return exitcodes.PREEMPTED
     # ---- 5. the end: identical weights everywhere; rank 0 writes summary.json
     finish(cfg, run_dir, splits, model, lr, first, epochs, history, recorder, run_lock)
     return 0

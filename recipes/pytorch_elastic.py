@@ -34,6 +34,12 @@ What each rank does, in order:
     (but the padding of the epoch's last round).
  6. At the end every rank compares weight digests (allgather); rank 0 writes summary.json with the world sizes
     seen and the number of resets; rank 0 also appends one line per (re)start and commit to elastic.jsonl.
+Asked to stop (SIGUSR1 to any rank; `hvdtrain run` given SIGUSR1, as a Slurm job is before its time limit) every
+rank stops at the next commit (the commit's allreduce counts the ranks asked; heard after an epoch's last commit:
+after its validation and checkpoint), rank 0 checkpoints that position (mid-epoch: the loader's global position,
+the epoch's metric sums, each rank's BatchNorm statistics) and all exit 75, which ends the elastic job
+(Horovod's driver stops when every rank failed); run the same command again to resume there. SIGTERM to a rank
+keeps its elastic meaning: that rank goes, and the others carry on from the last commit.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,11 +59,11 @@ import torch
 from pytorch_models import make_model
 from torch import nn
 
-from hvdtrain import rundir
+from hvdtrain import exitcodes, records, rundir
 from hvdtrain.atomic import atomic_write
 from hvdtrain.data import DevicePrefetcher, ShmLoader, StallMeter
 from hvdtrain.datasets import arrays
-from hvdtrain.train import divergence, torchkit
+from hvdtrain.train import checkpoint, divergence, preempt, torchkit
 from hvdtrain.train.checkpoint import CheckpointMismatch
 from hvdtrain.train.config import parse_config
 from hvdtrain.train.entry import exit_with
@@ -104,9 +111,18 @@ class Job:
     schedule: LRSchedule
     loader: DevicePrefetcher
     run_dir: Path
+    request: preempt.StopRequest
     meter: StallMeter = field(default_factory=StallMeter)
     writer: Any = None
     run_lock: rundir.RunDirLock | None = None
+
+
+class StopAgreed(Exception):  # not an error: every rank was asked to stop, and the checkpoint is written
+    """The ranks agreed at a commit to stop; `path` is the checkpoint to resume from."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(f"stopped at a commit; checkpoint {path}")
+        self.path = path
 
 
 def make_loader(cfg: Config, splits: arrays.Splits, rank: int, size: int, device: torch.device) -> DevicePrefetcher:
@@ -146,6 +162,25 @@ def event(j: Job, kind: str, state: hvd.elastic.TorchState) -> None:
            "samples": (state.data or {}).get("samples_consumed", 0), "resets": state.resets}
     with open(j.run_dir / EVENTS_NAME, "a") as f:
         f.write(json.dumps(row) + "\n")
+
+
+def resume_point(cfg: Config, run_dir: Path, model: nn.Module, optimizer: HvdOptimizer,
+                 rank: int) -> tuple[int, list[dict[str, Any]], dict[str, Any] | None, str | None]:
+    """Rank 0: the newest checkpoint loaded into model and optimizer; (epochs done, history, the position of one
+    written mid-epoch by this recipe's stop, why it cannot resume from it). No rank may stop here: a refusal is
+    raised in train() on every rank after the state's sync, or the others would wait for rank 0 until the Gloo
+    timeout and then train from scratch without it."""
+    if rank != 0 or not cfg.resume:
+        return 0, [], None, None
+    try:
+        first, rows, position = torchkit.load_latest(run_dir / "checkpoints", model, optimizer)
+    except CheckpointMismatch as e:
+        return 0, [], None, str(e)
+    if position is not None and "sums" not in position:  # pytorch_train.py's: each rank's own state, not ours
+        return 0, [], None, (f"the newest checkpoint in {run_dir / 'checkpoints'} was written mid-epoch by "
+                             "recipes/pytorch_train.py when it was asked to stop: resume it with that recipe, or "
+                             "train this one in a new --run-dir")
+    return first, rows, position, None
 
 
 # ---- a reset: the world changed ----------------------------------------------------------------------------
@@ -197,16 +232,53 @@ def train_step(j: Job, state: hvd.elastic.TorchState, x: torch.Tensor, y: torch.
         j.precision.step(j.optimizer)
 
 
-def commit(j: Job, state: hvd.elastic.TorchState, sums: MetricSums) -> None:
-    # Horovod: fold this rank's metric sums since the last commit into the state's global sums (one allreduce),
-    # so that a restore neither loses nor double-counts them.
-    total = allreduce_sum(sums.values())
-    state.train_sums = tuple(float(a + b) for a, b in zip(state.train_sums, total, strict=True))
+def commit(j: Job, state: hvd.elastic.TorchState, sums: MetricSums, vote: bool = True) -> None:
+    # Horovod: fold this rank's metric sums since the last commit into the state's global sums, so that a restore
+    # neither loses nor double-counts them, and (`vote`) count the ranks asked to stop: one allreduce.
+    total = allreduce_sum(np.append(sums.values(), float(vote and j.request.heard())))
+    state.train_sums = tuple(float(a + b) for a, b in zip(state.train_sums, total[:3], strict=True))
     sums.loss_sum, sums.correct, sums.count = 0.0, 0, 0
     state.data = j.loader.state_dict()  # the global samples consumed in this epoch: a prefix of its order
+    if total[3] > 0:  # every rank got the same count: all stop here, at this commit's position
+        raise StopAgreed(save_stop(j, state))
     event(j, "commit", state)
     # Horovod: save the state in memory, then raise HostsUpdatedInterrupt if hosts were added or removed.
     state.commit()
+
+
+def save_stop(j: Job, state: hvd.elastic.TorchState) -> str:
+    """Every rank, at the commit the ranks agreed to stop at: rank 0 writes the checkpoint of this position in the
+    epoch (what a commit holds: weights, optimizer, the loader's global position, the epoch's global metric sums;
+    and each rank's BatchNorm statistics, averaged only at the epoch's end); returns its path."""
+    # Horovod: gather what of every rank no collective has made equal yet: its buffers.
+    buffers = hvd.allgather_object({name: buf.detach().cpu().clone() for name, buf in j.model.named_buffers()},
+                                   name="stop.buffers")
+    path = ""
+    if j.rank == 0:
+        position = {"epoch": state.epoch, "step": state.batch, "loader": state.data, "sums": list(state.train_sums),
+                    "buffers": buffers}
+        path = str(torchkit.save_checkpoint(j.cfg, j.run_dir / "checkpoints", state.epoch, j.model, j.optimizer,
+                                            History(list(state.history)), position=position))
+    # Horovod: no rank exits before the checkpoint is written.
+    path = str(hvd.broadcast_object(path, root_rank=0, name="stop.saved"))
+    j.request.disarm()
+    return path
+
+
+def put_back_buffers(j: Job, state: hvd.elastic.TorchState) -> None:
+    """Resumed from this recipe's stop: each rank's own BatchNorm statistics as they were (sync gave every rank
+    rank 0's); once (train() then saves the state: a restore never brings them back)."""
+    if state.buffers is None:
+        return
+    if len(state.buffers) == hvd.size():
+        buffers = dict(j.model.named_buffers())
+        with torch.no_grad():
+            for name, saved in state.buffers[hvd.rank()].items():
+                buffers[name].copy_(saved)
+    else:  # another world size: rank i's statistics cannot be matched to a rank
+        log(hvd.rank(), f"the checkpoint stopped mid-epoch with {len(state.buffers)} ranks, this run has "
+                        f"{hvd.size()}: every rank starts from rank 0's BatchNorm statistics (not bit-identical)")
+    state.buffers = None
 
 
 def train_rest_of_epoch(j: Job, state: hvd.elastic.TorchState) -> None:
@@ -225,7 +297,7 @@ def train_rest_of_epoch(j: Job, state: hvd.elastic.TorchState) -> None:
         state.batch += 1
         if state.batch % j.cfg.commit_every == 0:
             commit(j, state, sums)
-    commit(j, state, sums)
+    commit(j, state, sums, vote=False)  # the epoch's end: a request heard now stops after its checkpoint
 
 
 def end_epoch(j: Job, state: hvd.elastic.TorchState, started: float, samples0: float, step0: int) -> None:
@@ -248,6 +320,11 @@ def end_epoch(j: Job, state: hvd.elastic.TorchState, started: float, samples0: f
         torchkit.save_checkpoint(j.cfg, j.run_dir / "checkpoints", state.epoch + 1, j.model, j.optimizer, history)
     state.history = (*state.history, row)
     state.epoch, state.batch, state.data, state.train_sums = state.epoch + 1, 0, None, (0.0, 0.0, 0.0)
+    # Horovod: asked to stop (in the epoch's last steps or its validation) on any rank? Then stop after this
+    # epoch's checkpoint, before the next epoch starts.
+    if state.epoch < j.cfg.epochs and allreduce_sum(np.array([float(j.request.heard())]))[0] > 0:
+        j.request.disarm()
+        raise StopAgreed(str(checkpoint.checkpoint_path(j.run_dir / "checkpoints", state.epoch)))
     event(j, "commit", state)
     # Horovod: commit the finished epoch (a failure from here on never repeats it).
     state.commit()
@@ -259,7 +336,13 @@ def train(state: hvd.elastic.TorchState, j: Job) -> None:
     # Horovod: TorchState.sync() broadcasts the weights before the optimizer state; on a rank that joined, the
     # latter initialises empty optimizer state with a zero-gradient step, which moves weights under weight decay.
     # Broadcast the weights once more so every rank starts from rank 0's.
+    if state.refused:  # rank 0's checkpoint does not fit: every rank stops with exit 2, so the driver ends the job
+        raise CheckpointMismatch(state.refused)
     hvd.broadcast_parameters(j.model.state_dict(), root_rank=0)
+    put_back_buffers(j, state)  # after a stop mid-epoch: each rank's own BatchNorm statistics
+    # Horovod: sync() does not save: a restore (a rank lost before the first commit) would bring back this rank's
+    # state from before the sync, its initial weights on a rank other than 0. Save what every rank starts from.
+    state.save()
     # Horovod: rank 0 alone writes the run directory and locks it; a broadcast tells every rank whether another job
     # holds it (then all stop with exit 2). After a reset a new rank 0 takes the lock over from the old one.
     j.run_lock = rundir.claim(j.run_dir, hvd.rank(), lambda v: hvd.broadcast_object(v, 0, name="run_dir.lock"),
@@ -337,22 +420,23 @@ def main(argv: list[str] | None = None) -> int:
         compression=hvd.Compression.fp16 if cfg.fp16_allreduce else hvd.Compression.none,
         backward_passes_per_step=cfg.backward_passes_per_step)
     # Rank 0 alone loads the newest checkpoint; the others get it from TorchState's sync in train().
-    resume = rank == 0 and cfg.resume
-    first, rows, position = (torchkit.load_latest(run_dir / "checkpoints", model, optimizer) if resume
-                             else (0, [], None))
-    if position is not None:  # written by pytorch_train.py stopped mid-epoch (exit 75): only it resumes there
-        raise CheckpointMismatch(f"the newest checkpoint in {run_dir / 'checkpoints'} was written mid-epoch by "
-                                 "recipes/pytorch_train.py when it was asked to stop: resume it with that recipe, "
-                                 "or train this one in a new --run-dir")
+    first, rows, position, refused = resume_point(cfg, run_dir, model, optimizer, rank)
+    # Asked to stop (SIGUSR1, hvdtrain run's stop file) from now on: every rank stops at the next commit. SIGTERM
+    # keeps its elastic meaning: that rank goes, the others carry on from the last commit (NOTE [stop requests]).
+    request = preempt.StopRequest(records.directory(), signals=(signal.SIGUSR1,)).install()
 
     # ---- 4. the elastic state
-    # Horovod: everything every rank must agree on after a reset; rank 0's copy is broadcast by state.sync().
-    state = hvd.elastic.TorchState(model=model, optimizer=optimizer, epoch=first, batch=0, data=None,
-                                   train_sums=(0.0, 0.0, 0.0), history=tuple(rows), sizes=(size,), resets=0)
+    # Horovod: everything every rank must agree on after a reset; rank 0's copy is broadcast by state.sync(). From
+    # a checkpoint this recipe wrote mid-epoch (stopped), its position, as a commit holds it.
+    state = hvd.elastic.TorchState(
+        model=model, optimizer=optimizer, epoch=first, batch=position["step"] if position else 0,
+        data=position["loader"] if position else None,
+        train_sums=tuple(position["sums"]) if position else (0.0, 0.0, 0.0), history=tuple(rows), sizes=(size,),
+        resets=0, buffers=position["buffers"] if position else None, refused=refused)
     # --channels-last / --compile / --precision bf16 as in recipes/pytorch_train.py (`net` is what trains).
     net = prepare_model(model, cfg.channels_last, cfg.compile)
     j = Job(cfg, rank, size, device, splits, model, net, Precision(cfg.precision, device), optimizer, schedule,
-            loader=make_loader(cfg, splits, rank, size, device), run_dir=run_dir)
+            loader=make_loader(cfg, splits, rank, size, device), run_dir=run_dir, request=request)
     # Horovod: called on the surviving ranks after every reset (not on new ones: they build all of this).
     state.register_reset_callbacks([lambda: on_reset(j, state)])
     log(rank, f"{size} ranks (elastic) on {where}  dataset "
@@ -363,6 +447,10 @@ def main(argv: list[str] | None = None) -> int:
     # ---- 5.-6. train (Horovod restarts train() from the last commit after every reset), then the summary
     try:
         train(state, j)
+    except StopAgreed as stop:  # every rank, at the same commit; checkpointed
+        if hvd.rank() == 0:
+            print(preempt.stop_line(request, stop.path), flush=True)
+        return exitcodes.PREEMPTED
     finally:
         j.loader.close()  # stops the producer processes, frees the shared memory
         if j.writer is not None:

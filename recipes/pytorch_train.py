@@ -286,13 +286,6 @@ def save_stop(cfg: Config, ckpt_dir: Path, epoch: int, stopped: Stopped, model: 
     return str(hvd.broadcast_object(path, root_rank=0, name="stop.saved"))
 
 
-def stop_line(request: preempt.StopRequest, path: str) -> str:
-    """Rank 0's last words after a stop."""
-    heard = f"asked to stop ({request.reason} here)" if request.reason else "asked to stop (on another rank)"
-    return (f"{heard}: checkpoint {path}; run the same command again to resume from it "
-            f"(exit {exitcodes.PREEMPTED})")
-
-
 def finish(cfg: Config, run_dir: Path, first: int, done: int, epochs: int, model: nn.Module, lr: float,
            splits: arrays.Splits, history: History, meters: Meters, samples: float, seconds: float,
            writer: Any, clock: StartupClock) -> None:
@@ -371,6 +364,10 @@ def main(argv: list[str] | None = None) -> int:
     first = hvd.broadcast_object(first, root_rank=0, name="resume.epoch")
     history = History(hvd.broadcast_object(rows, root_rank=0, name="resume.history"))
     position = hvd.broadcast_object(position, root_rank=0, name="resume.position")
+    if position is not None and "ranks" not in position:  # pytorch_elastic.py's: no rank's own state to put back
+        raise checkpoint.CheckpointMismatch(
+            f"the newest checkpoint in {ckpt_dir} was written mid-epoch by recipes/pytorch_elastic.py when it was "
+            "asked to stop: resume it with that recipe, or train this one in a new --run-dir")
     if position is not None:
         loader.load_state_dict(position["loader"])
     # Horovod: start every rank from rank 0's optimizer state (momentum buffers, LR), then its weights: on a rank with
@@ -413,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
             writer.close()
     if stop:
         if rank == 0:
-            print(stop_line(vote.request, stop), flush=True)
+            print(preempt.stop_line(vote.request, stop), flush=True)
         return exitcodes.PREEMPTED
     # ---- 6. the end: identical weights everywhere; rank 0 writes summary.json
     finish(cfg, run_dir, first, done, epochs, model, lr, splits, history, meters, samples, seconds, writer, clock)

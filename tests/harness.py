@@ -57,6 +57,30 @@ class JobResult:
         return f"$ {' '.join(self.argv)}\nexit code {self.returncode}\n--- output ---\n{self.output}"
 
 
+# Source for a rank's test wrapper (tests/test_pytorch_recipe.py, tests/test_keras_recipe.py): `signal_at(rank)`
+# before the recipe runs makes a stop request land at a known step.
+SIGNAL_AT = r'''
+def signal_at(rank):
+    """HVDTRAIN_TEST_SIGNAL=RANK:STEP:SIGNAME: that rank sends itself that signal after its STEP-th optimizer step
+    (counted over epochs), a stop request landing at a known point of the epoch (NOTE [stop requests])."""
+    target, step, name = os.environ.get("HVDTRAIN_TEST_SIGNAL", "-1:0:SIGUSR1").split(":")
+    from hvdtrain.train import preempt
+    if int(target) < 0:
+        return
+    preempt.VOTE_EVERY_S = 0.0  # every rank votes at every step: the stop lands at a known step
+    if int(target) != rank:
+        return
+    import signal
+    original, count = preempt.StopVote.after_step, [0]
+
+    def after_step(self):
+        count[0] += 1
+        if count[0] == int(step):
+            os.kill(os.getpid(), getattr(signal, name))
+        return original(self)
+    preempt.StopVote.after_step = after_step
+'''
+
 def run_bounded(
     argv: Sequence[str], *, timeout: float, env: dict[str, str] | None = None, cwd: Path | None = None
 ) -> JobResult:

@@ -188,6 +188,7 @@ NOTE_DEFINITION = re.compile(r"(?:#\s*)?NOTE \[([^\[\]\n]+)\](?::.*)?")
 NOTE_REFERENCE = re.compile(r"NOTE\s+(?:#\s*)?\[([^\[\]]{1,100})\]")
 NOTE_ROOTS = [PKG, PKG.parent / "recipes", PKG.parent / "tests", PKG.parent / "bench"]  # *.py
 NOTE_DOCS = [PKG.parent / "README.md", *sorted((PKG.parent / "docs").glob("*.md"))]  # they refer to the notes
+NOTE_SCRIPTS = sorted((PKG.parent / "docker").glob("*.sh"))  # the image's entrypoint holds one
 
 
 def note_name(text: str) -> str:
@@ -218,7 +219,8 @@ def test_note_names_are_unique_and_resolve():
     this = Path(__file__).resolve()  # its own examples below name notes that do not exist
     sources = {str(p.relative_to(PKG.parent)): p.read_text() for root in NOTE_ROOTS for p in sorted(root.rglob("*.py"))
                if p.resolve() != this}
-    problems = note_problems({**sources, **{str(p.relative_to(PKG.parent)): p.read_text() for p in NOTE_DOCS}})
+    problems = note_problems({**sources, **{str(p.relative_to(PKG.parent)): p.read_text() for p in NOTE_DOCS},
+                              **{str(p.relative_to(PKG.parent)): p.read_text() for p in NOTE_SCRIPTS}})
     assert not problems, "NOTE blocks (see the comment above NOTE_DEFINITION):\n" + "\n".join(problems)
 
 

@@ -7,14 +7,17 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from hvdtrain.train import checkpoint
 from tests import netns
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -238,3 +241,43 @@ def test_ssh_client_skips_host_key_checks_only_for_cluster_hosts(tmp_path):
     assert cluster["port"] == args["SSHD_PORT"] and cluster["stricthostkeychecking"] in ("false", "no")
     other = effective("example.org")
     assert other["port"] == "22" and other["stricthostkeychecking"] not in ("false", "no")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("controller", ["gloo", "mpi"])
+def test_supervise_passes_sigterm_to_the_ranks_only_and_waits_for_their_checkpoint(tmp_path, controller):
+    """A worker pod's PID 1 (`supervise`, NOTE [a worker pod's SIGTERM]), here over horovodrun instead of sshd: its
+    SIGTERM reaches the two ranks (HOROVOD_RANK or OMPI_COMM_WORLD_RANK in their environment) and not their data
+    producers, which inherit it: the ranks agree on a step, rank 0 checkpoints there, they exit 75 (a producer
+    killed would have failed the rank instead), and only then does the entrypoint stop its command and exit 143."""
+    from tests.harness import HOROVODRUN, STARTED_SESSIONS, kill_group
+
+    run_dir = tmp_path / "run"
+    argv = [str(DOCKER / "entrypoint.sh"), "supervise", str(HOROVODRUN), "-np", "2", "-H", "localhost:2",
+            f"--{controller}", sys.executable, str(ROOT / "recipes" / "pytorch_train.py"), "--dataset", "digits",
+            "--epochs", "40", "--num-workers", "2", "--no-tensorboard", "--no-progress", "--sigterm-grace", "60",
+            "--run-dir", str(run_dir)]
+    out = tmp_path / "out.txt"
+    with open(out, "w") as sink:
+        proc = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+    STARTED_SESSIONS.add(proc.pid)
+    try:
+        deadline = time.monotonic() + 120
+        while not (run_dir / "checkpoints" / "ckpt-epoch0001.pt").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, f"no epoch trained:\n{out.read_text()}"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=90)
+    finally:
+        kill_group(proc)
+    text = out.read_text()
+    assert code == 143, text
+    pids = re.search(r"SIGTERM: passed to the ranks here \(pids ([0-9 ]+)\)", text)
+    assert pids is not None and len(pids.group(1).split()) == 2, text
+    assert "asked to stop (SIGTERM here): checkpoint" in text and "WorkerDiedError" not in text, text
+    if controller == "gloo":  # horovodrun names each rank's exit code (mpirun only that one was not 0)
+        codes = re.findall(r"Process \d exit with status code (\d+)", text)
+        assert "75" in codes and set(codes) <= {"75", "143"}, text
+    names = [p.name for _, p in checkpoint.list_checkpoints(run_dir / "checkpoints")]
+    assert names[-1] != "ckpt-epoch0001.pt" and not (run_dir / "summary.json").exists(), (names, text)

@@ -30,6 +30,7 @@ import psutil
 import pytest
 import yaml
 
+from hvdtrain import exitcodes
 from hvdtrain.job.load import load_spec
 from hvdtrain.job.plan import build_plan
 from hvdtrain.train import checkpoint
@@ -271,3 +272,107 @@ def test_the_recipe_docstring_shows_the_exact_command_of_the_shipped_job() -> No
     doc = ast.get_docstring(ast.parse((REPO / "recipes" / "pytorch_elastic.py").read_text())) or ""
     shown = doc.split("    horovodrun ", 1)[1].split("\n\n", 1)[0].replace("\\\n", " ")
     assert ["horovodrun", *shlex.split(shown)] == expected
+
+
+# ---------------------------------------------------------------- asked to stop: a checkpoint at a commit, exit 75
+
+STOP_ARGS = ["--dataset", "digits", "--epochs", "3", "--warmup-epochs", "1", "--lr-milestones", "2", "--batch-size",
+             "16", "--commit-every", "5", "--weight-decay", "1e-3", "--threads", "1", "--keep-checkpoints", "3",
+             "--no-tensorboard", "--no-progress"]
+
+
+# Runs the recipe; rank 1 sends itself SIGUSR1 at its AT-th state.commit() (counted over epochs; 0: never), so
+# that the request lands at a known commit (the launcher's stop file is looked for every 0.5 s, longer than what is
+# left of a digits epoch: tests/test_run_preempt.py tests that path).
+STOP_WRAPPER = r"""
+import os, runpy, signal, sys
+if __name__ == "__main__":  # not in the recipe's data producer processes, which re-import the main module
+    script, at = sys.argv[1], int(sys.argv[2])
+    sys.argv = [script, *sys.argv[3:]]
+    sys.path.insert(0, os.path.dirname(script))
+    import horovod.torch as hvd
+    original, count = hvd.elastic.TorchState.commit, [0]
+
+    def commit(self):
+        count[0] += 1
+        if count[0] == at and hvd.rank() == 1:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return original(self)
+    hvd.elastic.TorchState.commit = commit
+    runpy.run_path(script, run_name="__main__")
+"""
+
+
+def write_stop_job(tmp_path: Path, run_dir: Path, at: int) -> Path:
+    """Two ranks on two names of this machine (the shipped discovery script's default), no changes while it runs;
+    rank 1 asks to stop at its `at`-th commit."""
+    wrapper, job = tmp_path / "stop_at_commit.py", tmp_path / f"stop-{run_dir.name}.yaml"
+    wrapper.write_text(STOP_WRAPPER)
+    job.write_text(yaml.safe_dump({
+        "script": str(wrapper), "np": 2, "controller": "gloo", "network_interfaces": ["lo"],
+        "elastic": {"discovery_script": str(REPO / "jobs" / "discover_hosts.sh"), "min_np": 2, "max_np": 2,
+                    "reset_limit": 1, "timeout_s": 60},
+        "args": [str(REPO / "recipes" / "pytorch_elastic.py"), str(at), *STOP_ARGS, "--run-dir", str(run_dir)]}))
+    return job
+
+
+def without_timing(summary: dict[str, Any]) -> list[dict[str, Any]]:
+    return [{k: v for k, v in row.items() if k not in ("samples_per_sec", "data_wait_share")}
+            for row in summary["history"]]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3 * JOB_TIMEOUT_S)
+def test_sigusr1_stops_every_rank_at_the_next_commit_and_resumes_as_if_never_stopped(tmp_path: Path) -> None:
+    """SIGUSR1 to one rank mid-epoch (as `scancel --signal=USR1`, or hvdtrain's stop file, asks): the elastic ranks
+    stop at the next commit, rank 0 checkpoints its position mid-epoch (each rank's BatchNorm statistics with it),
+    every rank exits 75 and so does `hvdtrain run` (Horovod's elastic driver
+    ends a job whose every rank failed: nothing is restarted); the same command again resumes there and ends with
+    the weights and history of a run never stopped."""
+    reference, run_dir = tmp_path / "reference", tmp_path / "run"
+    expect_ok(run_bounded([HVDTRAIN, "run", str(write_stop_job(tmp_path, reference, 0))], timeout=JOB_TIMEOUT_S))
+    # 11 commits an epoch (9 every 5 of its 45 steps, its end, after its checkpoint): the 13th is at epoch 2's 10th
+    # step, and the ranks stop at the next one.
+    stopped = run_bounded([HVDTRAIN, "run", str(write_stop_job(tmp_path, run_dir, 13))], timeout=JOB_TIMEOUT_S)
+    assert stopped.returncode == exitcodes.PREEMPTED, stopped.describe()
+    names = [p.name for _, p in checkpoint.list_checkpoints(run_dir / "checkpoints")]
+    assert names == ["ckpt-epoch0001.pt", "ckpt-epoch0001-step000015.pt"], f"{names}\n{stopped.output}"
+    assert f"asked to stop (on another rank): checkpoint {run_dir / 'checkpoints' / names[1]}" in stopped.output, \
+        stopped.output
+    assert not (run_dir / "summary.json").exists()
+
+    again = expect_ok(run_bounded([HVDTRAIN, "run", str(write_stop_job(tmp_path, run_dir, 0))], timeout=JOB_TIMEOUT_S))
+    assert "(epoch 1 done, then 15 steps of epoch 2)" in again.output, again.output
+    summary, uninterrupted = (json.loads((d / "summary.json").read_text()) for d in (run_dir, reference))
+    assert without_timing(summary) == without_timing(uninterrupted)
+    assert summary["weights_sha256_by_rank"] == uninterrupted["weights_sha256_by_rank"], \
+        "resumed mid-epoch, the elastic run ended with other weights than one never stopped"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(JOB_TIMEOUT_S + 60)
+def test_a_mid_epoch_checkpoint_of_the_pytorch_recipe_stops_every_elastic_rank_with_exit_2(tmp_path: Path) -> None:
+    """recipes/pytorch_train.py's stop checkpoint (each rank's own state) is not one this recipe resumes: rank 0
+    finds it, and every rank stops after the state's sync with exit 2 naming it (were rank 0 alone to stop, the
+    other would train from scratch once the Gloo timeout dropped it)."""
+    sys.path.insert(0, str(REPO / "recipes"))
+    try:
+        import pytorch_elastic
+        from pytorch_models import make_model
+    finally:
+        sys.path.remove(str(REPO / "recipes"))
+    from hvdtrain.train import torchkit
+    from hvdtrain.train.config import parse_config
+    from hvdtrain.train.metrics import History
+
+    cfg = parse_config(pytorch_elastic.Config, STOP_ARGS)
+    splits = cfg.load_data()
+    model = make_model(torchkit.model_name(cfg, splits), splits.sample_shape, splits.num_classes, cfg.model_width)
+    run_dir = tmp_path / "run"
+    position = {"epoch": 1, "step": 5, "loader": {"epoch": 1, "batches_consumed": 5}, "ranks": [{}, {}]}
+    torchkit.save_checkpoint(cfg, run_dir / "checkpoints", 1, model, torchkit.sgd(cfg, model, 0.1), History(),
+                             position=position)
+    result = run_bounded([HVDTRAIN, "run", str(write_stop_job(tmp_path, run_dir, 0))], timeout=JOB_TIMEOUT_S)
+    assert result.returncode == 2, result.describe()
+    assert "was written mid-epoch by recipes/pytorch_train.py when it was asked to stop" in result.output
+    assert not (run_dir / "summary.json").exists() and len(checkpoint.list_checkpoints(run_dir / "checkpoints")) == 1

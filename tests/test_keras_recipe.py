@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from hvdtrain.train import checkpoint
-from tests.harness import REPO, JobResult, expect_ok, horovodrun
+from tests.harness import REPO, SIGNAL_AT, JobResult, expect_ok, horovodrun
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None,
@@ -58,6 +58,8 @@ def hook(event, args):
     elif event == "os.mkdir" and under_watch(args[0]):
         writes.append(["mkdir", os.path.realpath(args[0])])
 
+''' + SIGNAL_AT + r'''
+signal_at(rank)
 sys.addaudithook(hook)
 sys.argv = [script, *sys.argv[4:]]
 try:
@@ -87,12 +89,17 @@ class Run:
         return [p.name for _, p in checkpoint.list_checkpoints(self.run_dir / "checkpoints")]
 
 
-def run_recipe(tmp: Path, run_dir: Path, *args: str, controller: str) -> Run:
+def run_recipe(tmp: Path, run_dir: Path, *args: str, controller: str, exit_code: int = 0,
+               env: dict[str, str] | None = None) -> Run:
     wrapper = tmp / "audit_wrapper.py"
     wrapper.write_text(WRAPPER)
     log = tmp / f"audit-{len(list(tmp.glob('audit-*')))}"
-    result = expect_ok(horovodrun(wrapper, str(log), str(RECIPE), str(run_dir), "--run-dir", str(run_dir), *args,
-                                  controller=controller, timeout=TIMEOUT, env=ENV))
+    result = horovodrun(wrapper, str(log), str(RECIPE), str(run_dir), "--run-dir", str(run_dir), *args,
+                        controller=controller, timeout=TIMEOUT, env={**ENV, **(env or {})})
+    if exit_code == 0:
+        expect_ok(result)
+    elif result.returncode != exit_code:
+        pytest.fail(f"expected exit code {exit_code}\n{result.describe()}", pytrace=False)
     logs = {int(p.name.rsplit(".rank", 1)[1].split(".")[0]): json.loads(p.read_text())
             for p in tmp.glob(f"{log.name}.rank*.json")}
     return Run(result, run_dir, {r: v["writes"] for r, v in logs.items()}, {r: v["pid"] for r, v in logs.items()})
@@ -204,6 +211,38 @@ def test_a_resumed_run_trains_on_the_samples_of_an_uninterrupted_one(resumed, st
         [{k: row[k] for k in keys} for row in straight.summary()["history"]]
 
 
+def test_a_stop_request_mid_epoch_checkpoints_there_and_resumes_to_the_same_weights(straight, tmp_path):
+    """SIGTERM to rank 1 alone after its 30th step (the 7th of epoch 2, 23 steps an epoch): both ranks stop after
+    the same step (the vote rides one step behind), rank 0 checkpoints there with each rank's metric sums, epoch 2
+    is neither validated nor checkpointed as done, every rank exits 75; the same command again (MPI) resumes at that
+    step, the rest of epoch 2 a fit of its own, and ends as the uninterrupted run: weights, and every epoch's
+    metrics and LRs (NOTE [Keras stops mid-epoch] in hvdtrain/train/kerasstop.py)."""
+    run_dir, ckpts, args = tmp_path / "run", tmp_path / "run" / "checkpoints", (*ARGS[:1], "3", *ARGS[2:])
+    first = run_recipe(tmp_path, run_dir, *args, "--sigterm-grace", "60", controller="gloo", exit_code=1,
+                       env={"HVDTRAIN_TEST_SIGNAL": "1:30:SIGTERM"})  # horovodrun's 1: a rank exited non-zero
+    # The first rank to exit 75 makes horovodrun SIGTERM the other, which may still be on its way out (143).
+    codes = re.findall(r"Process \d exit with status code (\d+)", first.output)
+    assert "75" in codes and set(codes) <= {"75", "143"}, first.output
+    names = first.checkpoints()
+    assert names[0] == "ckpt-epoch0001.pt" and re.fullmatch(r"ckpt-epoch0001-step00000[78]\.pt", names[1]), names
+    assert epoch_lines(first.output) == [1], "epoch 2 must not be recorded as done"
+    assert f"asked to stop (on another rank): checkpoint {ckpts / names[1]}; run the same command again" \
+        in first.output, first.output
+    assert not (run_dir / "summary.json").exists() and first.audit[1] == []
+    step = int(names[1][-9:-3])
+
+    second = run_recipe(tmp_path, run_dir, *args, controller="mpi")
+    assert f"resuming from {ckpts / names[1]} (epoch 1 done, then {step} steps of epoch 2)" in second.output
+    assert epoch_lines(second.output) == [2, 3]
+    keys = ("epoch", "train_loss", "train_accuracy", "val_loss", "val_accuracy", "lr_first", "lr")
+    summary, reference = second.summary(), straight.summary()
+    assert [{k: row[k] for k in keys} for row in summary["history"]] == \
+        [{k: row[k] for k in keys} for row in reference["history"]]
+    assert summary["weights_sha256_by_rank"] == reference["weights_sha256_by_rank"], \
+        "training resumed mid-epoch ended with different weights than the uninterrupted run"
+    assert second.checkpoints() == ["ckpt-epoch0002.pt", "ckpt-epoch0003.pt"]  # keep 2
+
+
 def test_the_lr_schedule_is_the_pytorch_recipes_epoch_by_epoch(straight):
     """Warmup over epoch 1, milestone 2: LR × 0.1 for every step of epoch 3 (0-based 2), as the PyTorch recipe
     (tests/test_pytorch_recipe.py checks the same flags there); Horovod's callbacks used to compound a constant
@@ -284,3 +323,18 @@ def test_importing_the_recipe_or_asking_for_help_imports_no_tensorflow():
     help_text = subprocess.run([sys.executable, str(RECIPE), "--help"], capture_output=True, text=True,
                                timeout=120, env=env, check=True).stdout
     assert "--run-dir" in help_text and "--precision {fp32,bf16,fp16}" in help_text
+
+
+def test_a_stop_request_at_an_epochs_last_steps_stops_after_its_checkpoint(tmp_path):
+    """SIGUSR1 to rank 0 after its 22nd step of 23: the ranks agree at the epoch's last step, which is no place for
+    a mid-epoch checkpoint; epoch 1 is validated and checkpointed, then the ranks stop there (exit 75) and name that
+    checkpoint to resume from."""
+    run_dir = tmp_path / "run"
+    first = run_recipe(tmp_path, run_dir, *ARGS, controller="gloo", exit_code=1,
+                       env={"HVDTRAIN_TEST_SIGNAL": "0:22:SIGUSR1"})
+    codes = re.findall(r"Process \d exit with status code (\d+)", first.output)
+    assert "75" in codes and set(codes) <= {"75", "143"}, first.output
+    assert first.checkpoints() == ["ckpt-epoch0001.pt"] and epoch_lines(first.output) == [1]
+    assert f"asked to stop (SIGUSR1 here): checkpoint {run_dir / 'checkpoints' / 'ckpt-epoch0001.pt'}; run the " \
+        "same command again" in first.output, first.output
+    assert not (run_dir / "summary.json").exists()

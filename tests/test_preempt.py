@@ -44,6 +44,20 @@ def test_sigusr1_is_heard_and_the_previous_handler_comes_back(tmp_path):
     assert signal.getsignal(signal.SIGUSR1) == previous
 
 
+def test_the_elastic_recipes_request_handles_sigusr1_only_and_leaves_sigterm_alone(tmp_path):
+    """The elastic recipe's request (`signals=(SIGUSR1,)`): SIGTERM keeps its meaning there (that rank goes)."""
+    previous = signal.getsignal(signal.SIGTERM)
+    stop = preempt.StopRequest(tmp_path, poll_s=0.0, signals=(signal.SIGUSR1,)).install()
+    try:
+        assert signal.getsignal(signal.SIGTERM) == previous and signal.getsignal(signal.SIGUSR1) == stop._on_signal
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert stop.heard() and stop.reason == "SIGUSR1"
+    finally:
+        stop.uninstall()
+    with pytest.raises(ValueError, match="signals must be among"):
+        preempt.StopRequest(tmp_path, signals=(signal.SIGINT,))
+
+
 def test_the_launchers_stop_file_is_heard(request_installed, tmp_path):
     assert not request_installed.heard()
     records.request_stop(tmp_path)

@@ -26,7 +26,7 @@ from hvdtrain.train.config import parse_config
 from hvdtrain.train.datasets import load
 from hvdtrain.train.metrics import History, MetricSums, build_summary, combine_stall
 from hvdtrain.train.progress import LogLines
-from tests.harness import REPO, JobResult, expect_ok, horovodrun, run_bounded
+from tests.harness import REPO, SIGNAL_AT, JobResult, expect_ok, horovodrun, run_bounded
 
 RECIPE = REPO / "recipes" / "pytorch_train.py"
 TIMEOUT = 300  # generous: other engineers run tests on the same 2 cores
@@ -54,26 +54,7 @@ def hook(event, args):
     elif event == "os.rename" and under_watch(args[1]):
         writes.append(["rename", os.path.realpath(args[1])])
 
-def signal_at(rank):
-    """HVDTRAIN_TEST_SIGNAL=RANK:STEP:SIGNAME: that rank sends itself that signal after its STEP-th optimizer step
-    (counted over epochs), a stop request landing at a known point of the epoch (NOTE [stop requests])."""
-    target, step, name = os.environ.get("HVDTRAIN_TEST_SIGNAL", "-1:0:SIGUSR1").split(":")
-    from hvdtrain.train import preempt
-    if int(target) < 0:
-        return
-    preempt.VOTE_EVERY_S = 0.0  # every rank votes at every step: the stop lands at a known step
-    if int(target) != rank:
-        return
-    import signal
-    original, count = preempt.StopVote.after_step, [0]
-
-    def after_step(self):
-        count[0] += 1
-        if count[0] == int(step):
-            os.kill(os.getpid(), getattr(signal, name))
-        return original(self)
-    preempt.StopVote.after_step = after_step
-
+''' + SIGNAL_AT + r'''
 if __name__ == "__main__":  # not in the recipe's data producer processes, which re-import the main module
     log_path, script, watch = sys.argv[1], sys.argv[2], os.path.realpath(sys.argv[3])
     rank = int(os.environ.get("HOROVOD_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "-1")))
@@ -442,3 +423,23 @@ def test_the_shared_configs_model_choices_are_the_recipes_models(recipe_module):
     from pytorch_models import MODELS
 
     assert ("auto", *MODELS) == torchkit.MODEL_CHOICES
+
+
+@pytest.mark.slow
+def test_a_mid_epoch_checkpoint_of_the_elastic_recipe_is_refused_naming_it(recipe_module, tmp_path):
+    """The elastic recipe's stop checkpoint holds the epoch's global metric sums, not each rank's own state: this
+    recipe stops with exit 2 before training, saying which recipe resumes it."""
+    from pytorch_models import make_model
+
+    cfg = parse_config(recipe_module.Config, ["--dataset", "digits"])
+    splits = cfg.load_data()
+    model = make_model(torchkit.model_name(cfg, splits), splits.sample_shape, splits.num_classes, cfg.model_width)
+    position = {"epoch": 1, "step": 15, "loader": {"epoch": 1, "batches_consumed": 15}, "sums": [1.0, 2.0, 3.0]}
+    torchkit.save_checkpoint(cfg, tmp_path / "run" / "checkpoints", 1, model, torchkit.sgd(cfg, model, 0.1),
+                             History(), position=position)
+    result = horovodrun(RECIPE, "--dataset", "digits", "--run-dir", str(tmp_path / "run"), timeout=TIMEOUT)
+    assert result.returncode != 0 and "was written mid-epoch by recipes/pytorch_elastic.py when it was asked to " \
+        "stop: resume it with that recipe" in result.output, result.output
+    # Every rank meets it after the same broadcast; the first to exit 2 may see horovodrun SIGTERM the other (143).
+    codes = re.findall(r"Process \d exit with status code (\d+)", result.output)
+    assert "2" in codes and set(codes) <= {"2", "143"}, result.output

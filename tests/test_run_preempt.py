@@ -10,6 +10,7 @@ and the records directory's clean-up in-process.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import signal
@@ -137,6 +138,21 @@ def test_the_verdict_is_preempted_only_when_no_rank_failed(ranks, first, preempt
     said = err.getvalue()
     assert (code == exitcodes.PREEMPTED) == preempted, said  # 75 only for a stop to be resumed: --requeue keys on it
     assert (PREEMPTED in said) == preempted and ("hvdtrain: rank " in said) != preempted, said
+
+
+def test_an_elastic_job_that_recovered_from_a_failure_and_then_stopped_is_preempted():
+    """Elastic: a worker SIGKILLed earlier was replaced and training went on; the final world's ranks stop (75).
+    Its record predates the stop and does not make the stop a failure; one written during the stop does."""
+    def at(r: RankRecord, t: float) -> RankRecord:
+        return dataclasses.replace(r, time=t)
+
+    for late, preempted in ((at(record(1, 75), 100.2), True), (at(record(1, signum=signal.SIGKILL), 100.2), False)):
+        tracker = FailureTracker(("localhost",) * 2, elastic=True)
+        tracker.records = [at(record(2, signum=signal.SIGKILL), 40.0), at(record(0, 75), 100.0), late]
+        assert tracker.preempted() == preempted
+    static = FailureTracker(("localhost",) * 2)  # a job that is not elastic: every record counts
+    static.records = [at(record(2, signum=signal.SIGKILL), 40.0), at(record(0, 75), 100.0)]
+    assert not static.preempted()
 
 
 def test_a_stop_request_never_outlives_its_run(tmp_path):

@@ -148,10 +148,14 @@ class FailureTracker:
         """The ranks stopped to be resumed, not failed: at least one rank's record says exit 75 (it checkpointed at a
         step boundary: exitcodes.PREEMPTED), every other record says 0, 75 or a teardown signal (horovodrun stops
         the rest once the first exits non-zero), and horovodrun's or mpirun's first report, if any, agrees (a rank
-        that left no record, on a host that does not share the records directory, is named there)."""
-        if not any(r.code == exitcodes.PREEMPTED for r in self.records):
+        that left no record, on a host that does not share the records directory, is named there). Elastic: only
+        the records written since the first rank stopped count; a worker that failed before then was recovered
+        from, and the ranks agreed on the stop after it."""
+        stopped = [r.time for r in self.records if r.code == exitcodes.PREEMPTED]
+        if not stopped:
             return False
-        if not all(r.code in (0, exitcodes.PREEMPTED) or r.signum in TEARDOWN_SIGNALS for r in self.records):
+        records = [r for r in self.records if r.time >= min(stopped)] if self.elastic else self.records
+        if not all(r.code in (0, exitcodes.PREEMPTED) or r.signum in TEARDOWN_SIGNALS for r in records):
             return False
         f = self.first
         return f is None or f.code == exitcodes.PREEMPTED or f.signum in TEARDOWN_SIGNALS

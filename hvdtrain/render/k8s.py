@@ -2,8 +2,9 @@
 
 The operator starts `nodes` worker pods and one launcher pod, puts an ssh key pair in /root/.ssh of each, and
 writes the workers' `host slots=N` lines to /etc/mpi/hostfile on the launcher. The workers run the image's sshd
-(`hvdtrain-entrypoint sshd`, port `--ssh-port`); the launcher runs the same horovodrun command `hvdtrain run`
-would (through `hvdtrain-horovodrun`), with `--hostfile /etc/mpi/hostfile` in place of `-H`.
+(`hvdtrain-entrypoint sshd`, port `--ssh-port`; a worker pod's SIGTERM goes to its ranks, which checkpoint at a
+step boundary: NOTE [a worker pod's SIGTERM] in docker/entrypoint.sh); the launcher runs the same horovodrun
+command `hvdtrain run` would (through `hvdtrain-horovodrun`), with `--hostfile /etc/mpi/hostfile` in place of `-H`.
 
 What the spec's `kubernetes` section gives (the render's --image, --namespace, --pull-policy and --shm-size override
 it): the image, which must be set; the PersistentVolumeClaim of the run directory, mounted on every worker pod

@@ -158,7 +158,8 @@ class RecipeConfig:
         "help": "stop cleanly after this epoch (re-run to resume; none: train every epoch)"})
     sigterm_grace: float = field(default=4.0, metadata={
         "help": "seconds a rank sent SIGTERM has to reach a step boundary and checkpoint before it dies by it "
-                "(SIGUSR1 has no deadline; NOTE [stop requests] in hvdtrain/train/preempt.py)"})
+                "(SIGUSR1 has no deadline; the elastic recipe leaves SIGTERM alone: that rank goes; "
+                "NOTE [stop requests] in hvdtrain/train/preempt.py)"})
     tensorboard: bool = field(default=True, metadata={"help": "TensorBoard logs on rank 0"})
     check_finite: bool = field(default=True, metadata={
         "help": "stop on NaN/Inf: in the samples (at load), each step (PyTorch: the averaged gradients, Keras: the "

@@ -41,6 +41,7 @@ import io
 import json
 import math
 import os
+import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
@@ -154,13 +155,14 @@ def read_npz(f: Any) -> dict[str, Any]:
     return state
 
 
-def load_latest(ckpt_dir: Path, model: Any) -> tuple[int, list[dict[str, Any]]]:
+def load_latest(ckpt_dir: Path, model: Any) -> tuple[int, list[dict[str, Any]], dict[str, Any] | None]:
     """Load the newest intact checkpoint into `model` and its optimizer (built: `model.optimizer.build`), and fp16's
-    loss scale if the checkpoint has one; (epochs it completed, history), (0, []) if none."""
+    loss scale if the checkpoint has one; (epochs it completed, history, the position inside the next epoch of a
+    checkpoint written mid-epoch, else None), (0, [], None) if none."""
     found = checkpoint.find_latest(ckpt_dir, read_npz, required_keys=("model", "optimizer", "history"),
                                    warn=lambda msg: print(f"WARNING: {msg}", flush=True))
     if found is None:
-        return 0, []
+        return 0, [], None
     model.set_weights(found.state["model"])
     # a LossScaleOptimizer builds (and holds the variables of) the optimizer it wraps, not itself: set them there
     inner = getattr(model.optimizer, "inner_optimizer", model.optimizer)
@@ -169,8 +171,26 @@ def load_latest(ckpt_dir: Path, model: Any) -> tuple[int, list[dict[str, Any]]]:
     if scale and len(found.state["loss_scale"]) == len(scale):  # else (fp32/bf16 before): the initial scale
         for variable, value in zip(scale, found.state["loss_scale"], strict=True):
             variable.assign(value)
-    print(f"resuming from {found.path} (epoch {found.epoch} done)", flush=True)
-    return found.epoch, list(found.state["history"])
+    position = found.state.get("position") if found.step else None
+    print(f"resuming from {found.path} (epoch {found.epoch} done"
+          f"{f', then {found.step} steps of epoch {found.epoch + 1}' if position else ''})", flush=True)
+    return found.epoch, list(found.state["history"]), position
+
+
+def checkpoint_state(model: Any, history: History) -> dict[str, Any]:
+    """What a checkpoint holds: weights, optimizer state, fp16's loss scale, history."""
+    return {"model": model.get_weights(), "history": history.epochs,
+            "optimizer": [np.asarray(v.numpy()) for v in model.optimizer.variables],
+            "loss_scale": [np.asarray(v.numpy()) for v in loss_scale_variables(model.optimizer)]}
+
+
+def save_checkpoint(directory: Path, keep: int, model: Any, history: History, epochs_done: int,
+                    position: dict[str, Any] | None = None) -> Path:
+    """Rank 0's checkpoint after `epochs_done` epochs, or, with `position` (a stop mid-epoch), after
+    position["step"] steps of the next one."""
+    state = checkpoint_state(model, history) | ({"position": position} if position is not None else {})
+    return checkpoint.save(directory, epochs_done, state, write_npz, keep=keep,
+                           step=position["step"] if position is not None else 0)
 
 
 class Checkpoint(Callback):
@@ -183,16 +203,14 @@ class Checkpoint(Callback):
         self.directory, self.keep, self.history = directory, keep, history
 
     def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
-        state = {"model": self.model.get_weights(), "history": self.history.epochs,
-                 "optimizer": [np.asarray(v.numpy()) for v in self.model.optimizer.variables],
-                 "loss_scale": [np.asarray(v.numpy()) for v in loss_scale_variables(self.model.optimizer)]}
-        checkpoint.save(self.directory, epoch + 1, state, write_npz, keep=self.keep)
+        save_checkpoint(self.directory, self.keep, self.model, self.history, epoch + 1)
 
 
 class Recorder(Callback):
     """Times each epoch's training part and records the (rank-averaged) metrics in `history` on every rank, with the
     LR of the epoch's first step (`lr_first`, read after the LR callbacks before it in the list have set it) and of
-    its last (`lr`)."""
+    its last (`lr`). `resumed(share, lr_first)` before a fit of the rest of a stopped epoch: its share of the epoch's
+    samples, and its first step's LR (that fit starts later in the epoch)."""
 
     def __init__(self, history: History, samples_per_epoch: int, rank: int, epochs: int,
                  stop_after: int | None) -> None:
@@ -201,13 +219,18 @@ class Recorder(Callback):
             history, samples_per_epoch, rank, epochs, stop_after)
         self.start = self.train_end = self.lr_first = 0.0
         self.trained_s = self.trained_samples = 0.0
+        self.share = 1.0  # of the next epoch's samples: the part this fit trains
+        self.resumed_lr: float | None = None  # the next epoch's first step's LR, when this fit starts after it
+
+    def resumed(self, share: float, lr_first: float) -> None:
+        self.share, self.resumed_lr = share, float(np.float32(lr_first))  # as the optimizer holds an LR: float32
 
     def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         self.start, self.train_end = time.perf_counter(), 0.0
 
     def on_train_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         if batch == 0:
-            self.lr_first = self._lr()
+            self.lr_first = self._lr() if self.resumed_lr is None else self.resumed_lr
 
     def _lr(self) -> float:
         return float(tf.keras.backend.get_value(self.model.optimizer.learning_rate))
@@ -218,11 +241,12 @@ class Recorder(Callback):
     def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         logs = logs or {}
         took = (self.train_end or time.perf_counter()) - self.start
-        self.trained_s, self.trained_samples = self.trained_s + took, self.trained_samples + self.samples
+        samples, self.share, self.resumed_lr = self.samples * self.share, 1.0, None
+        self.trained_s, self.trained_samples = self.trained_s + took, self.trained_samples + samples
         row = self.history.record(epoch + 1, train_loss=logs["loss"], train_accuracy=logs["accuracy"],
                                   val_loss=logs.get("val_loss", math.nan),
                                   val_accuracy=logs.get("val_accuracy", math.nan), lr_first=self.lr_first,
-                                  lr=self._lr(), samples_per_sec=self.samples / took)
+                                  lr=self._lr(), samples_per_sec=samples / took)
         log(self.rank, f"epoch {epoch + 1}/{self.epochs}  train loss {row['train_loss']:.4f} acc "
                        f"{row['train_accuracy']:.2%}  val loss {row['val_loss']:.4f} acc {row['val_accuracy']:.2%}"
                        f"  {lr_text(row['lr_first'], row['lr'])}  {row['samples_per_sec']:.0f} samples/s")
@@ -236,11 +260,12 @@ class StopOnNonFinite(Callback):
     (rank-averaged) loss is NaN/Inf, before it is checkpointed. The weights are the same on every rank (broadcast
     after the first step, then the same averaged gradients everywhere): NOTE [divergence checks] in
     hvdtrain/train/divergence.py. Keras's TerminateOnNaN reads each rank's own loss: one rank would stop while the
-    others wait for it in their next allreduce."""
+    others wait for it in their next allreduce. `first_step`: steps of the first epoch done before this fit (the
+    rest of a stopped epoch), for the step it names."""
 
-    def __init__(self, steps: int) -> None:
+    def __init__(self, steps: int, first_step: int = 0) -> None:
         super().__init__()
-        self.steps, self.epoch = steps, 0
+        self.steps, self.first_step, self.epoch = steps, first_step, 0
         self.all_finite: Any = None
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
@@ -254,11 +279,13 @@ class StopOnNonFinite(Callback):
 
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         if not bool(self.all_finite()):
-            raise divergence.at_step(self.epoch, batch, self.steps, "the weights hold NaN/Inf after the update",
+            raise divergence.at_step(self.epoch, self.first_step + batch, self.steps,
+                                     "the weights hold NaN/Inf after the update",
                                      float((logs or {}).get("loss", math.nan)),
                                      loss_label="this rank's mean loss so far in the epoch")
 
     def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        self.first_step = 0
         divergence.check_epoch(epoch, {k: float(v) for k, v in (logs or {}).items() if k in ("loss", "val_loss")})
 
 
@@ -272,20 +299,29 @@ def batch_signature(sample_shape: tuple[int, ...]) -> tuple[Any, Any]:
 
 class LoaderEpochs:
     """The loader's epochs `first`..`epochs`-1 back to back, `loader.set_epoch(epoch)` before each one's first
-    batch: the one pass `to_tf_dataset` makes over its source (see `train_input`)."""
+    batch: the one pass `to_tf_dataset` makes over its source (see `train_input`). `starts[epoch]`: the loader's
+    state as that epoch started (a resumed one: at its position); `finished`: set when the pass has ended, however
+    (NOTE [Keras stops mid-epoch] in hvdtrain/train/kerasstop.py)."""
 
     def __init__(self, loader: ShmLoader, first: int, epochs: int) -> None:
         self.loader, self.first, self.epochs = loader, first, epochs
+        self.starts: dict[int, dict[str, Any]] = {}
+        self.finished = threading.Event()
 
     def __iter__(self) -> Iterator[Any]:
-        for epoch in range(self.first, self.epochs):
-            self.loader.set_epoch(epoch)  # a new shuffle each epoch, the same permutation on every rank
-            yield from _watched(self.loader)
+        try:
+            for epoch in range(self.first, self.epochs):
+                self.loader.set_epoch(epoch)  # a new shuffle each epoch, the same permutation on every rank
+                self.starts[epoch] = self.loader.state_dict()
+                yield from _watched(self.loader)
+        finally:
+            self.finished.set()
 
 
-def train_input(loader: ShmLoader, first: int, epochs: int, sample_shape: tuple[int, ...]) -> Any:
-    """Epochs first..epochs-1 of `loader` (its batches N×`sample_shape`) as one tf.data dataset for
-    `model.fit(..., steps_per_epoch=len(loader), initial_epoch=first, epochs=epochs)`.
+def train_input(epochs: LoaderEpochs, sample_shape: tuple[int, ...]) -> Any:
+    """The loader's `epochs` (its batches N×`sample_shape`) as one tf.data dataset for `model.fit(...,
+    steps_per_epoch=len(loader), initial_epoch=epochs.first, epochs=epochs.epochs)` (the rest of a stopped epoch:
+    its own fit, `steps_per_epoch` = the batches left).
 
     One dataset spans the epochs, not one `iter(loader)` per Keras epoch: tf_keras keeps a single iterator over a
     dataset of unknown length for the whole of `fit` (it re-creates one per epoch only when the dataset's
@@ -294,7 +330,7 @@ def train_input(loader: ShmLoader, first: int, epochs: int, sample_shape: tuple[
     on every rank (the sampler pads), so Keras epoch e consumes loader epoch e, whole and only it; the producers
     start on epoch e+1 (`set_epoch` here, and an MDS split's fetch ahead) while Keras finishes or validates epoch e.
     """
-    data = to_tf_dataset(LoaderEpochs(loader, first, epochs), batch_signature(sample_shape))
+    data = to_tf_dataset(epochs, batch_signature(sample_shape))
     return data.prefetch(2)  # the producers prefetch too; this overlaps the copy out of shared memory with the step
 
 

@@ -39,7 +39,11 @@ NOTE [stop requests]
 - What the checkpoint must hold for the resumed run to end with the same weights as an uninterrupted one: the
   loader's position (its batches consumed, the prefetcher's look-ahead given back), and each rank's own state that
   no collective has made equal yet (its RNG, its BatchNorm running statistics, its local metric sums): see
-  hvdtrain/train/torchkit.py `rank_state`.
+  hvdtrain/train/torchkit.py `rank_state`. The Keras recipe: NOTE [Keras stops mid-epoch] in kerasstop.py.
+- The elastic recipe votes at its commits instead (the commit's allreduce of the metric sums carries each rank's
+  flag), and once more after each epoch's checkpoint (one small allreduce an epoch), so it stops within
+  --commit-every steps, with what a commit holds; it handles SIGUSR1 only (`signals`): SIGTERM to an elastic rank
+  keeps its meaning, that rank goes and the others carry on.
 """
 
 from __future__ import annotations
@@ -55,7 +59,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from hvdtrain import records
+from hvdtrain import exitcodes, records
 
 POLL_S = 0.5  # how often a rank looks for the launcher's stop file
 SIGTERM_GRACE_S = 4.0  # the default --sigterm-grace: under horovodrun's 5 s between its SIGTERM and SIGKILL
@@ -81,10 +85,12 @@ class StopRequest:
     """Whether this rank was asked to stop: a signal it received, or the launcher's stop file (NOTE [stop requests])."""
 
     def __init__(self, records_dir: Path | None = None, *, sigterm_grace_s: float = SIGTERM_GRACE_S,
-                 poll_s: float = POLL_S) -> None:
+                 poll_s: float = POLL_S, signals: tuple[signal.Signals, ...] = SIGNALS) -> None:
         if not sigterm_grace_s >= 0:
             raise ValueError(f"sigterm_grace_s must be >= 0, got {sigterm_grace_s!r}")
-        self.records_dir = records_dir
+        if not set(signals) <= set(SIGNALS):
+            raise ValueError(f"signals must be among {[s.name for s in SIGNALS]}, got {signals!r}")
+        self.records_dir, self.signals = records_dir, signals
         self.sigterm_grace_s, self.poll_s = sigterm_grace_s, poll_s
         self.reason: str | None = None  # what asked: "SIGUSR1", "SIGTERM" or "hvdtrain run (SIGUSR1)"
         self.sigterm = False
@@ -95,13 +101,14 @@ class StopRequest:
         self._previous_fd = -1
 
     def install(self) -> StopRequest:
-        """Handle SIGUSR1 and SIGTERM from now on (main thread only; elsewhere only the stop file is seen)."""
+        """Handle `signals` (SIGUSR1 and SIGTERM) from now on (main thread only; elsewhere only the stop file is
+        seen)."""
         global _active
         if threading.current_thread() is not threading.main_thread():
             return self
         self._pipe = os.pipe()
         os.set_blocking(self._pipe[1], False)  # the C handler's write must never block
-        self._previous = {s: signal.signal(s, self._on_signal) for s in SIGNALS}
+        self._previous = {s: signal.signal(s, self._on_signal) for s in self.signals}
         self._previous_fd = signal.set_wakeup_fd(self._pipe[1], warn_on_full_buffer=False)
         threading.Thread(target=self._watch, args=(self._pipe[0],), name="hvdtrain-stop-watch", daemon=True).start()
         _active = self
@@ -161,6 +168,13 @@ class StopRequest:
             if records.stop_requested(self.records_dir):
                 self.reason = "hvdtrain run (SIGUSR1)"
         return self.reason is not None
+
+
+def stop_line(request: StopRequest, path: str) -> str:
+    """Rank 0's last words after a stop: what asked, the checkpoint, how to resume."""
+    heard = f"asked to stop ({request.reason} here)" if request.reason else "asked to stop (on another rank)"
+    return (f"{heard}: checkpoint {path}; run the same command again to resume from it "
+            f"(exit {exitcodes.PREEMPTED})")
 
 
 def died_of_sigterm() -> bool:
