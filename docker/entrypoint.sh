@@ -11,7 +11,8 @@
 #                                             waits for the ranks)
 #   hvdtrain-entrypoint wait-ssh HOSTFILE PORT SECONDS -- CMD [ARGS...]
 #                                             run CMD once every host of HOSTFILE ('host slots=N' lines) takes
-#                                             TCP connections on PORT; exit 1 after SECONDS (an MPIJob's launcher)
+#                                             TCP connections on PORT; exit 1 after SECONDS (an MPIJob's launcher);
+#                                             a SIGTERM then waits for CMD to end (the ranks' own pods stop them)
 #   hvdtrain-entrypoint CMD [ARGS...]         run CMD (default: bash)
 #
 # Host keys are made on first start, per container: they are never baked into the image, so two containers
@@ -34,70 +35,116 @@ start_sshd() {
 
 # Does process $1 have a rank's environment (horovodrun's HOROVOD_RANK under Gloo, mpirun's OMPI_COMM_WORLD_RANK)?
 has_rank_env() {
-  grep -qzE '^(HOROVOD_RANK|OMPI_COMM_WORLD_RANK)=' "/proc/$1/environ" 2>/dev/null
+  local entries=()
+  { mapfile -d '' entries < "/proc/$1/environ"; } 2>/dev/null || return 1
+  local entry
+  for entry in "${entries[@]}"; do
+    [[ "$entry" == HOROVOD_RANK=* || "$entry" == OMPI_COMM_WORLD_RANK=* ]] && return 0
+  done
+  return 1
 }
 
-# Could process $1 be a rank: a rank's environment, and not a shell or ssh that only starts one?
+# Could process $1 be a rank: a rank's environment, and not a shell, ssh or a pipe's helper that only starts one?
 is_rank_like() {
-  has_rank_env "$1" || return 1
-  case "$(basename "$(readlink "/proc/$1/exe" 2>/dev/null)")" in
-    sh | bash | dash | env | ssh | sshd | "") return 1 ;;
+  local exe
+  exe=$(readlink "/proc/$1/exe" 2>/dev/null) || return 1
+  case "${exe##*/}" in
+    sh | bash | dash | env | ssh | sshd | sshd-session | tee | cat | "") return 1 ;;
   esac
+  has_rank_env "$1"
 }
 
 # The training ranks among the descendants of process $1: rank-like, with no rank-like ancestor (a rank's data
 # producers, compile workers and the like inherit its environment: they must not be signalled, or the rank could
-# not finish its checkpoint).
+# not finish its checkpoint). One scan of /proc; each process is looked at once.
 rank_pids() {
-  local root=$1 stat pid line p top
-  local -A parent=()
+  local root=$1 stat pid line p
+  local -A parent=() like=()
   for stat in /proc/[0-9]*/stat; do
     pid=${stat#/proc/}
     pid=${pid%/stat}
-    read -r line < "$stat" 2>/dev/null || continue
+    { read -r line < "$stat"; } 2>/dev/null || continue  # a process that ended meanwhile
     line=${line##*) }  # after the command's name, which may hold spaces: "STATE PPID ..."
     line=${line#* }
     parent[$pid]=${line%% *}
   done
   for pid in "${!parent[@]}"; do
-    is_rank_like "$pid" || continue
-    p=${parent[$pid]} top=1
+    p=$pid
     while [[ "$p" != "$root" && -n "${parent[$p]:-}" ]]; do
-      if is_rank_like "$p"; then top=0; fi
       p=${parent[$p]}
     done
-    if [[ "$p" == "$root" ]] && (( top )); then
-      echo "$pid"
-    fi
+    [[ "$p" == "$root" && "$pid" != "$root" ]] || continue  # not a descendant
+    is_rank_like "$pid" && like[$pid]=1
   done
+  for pid in "${!like[@]}"; do
+    p=${parent[$pid]}
+    while [[ "$p" != "$root" && -z "${like[$p]:-}" ]]; do
+      p=${parent[$p]}
+    done
+    [[ "$p" == "$root" ]] && echo "$pid"
+  done
+  return 0
+}
+
+# HVDTRAIN_STOP_WAIT_S: how long a stop may take (a whole number of seconds, default 300).
+stop_wait_s() {
+  local limit=${HVDTRAIN_STOP_WAIT_S:-300}
+  if [[ ! "$limit" =~ ^[0-9]{1,6}$ ]]; then
+    echo "hvdtrain-entrypoint: HVDTRAIN_STOP_WAIT_S='$limit' is not a whole number of seconds; using 300" >&2
+    limit=300
+  fi
+  echo $((10#$limit))
 }
 
 # NOTE [a worker pod's SIGTERM]: Kubernetes signals only a container's PID 1 (this script), which under sshd would
 # be the ssh server: the ranks (started over ssh by horovodrun or mpirun) would get nothing until the SIGKILL at
-# the end of terminationGracePeriodSeconds. So PID 1 keeps CMD as its child, passes SIGTERM to the ranks (the
-# recipes checkpoint at the next step boundary, every rank of the job stops after the same step, exit 75:
-# hvdtrain/train/preempt.py), waits for them to exit, and only then stops CMD.
+# the end of terminationGracePeriodSeconds. So PID 1 keeps CMD as its child and, on SIGTERM, `supervise` passes it
+# to the ranks among CMD's descendants (the recipes checkpoint at the next step boundary, every rank of the job
+# stops after the same step, exit 75: hvdtrain/train/preempt.py), waits for them to exit, and only then stops CMD
+# (sshd: the ranks' ssh sessions stay up while they checkpoint). The launcher (`wait-ssh`) keeps horovodrun as its
+# child too and does not pass SIGTERM on (`outlast`): deleting the MPIJob signals every pod, and a horovodrun
+# stopped at once would tear down the ranks' sessions (a second SIGTERM ends a rank at once) before their
+# checkpoint; it ends by itself when the ranks exit. Either waits at most HVDTRAIN_STOP_WAIT_S, and Kubernetes
+# kills what is left at the end of the pod's grace period.
 supervise() {
+  run_past_sigterm ranks "$@"
+}
+
+outlast() {
+  run_past_sigterm none "$@"
+}
+
+run_past_sigterm() {
+  local forward=$1
+  shift
   stop_requested=0
   trap 'stop_requested=1' TERM
-  "$@" &
-  local child=$! code=0 pids="" waited=0
+  "$@" <&0 &  # <&0: a background job's stdin would be /dev/null
+  local child=$! code=0 pids="" limit
   wait "$child" || code=$?  # returns early when SIGTERM comes (its trap ran)
   if (( ! stop_requested )); then
     return "$code"  # CMD ended by itself
   fi
   trap - TERM
-  pids=$(rank_pids "$child" | paste -sd ' ' -)
-  echo "hvdtrain-entrypoint: SIGTERM: passed to the ranks here (pids ${pids:-none}) to checkpoint and stop" >&2
-  if [[ -n "$pids" ]]; then
-    # shellcheck disable=SC2086  # one pid per word
-    kill -TERM $pids 2>/dev/null || true
+  limit=$(stop_wait_s)
+  local deadline=$((SECONDS + limit))
+  if [[ "$forward" == ranks ]]; then
+    pids=$(rank_pids "$child" | paste -sd ' ' -)
+    echo "hvdtrain-entrypoint: SIGTERM: passed to the ranks here (pids ${pids:-none}) to checkpoint and stop" >&2
+    if [[ -n "$pids" ]]; then
+      # shellcheck disable=SC2086  # one pid per word
+      kill -TERM $pids 2>/dev/null || true
+    fi
+    while [[ -n "$(rank_pids "$child")" ]] && (( SECONDS < deadline )); do
+      sleep 0.2
+    done
+  else
+    echo "hvdtrain-entrypoint: SIGTERM: waiting up to $limit s for the job's ranks to stop (their pods were" \
+         "signalled too) before stopping $1" >&2
+    while kill -0 "$child" 2>/dev/null && (( SECONDS < deadline )); do
+      sleep 0.2
+    done
   fi
-  local limit=${HVDTRAIN_STOP_WAIT_S:-300}
-  while [[ -n "$(rank_pids "$child")" ]] && (( waited < limit * 5 )); do
-    sleep 0.2
-    waited=$((waited + 1))
-  done
   kill -TERM "$child" 2>/dev/null || true
   wait "$child" 2>/dev/null || true
   exit 143
@@ -144,7 +191,7 @@ wait_ssh() {
   if (( waited )); then
     echo "hvdtrain-entrypoint: every host in $hostfile takes connections on port $port" >&2
   fi
-  exec "$@"
+  outlast "$@"  # NOTE [a worker pod's SIGTERM]
 }
 
 if [[ $# -eq 0 ]]; then

@@ -281,3 +281,39 @@ def test_supervise_passes_sigterm_to_the_ranks_only_and_waits_for_their_checkpoi
         assert "75" in codes and set(codes) <= {"75", "143"}, text
     names = [p.name for _, p in checkpoint.list_checkpoints(run_dir / "checkpoints")]
     assert names[-1] != "ckpt-epoch0001.pt" and not (run_dir / "summary.json").exists(), (names, text)
+
+
+@pytest.mark.parametrize(("wait_s", "sleep_s", "signalled"), [("5s", 2, False), ("1", 60, True)])
+def test_the_launcher_outlasts_a_sigterm_until_its_command_ends(tmp_path, wait_s, sleep_s, signalled):
+    """An MPIJob's launcher (`wait-ssh`, NOTE [a worker pod's SIGTERM]): a SIGTERM once horovodrun runs is not
+    passed on (the ranks' own pods stop them; a torn-down horovodrun would end them before their checkpoint): the
+    launcher waits for its command to end, up to HVDTRAIN_STOP_WAIT_S (not a number: 300, said), then stops it."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("127.0.0.1 slots=1\n")
+    up, term = tmp_path / "up", tmp_path / "term"
+    command = ("import pathlib, signal, sys, time\n"
+               "signal.signal(signal.SIGTERM, lambda *_: (pathlib.Path(sys.argv[2]).write_text('TERM'), sys.exit(9)))\n"
+               "pathlib.Path(sys.argv[1]).write_text('up')\n"
+               f"time.sleep({sleep_s})\nprint('done')\n")
+    proc = subprocess.Popen([str(DOCKER / "entrypoint.sh"), "wait-ssh", str(hostfile), str(listener.getsockname()[1]),
+                             "30", "--", sys.executable, "-c", command, str(up), str(term)], text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                            env={**os.environ, "HVDTRAIN_STOP_WAIT_S": wait_s})
+    try:
+        deadline = time.monotonic() + 30
+        while not up.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        listener.close()
+    assert proc.returncode == 143, err
+    assert term.exists() == signalled and ("done" in out) != signalled, (out, err)
+    limit = 300 if wait_s == "5s" else 1
+    assert f"SIGTERM: waiting up to {limit} s for the job's ranks to stop" in err, err
+    assert ("HVDTRAIN_STOP_WAIT_S='5s' is not a whole number of seconds; using 300" in err) == (wait_s == "5s"), err

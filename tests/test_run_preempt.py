@@ -141,17 +141,26 @@ def test_the_verdict_is_preempted_only_when_no_rank_failed(ranks, first, preempt
 
 
 def test_an_elastic_job_that_recovered_from_a_failure_and_then_stopped_is_preempted():
-    """Elastic: a worker SIGKILLed earlier was replaced and training went on; the final world's ranks stop (75).
-    Its record predates the stop and does not make the stop a failure; one written during the stop does."""
-    def at(r: RankRecord, t: float) -> RankRecord:
-        return dataclasses.replace(r, time=t)
+    """Elastic: a worker that failed was replaced, training went on, then the final world's ranks stopped (75). A
+    failure counts unless the job outlived it: a later process on its host and slot left a record, or it ended 30 s
+    before the first rank stopped (hosts' clocks differ: one during the stop, or just before it, still counts)."""
+    def at(r: RankRecord, t: float, host: str = "localhost") -> RankRecord:
+        return dataclasses.replace(r, time=t, host=host)
 
-    for late, preempted in ((at(record(1, 75), 100.2), True), (at(record(1, signum=signal.SIGKILL), 100.2), False)):
-        tracker = FailureTracker(("localhost",) * 2, elastic=True)
-        tracker.records = [at(record(2, signum=signal.SIGKILL), 40.0), at(record(0, 75), 100.0), late]
-        assert tracker.preempted() == preempted
+    killed = record(2, signum=signal.SIGKILL)
+    cases = [
+        ([at(killed, 90.0), at(record(0, 75), 100.0), at(record(1, 75), 100.2)], True),  # replaced: host 2 came back
+        ([at(killed, 60.0, "gone"), at(record(0, 75), 100.0)], True),  # its host never came back, 40 s before
+        ([at(killed, 99.5, "gone"), at(record(0, 75), 100.0)], False),  # just before the stop: it counts
+        ([at(record(0, 75), 100.0), at(record(1, signum=signal.SIGKILL), 100.2)], False),  # during the stop
+    ]
+    cases[0][0].append(at(dataclasses.replace(record(2, 75), pid=999), 100.1))
+    for ended, preempted in cases:
+        tracker = FailureTracker(("localhost",) * 3, elastic=True)
+        tracker.records = ended
+        assert tracker.preempted() == preempted, ended
     static = FailureTracker(("localhost",) * 2)  # a job that is not elastic: every record counts
-    static.records = [at(record(2, signum=signal.SIGKILL), 40.0), at(record(0, 75), 100.0)]
+    static.records = [at(killed, 40.0), at(record(0, 75), 100.0)]
     assert not static.preempted()
 
 

@@ -80,6 +80,20 @@ def _from_code(rank: int | None, code: int) -> RankFailure:
     return RankFailure(rank, code=code)
 
 
+RECOVERED_S = 30.0  # elastic: a failure this long before the first rank stopped was recovered from
+
+
+def _recovered(record: RankRecord, records: list[RankRecord], stopped: float) -> bool:
+    """An elastic worker's failure the job outlived: a later process on its host and slot left a record (one host's
+    clock), or it ended RECOVERED_S before the first rank stopped (hosts' clocks differ; a failure during the stop
+    itself must still count)."""
+    if not record.failed:
+        return False
+    later = any((r.host, r.local_rank) == (record.host, record.local_rank) and r.time > record.time
+                and r.pid != record.pid for r in records)
+    return later or record.time < stopped - RECOVERED_S
+
+
 class FailureTracker:
     """Feeds on launcher lines; `first` is the first rank failure reported, with its host from `rank_hosts`."""
 
@@ -148,13 +162,12 @@ class FailureTracker:
         """The ranks stopped to be resumed, not failed: at least one rank's record says exit 75 (it checkpointed at a
         step boundary: exitcodes.PREEMPTED), every other record says 0, 75 or a teardown signal (horovodrun stops
         the rest once the first exits non-zero), and horovodrun's or mpirun's first report, if any, agrees (a rank
-        that left no record, on a host that does not share the records directory, is named there). Elastic: only
-        the records written since the first rank stopped count; a worker that failed before then was recovered
-        from, and the ranks agreed on the stop after it."""
+        that left no record, on a host that does not share the records directory, is named there). Elastic: a
+        worker that failed and was recovered from does not count (`_recovered`)."""
         stopped = [r.time for r in self.records if r.code == exitcodes.PREEMPTED]
         if not stopped:
             return False
-        records = [r for r in self.records if r.time >= min(stopped)] if self.elastic else self.records
+        records = [r for r in self.records if not (self.elastic and _recovered(r, self.records, min(stopped)))]
         if not all(r.code in (0, exitcodes.PREEMPTED) or r.signum in TEARDOWN_SIGNALS for r in records):
             return False
         f = self.first
