@@ -130,7 +130,7 @@ def test_each_keras_epoch_consumes_exactly_one_loader_epoch(keraskit: Any, rank:
         marks = epoch_marks(tf, model)
         shape = channels_last_shape(ds.sample_shape)
         with keraskit.data_errors_reraised():
-            model.fit(keraskit.train_input(loader, first, epochs, shape), steps_per_epoch=len(loader),
+            model.fit(keraskit.train_input(keraskit.LoaderEpochs(loader, first, epochs), shape), steps_per_epoch=3,
                       epochs=epochs, initial_epoch=first, validation_data=keraskit.val_input(ds, rank, size, 4),
                       callbacks=[marks], verbose=0)
     assert [e for e, _, _ in marks.ends] == list(range(first, epochs))
@@ -155,7 +155,7 @@ def test_bad_data_in_a_producer_ends_fit_as_the_producers_error(keraskit: Any) -
                    fetch=take_channels_last) as loader:
         model = recording_model(tf)
         with pytest.raises(WorkerError) as info, keraskit.data_errors_reraised():
-            model.fit(keraskit.train_input(loader, 0, 2, channels_last_shape(SHAPE)),
+            model.fit(keraskit.train_input(keraskit.LoaderEpochs(loader, 0, 2), channels_last_shape(SHAPE)),
                       steps_per_epoch=len(loader), epochs=2, verbose=0)
     assert info.value.bad_data and info.value.message == "shard.00000.mds sample 33: label 12 is out of range"
     assert len(model.seen["train"]) < 10  # stopped in the first epoch, at the batch holding sample 33
