@@ -111,8 +111,9 @@ def test_mpijob_layout_gpus_env_and_command(tmp_path):
     assert "resources" not in launcher
     assert launcher["image"] == worker["image"] == "reg.example/hvd:1"
     assert worker["command"] == ["/usr/local/bin/hvdtrain-entrypoint", "sshd", "-p", "2222"]
-    assert launcher["env"] == [{"name": "NCCL_DEBUG", "value": "WARN"}, {"name": "NOTE", "value": NASTY}]
-    assert "env" not in worker  # ranks get the launcher's environment from horovodrun, not the sshd's
+    stop_wait = {"name": "HVDTRAIN_STOP_WAIT_S", "value": "110"}  # the entrypoint's (kubernetes.termination_grace_s)
+    assert launcher["env"] == [{"name": "NCCL_DEBUG", "value": "WARN"}, {"name": "NOTE", "value": NASTY}, stop_wait]
+    assert worker["env"] == [stop_wait]  # ranks get the launcher's environment from horovodrun, not the sshd's
     # The same argv `hvdtrain run` builds, with the operator's hostfile in place of -H and the image's paths.
     expected = build_plan(spec.model_copy(update={"python": "/opt/hvdtrain/.venv/bin/python",
                                                   "ssh": spec.ssh.model_copy(update={"port": 2222})}),

@@ -97,7 +97,7 @@ def test_image_run_volume_secrets_and_gpus_come_from_the_spec(tmp_path):
     assert container["workingDir"] == "/runs"  # the ranks start there on the workers: a relative --run-dir is on it
     assert container["command"][:7] == ["/usr/local/bin/hvdtrain-entrypoint", "wait-ssh", "/etc/mpi/hostfile", "2222",
                                         "900", "--", "/opt/hvdtrain/.venv/bin/hvdtrain-horovodrun"]
-    assert container["env"][-2:] == [
+    assert container["env"][-3:-1] == [
         {"name": "AWS_ACCESS_KEY_ID", "valueFrom": {"secretKeyRef": {"name": "s3-creds", "key": "access-key"}}},
         {"name": "AWS_SECRET_ACCESS_KEY", "valueFrom": {"secretKeyRef": {"name": "s3-creds", "key": "secret-key"}}}]
     assert worker["containers"][0]["resources"] == {"limits": {"nvidia.com/gpu": 8}}
@@ -140,6 +140,12 @@ def test_flags_override_the_spec_and_are_checked_like_it(tmp_path):
      r"env MLFLOW_TRACKING_URI: a credential"),
     (lambda t: t + "horovod: {verbose: true}\n",
      r"horovod.verbose with kubernetes.secret_env under Gloo: horovodrun would print every rank's command"),
+    (lambda t: t.replace("runs/resnet", "runs/resnet, --sigterm-grace, '110'"),
+     r"args --sigterm-grace 110 does not fit in the pods' time to stop: kubernetes.termination_grace_s 120 s, less "
+     r"the entrypoint's 10 s, .* \(e.g. -o kubernetes.termination_grace_s=130\) or lower --sigterm-grace"),
+    (lambda t: t.replace("runs/resnet", "runs/resnet, --sigterm, soon"), r"--sigterm-grace a number of seconds"),
+    (lambda t: t.replace("NCCL_DEBUG: WARN", "NCCL_DEBUG: WARN, HVDTRAIN_STOP_WAIT_S: '50'"),
+     r"env HVDTRAIN_STOP_WAIT_S is set by the render from kubernetes.termination_grace_s \(120 s, less 10 s\)"),
 ])
 def test_what_a_cluster_cannot_take_is_refused_with_the_fix(tmp_path, edit, match):
     with pytest.raises(RenderError, match=match):
@@ -188,11 +194,30 @@ def test_a_secret_value_never_reaches_the_manifest(tmp_path):
         render(tmp_path, both)
 
 
+def test_a_pods_time_to_stop_reaches_kubernetes_and_the_entrypoint(tmp_path):
+    # Kubernetes kills a pod terminationGracePeriodSeconds after its SIGTERM (30 s unless set); the entrypoint's
+    # wait for the ranks (NOTE [a worker pod's SIGTERM]) ends 10 s before that, on the workers and the launcher.
+    entrypoint = (REPO / "docker" / "entrypoint.sh").read_text()
+    assert "${HVDTRAIN_STOP_WAIT_S:-300}" in entrypoint
+    for text, grace in ((FULL, 120), (FULL + "  termination_grace_s: 900\n", 900)):
+        for role, pod in pods(render(tmp_path, text)).items():
+            assert pod["terminationGracePeriodSeconds"] == grace, role
+            assert pod["containers"][0]["env"][-1] == {"name": "HVDTRAIN_STOP_WAIT_S", "value": str(grace - 10)}, role
+    # A rank's own grace is checked against it: 100 s fits in 120 - 10; the header says both.
+    path = tmp_path / "job.yaml"
+    path.write_text(FULL.replace("runs/resnet", "runs/resnet, --sigterm-grace, '100'"))
+    assert main(["render", "k8s", str(path), "--output", str(tmp_path / "out.yaml")]) == 0
+    header = (tmp_path / "out.yaml").read_text()
+    assert "checkpoint come within --sigterm-grace 100 s (raise it for long steps or big checkpoints); Kubernetes " \
+        "kills the pod 120 s after the SIGTERM (kubernetes.termination_grace_s).\n" in header
+
+
 @pytest.mark.parametrize(("value", "match"), [
     ({"secret_env": {"A": {"secret": "Bad_Name", "key": "k"}}}, r"kubernetes.secret_env.A.secret"),
     ({"run_mount": "runs"}, r"kubernetes.run_mount.*expected an absolute path"),
     ({"shm_size": "big"}, r"kubernetes.shm_size.*'auto' or a Kubernetes quantity"),
     ({"imag": "x"}, r"kubernetes.imag"),
+    ({"termination_grace_s": 10}, r"kubernetes.termination_grace_s.*greater than or equal to 20"),
 ])
 def test_bad_kubernetes_section_names_the_key(tmp_path, value, match, capsys):
     path = tmp_path / "job.yaml"
@@ -251,6 +276,7 @@ def test_recipe_flag_defaults_match_the_recipes():
         expected = {key: own.get(key, torch_defaults[key]) for key in ("batch_size", "num_workers")}
         assert {"batch_size": recipe.batch_size, "num_workers": recipe.num_workers} == expected, name
     recipe_flags = {f.name: f.default for f in dataclasses.fields(RecipeConfig)}
+    assert {recipe.sigterm_grace for recipe in RECIPES.values()} == {recipe_flags["sigterm_grace"]}
     assert (recipe_flags["dataset"], recipe_flags["synthetic_shape"]) == ("digits", (3, 32, 32))  # shmsize._flags'
     assert "digits" in SAMPLE_BYTES and SAMPLE_BYTES["digits"] == digits().train.x[0].nbytes
     import inspect

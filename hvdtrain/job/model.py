@@ -247,6 +247,12 @@ class Kubernetes(_Model):
     plain_env: list[EnvName] = Field(
         default_factory=list, description="env names that look like credentials but are not (e.g. "
                                           "HF_HUB_DISABLE_IMPLICIT_TOKEN): written into the manifest as given.")
+    termination_grace_s: int = Field(
+        120, ge=20, le=86400,
+        description="The pods' terminationGracePeriodSeconds: how long a deleted, drained or preempted pod has "
+                    "between its SIGTERM and Kubernetes' SIGKILL. The ranks checkpoint at their next step boundary "
+                    "and exit meanwhile (the entrypoint waits for them until 10 s before the end); a recipe's "
+                    "--sigterm-grace must fit in it. 20-86400 seconds.")
     shm_size: Annotated[str, AfterValidator(_quantity)] = Field(
         "auto", description="Size of each worker's /dev/shm (a memory-backed emptyDir): a quantity such as 16Gi, or "
                             "'auto': what the shipped recipes' loaders need for the ranks of one worker, with NCCL's "

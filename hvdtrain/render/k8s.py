@@ -10,7 +10,9 @@ What the spec's `kubernetes` section gives (the render's --image, --namespace, -
 it): the image, which must be set; the PersistentVolumeClaim of the run directory, mounted on every worker pod
 where the ranks start, which must be set too, so that checkpoints outlive the pods; credentials, as
 `valueFrom.secretKeyRef` on the launcher (an env value that looks like a credential is refused); each worker's
-/dev/shm, a memory-backed emptyDir sized from what its ranks' loaders need (`shmsize.py`). Horovod forwards the
+/dev/shm, a memory-backed emptyDir sized from what its ranks' loaders need (`shmsize.py`); the pods'
+terminationGracePeriodSeconds, which bounds how long a stop may take (the entrypoint's HVDTRAIN_STOP_WAIT_S is set
+STOP_MARGIN_S under it, and a recipe's --sigterm-grace must fit under that). Horovod forwards the
 launcher's environment (the spec's `env` and those Secrets' values) to every rank: over ssh on the command line
 with Gloo, by name (`mpirun -x`) with MPI.
 """
@@ -48,6 +50,8 @@ OPERATOR_HOSTFILE = "/etc/mpi/hostfile"
 ENTRYPOINT = "/usr/local/bin/hvdtrain-entrypoint"
 RUN_VOLUME = "runs"
 HVDTRAIN_HOROVODRUN = "hvdtrain-horovodrun"  # the image's hvdtrain console script (pyproject.toml)
+STOP_WAIT_ENV = "HVDTRAIN_STOP_WAIT_S"  # how long the entrypoint waits for the ranks after a SIGTERM
+STOP_MARGIN_S = 10  # the entrypoint gives up this long before Kubernetes' SIGKILL, so the pod still ends by itself
 WORKER_WAIT_S = 900  # how long the launcher waits for every worker's sshd (pulling a GPU image takes minutes)
 # Paths a run volume may not be mounted at or over: the image's venv, the operator's ssh keys and hostfile, devices.
 RESERVED = (IMAGE_ROOT, "/root/.ssh", "/etc/mpi", "/dev", "/proc", "/sys", "/usr", "/bin", "/lib")
@@ -84,20 +88,29 @@ def _check(spec: JobSpec, controller: str) -> Kubernetes:
         raise RenderError(f"kubernetes.run_mount {k8s.run_mount!r} {where} in the pods (the image's venv, the "
                           "operator's ssh keys and hostfile, system folders): mount the run volume at a folder of its "
                           "own, e.g. /runs (the default)")
+    if STOP_WAIT_ENV in spec.env:
+        raise RenderError(f"env {STOP_WAIT_ENV} is set by the render from kubernetes.termination_grace_s "
+                          f"({k8s.termination_grace_s} s, less {STOP_MARGIN_S} s): remove it from env and set "
+                          "kubernetes.termination_grace_s instead")
     problem = credential_problem(spec, controller)
     if problem:
         raise RenderError(problem)
     return k8s
 
 
-def _run_dir_problem(spec: JobSpec, cwd: str, mount: str) -> str | None:
-    """Why the recipe's --run-dir would not be on the run volume, or None."""
+def _recipe_flags(spec: JobSpec) -> argparse.Namespace:
+    """A shipped recipe's --run-dir and --sigterm-grace in the spec's args (their defaults where left out)."""
     parser = argparse.ArgumentParser(add_help=False, exit_on_error=False)  # abbreviations too, as the recipes take
     parser.add_argument("--run-dir", default="runs")
+    parser.add_argument("--sigterm-grace", type=float, default=RECIPES[PurePosixPath(spec.script).name].sigterm_grace)
     try:
-        given = parser.parse_known_args(spec.args)[0].run_dir
+        return parser.parse_known_args(spec.args)[0]
     except (argparse.ArgumentError, SystemExit) as exc:
-        raise RenderError(f"args: {exc}: --run-dir needs a folder") from None
+        raise RenderError(f"args: {exc}: --run-dir needs a folder, --sigterm-grace a number of seconds") from None
+
+
+def _run_dir_problem(spec: JobSpec, given: str, cwd: str, mount: str) -> str | None:
+    """Why the recipe's --run-dir would not be on the run volume, or None."""
     run_dir = posixpath.normpath(posixpath.join(cwd, given))
     if run_dir == mount or run_dir.startswith(mount.rstrip("/") + "/"):
         return None
@@ -106,11 +119,26 @@ def _run_dir_problem(spec: JobSpec, cwd: str, mount: str) -> str | None:
             + (", and a workdir under it (or none)" if spec.workdir else ""))
 
 
+def _grace_problem(grace: float, k8s: Kubernetes) -> str | None:
+    """Why a rank's --sigterm-grace would not fit in the pods' time to stop, or None."""
+    if grace < k8s.termination_grace_s - STOP_MARGIN_S:
+        return None
+    return (f"args --sigterm-grace {grace:g} does not fit in the pods' time to stop: kubernetes.termination_grace_s "
+            f"{k8s.termination_grace_s} s, less the entrypoint's {STOP_MARGIN_S} s, so a pod would be killed while its "
+            "ranks still wait to checkpoint. Raise kubernetes.termination_grace_s (e.g. -o "
+            f"kubernetes.termination_grace_s={int(grace) + 2 * STOP_MARGIN_S}) or lower --sigterm-grace")
+
+
 def _env(spec: JobSpec) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = [{"name": name, "value": value} for name, value in spec.env.items()]
     env += [{"name": name, "valueFrom": {"secretKeyRef": {"name": ref.secret, "key": ref.key}}}
             for name, ref in spec.kubernetes.secret_env.items()]
     return env
+
+
+def _stop_wait(k8s: Kubernetes) -> dict[str, Any]:
+    """The entrypoint's wait for the ranks after a SIGTERM (NOTE [a worker pod's SIGTERM] in docker/entrypoint.sh)."""
+    return {"name": STOP_WAIT_ENV, "value": str(k8s.termination_grace_s - STOP_MARGIN_S)}
 
 
 def _container(name: str, k8s: Kubernetes, command: list[str], env: list[dict[str, Any]]) -> dict[str, Any]:
@@ -142,22 +170,24 @@ def _launcher(spec: JobSpec, cluster: ClusterOptions, opts: K8sOptions) -> dict[
     # (horovodrun's own ssh check tries 5 times at once, and the launcher runs once).
     command = [ENTRYPOINT, "wait-ssh", OPERATOR_HOSTFILE, str(ssh_port(spec, opts)), str(WORKER_WAIT_S), "--", *argv]
     k8s = spec.kubernetes
-    container = _container("launcher", k8s, command, _env(spec))
+    container = _container("launcher", k8s, command, [*_env(spec), _stop_wait(k8s)])
     # horovodrun starts the ranks in its own folder on the workers: the run volume there, unless the spec says
     # otherwise. The launcher itself writes nothing there, so it does not mount the claim (one worker: ReadWriteOnce).
     container["workingDir"] = spec.workdir or k8s.run_mount
-    return {"replicas": 1, "restartPolicy": "Never", "template": {"spec": {"containers": [container]}}}
+    pod = {"containers": [container], "terminationGracePeriodSeconds": k8s.termination_grace_s}
+    return {"replicas": 1, "restartPolicy": "Never", "template": {"spec": pod}}
 
 
 def _worker(spec: JobSpec, lay: Placement, shm: ShmSize, port: int) -> dict[str, Any]:
     k8s = spec.kubernetes
-    container = _container("worker", k8s, [ENTRYPOINT, "sshd", "-p", str(port)], [])  # -p: over the image's Port
+    container = _container("worker", k8s, [ENTRYPOINT, "sshd", "-p", str(port)],  # -p: over the image's Port
+                           [_stop_wait(k8s)])
     if lay.gpus_per_node:
         container["resources"] = {"limits": {"nvidia.com/gpu": lay.gpus_per_node}}
     # /dev/shm is 64 MiB in a pod by default: too small for NCCL and hvdtrain's shared-memory loader.
     volume, mount = _run_volume(k8s)
     container["volumeMounts"] = [{"name": "dshm", "mountPath": "/dev/shm"}, mount]
-    pod = {"containers": [container],
+    pod = {"containers": [container], "terminationGracePeriodSeconds": k8s.termination_grace_s,
            "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm.quantity}}, volume]}
     return {"replicas": lay.nodes, "restartPolicy": "Never", "template": {"spec": pod}}
 
@@ -191,6 +221,7 @@ class Rendered:
     spec: JobSpec
     lay: Placement
     shm: ShmSize
+    sigterm_grace: float | None  # a shipped recipe's --sigterm-grace; None: another script
 
 
 def _render(spec: JobSpec, cluster: ClusterOptions, opts: K8sOptions) -> Rendered:
@@ -199,10 +230,14 @@ def _render(spec: JobSpec, cluster: ClusterOptions, opts: K8sOptions) -> Rendere
     lay = placement(spec, cluster)
     name = check_name(cluster.name)
     k8s = _check(spec, spec.controller or cluster.controller or "gloo")  # horovodrun_argv's controller
-    problem = _run_dir_problem(spec, spec.workdir or k8s.run_mount, k8s.run_mount) \
-        if PurePosixPath(spec.script).name in RECIPES else None
-    if problem:
-        raise RenderError(problem)
+    grace = None
+    if PurePosixPath(spec.script).name in RECIPES:
+        flags = _recipe_flags(spec)
+        grace = flags.sigterm_grace
+        problem = _run_dir_problem(spec, flags.run_dir, spec.workdir or k8s.run_mount, k8s.run_mount) \
+            or _grace_problem(grace, k8s)
+        if problem:
+            raise RenderError(problem)
     metadata: dict[str, Any] = {"name": name, "labels": {"app.kubernetes.io/name": "hvdtrain"}}
     if k8s.namespace:
         metadata["namespace"] = k8s.namespace
@@ -220,12 +255,19 @@ def _render(spec: JobSpec, cluster: ClusterOptions, opts: K8sOptions) -> Rendere
                                 "Worker": _worker(spec, lay, shm, ssh_port(spec, opts))},
         },
     }
-    return Rendered(obj, spec, lay, shm)
+    return Rendered(obj, spec, lay, shm, grace)
 
 
 def mpijob(spec: JobSpec, cluster: ClusterOptions, opts: K8sOptions | None = None) -> dict[str, Any]:
     """The MPIJob object for a loaded spec (see `render_k8s` for the YAML text)."""
     return _render(spec, cluster, opts or K8sOptions()).obj
+
+
+def _grace_words(grace: float | None) -> str:
+    if grace is None:
+        return " (the shipped recipes; this script must do so itself)"
+    return (f" if that boundary and the checkpoint come within --sigterm-grace {grace:g} s (raise it for long steps "
+            "or big checkpoints)")
 
 
 def render_k8s(spec: JobSpec, cluster: ClusterOptions, opts: K8sOptions | None = None, *,
@@ -240,6 +282,9 @@ def render_k8s(spec: JobSpec, cluster: ClusterOptions, opts: K8sOptions | None =
               f"# Needs, in the job's namespace: the PersistentVolumeClaim {k8s.run_volume} (mounted on the workers "
               f"at {k8s.run_mount}){secrets}.",
               f"# /dev/shm per worker: {out.shm.quantity} ({out.shm.why}); it counts against the pod's memory.",
+              f"# A pod's SIGTERM (kubectl delete, a drain, preemption): the ranks checkpoint at their next step "
+              f"boundary and exit 75{_grace_words(out.sigterm_grace)}; Kubernetes kills the pod "
+              f"{k8s.termination_grace_s} s after the SIGTERM (kubernetes.termination_grace_s).",
               "# Submit: kubectl apply -f FILE; follow: kubectl logs -f job/<name>-launcher"]
     header += [f"# Not used here: {item}" for item in ignored_keys(spec)]
     return "\n".join(header) + "\n" + yaml.safe_dump(out.obj, sort_keys=False, default_flow_style=False, width=1000)

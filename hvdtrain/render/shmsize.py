@@ -36,6 +36,7 @@ class RecipeFlags:
     batch_size: int = 32
     num_workers: int = 1
     accumulates: bool = True  # a batch holds --backward-passes-per-step chunks
+    sigterm_grace: float = 4.0  # seconds from a SIGTERM to the stop's checkpoint (hvdtrain.train.preempt)
 
 
 RECIPES = {"pytorch_train.py": RecipeFlags(), "pytorch_elastic.py": RecipeFlags(),
