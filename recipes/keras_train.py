@@ -236,13 +236,13 @@ def save_stop(cfg: Config, hvd_tf: Any, ckpt_dir: Path, model: Any, history: His
 
 
 def legs(loader: ShmLoader, first: int, epochs: int, steps: int, position: dict[str, Any] | None,
-         metrics: list[float] | None) -> list[Leg]:
+         metrics: list[float] | None, ckpt_dir: Path) -> list[Leg]:
     """The fits from epoch `first` (from `position` if a stop mid-epoch left one: its rest, then the others)."""
     from hvdtrain.train import keraskit
 
     if position is None:
         return [Leg(keraskit.LoaderEpochs(loader, first, epochs), steps)]
-    loader.load_state_dict(position["loader"])  # the next iteration starts after the batches trained
+    checkpoint.resume_loader(loader, position["loader"], ckpt_dir)  # the next iteration: after the batches trained
     rest = Leg(keraskit.LoaderEpochs(loader, first, first + 1), len(loader), position["step"], metrics)
     return [rest] + ([Leg(keraskit.LoaderEpochs(loader, first + 1, epochs), steps)] if first + 1 < epochs else [])
 
@@ -262,7 +262,7 @@ def fit(cfg: Config, model: Any, splits: arrays.Splits, rank: int, size: int, fi
     with ShmLoader(splits.train, rank=rank, size=size, batch_size=cfg.batch_size, num_workers=cfg.num_workers,
                    seed=cfg.seed, fetch=take_channels_last, order=splits.train.order,
                    epochs=epochs) as loader, keraskit.data_errors_reraised():
-        todo = legs(loader, first, epochs, steps, position, metrics)
+        todo = legs(loader, first, epochs, steps, position, metrics, Path(cfg.run_dir).absolute() / "checkpoints")
         for i, leg in enumerate(todo):
             model.fit(keraskit.train_input(leg.data, channels_last_shape(splits.train.sample_shape)),
                       steps_per_epoch=leg.steps, epochs=leg.data.epochs, initial_epoch=leg.data.first,

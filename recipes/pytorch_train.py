@@ -369,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
             f"the newest checkpoint in {ckpt_dir} was written mid-epoch by recipes/pytorch_elastic.py when it was "
             "asked to stop: resume it with that recipe, or train this one in a new --run-dir")
     if position is not None:
-        loader.load_state_dict(position["loader"])
+        checkpoint.resume_loader(loader, position["loader"], ckpt_dir)
     # Horovod: start every rank from rank 0's optimizer state (momentum buffers, LR), then its weights: on a rank with
     # an empty state, broadcast_optimizer_state takes a zero-gradient step, which with weight decay moves the weights.
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)

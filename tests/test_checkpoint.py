@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from pathlib import Path
@@ -199,3 +200,55 @@ def test_a_checkpoint_of_another_model_is_one_error_line_and_exit_2(tmp_path: Pa
                           "optimizer (Error(s) in loading state_dict for Sequential:") and err.count("\n") == 1, err
     assert err.endswith("train in a new --run-dir, or pass --no-resume to start from scratch\n"), err
     assert torchkit.load_latest(tmp_path, old, opt)[0] == 1  # the same model still resumes
+
+
+def test_a_position_of_other_data_is_one_error_line_and_exit_2(tmp_path: Path, capsys) -> None:
+    """A mid-epoch checkpoint resumed on another --dataset or --seed said ValueError with a traceback (exit 1); it is
+    now exit 2 naming the run's checkpoints and the ways out. The same data resumes at the step."""
+    from hvdtrain.data import ShardSampler
+    from hvdtrain.train.entry import exit_with
+
+    saved = ShardSampler(100, 0, 2, seed=1, batch_size=5)
+    saved.advance(3)
+    state = saved.state_dict()
+    with pytest.raises(SystemExit) as e:
+        exit_with(lambda: ckpt.resume_loader(ShardSampler(100, 0, 2, seed=2, batch_size=5), state, tmp_path) or 0,
+                  "/r/keras_train.py")
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"keras_train.py: error: the newest checkpoint in {tmp_path} was written mid-epoch on "
+                          "other data (sampler state has seed=1 but this sampler has seed=2") and err.count("\n") == 1
+    assert err.endswith("train in a new --run-dir, or pass --no-resume to start from scratch\n"), err
+    with pytest.raises(ckpt.CheckpointMismatch, match="num_samples=100 but this sampler has num_samples=90"):
+        ckpt.resume_loader(ShardSampler(90, 0, 2, seed=1, batch_size=5), state, tmp_path)
+    same = ShardSampler(100, 0, 2, seed=1, batch_size=5)
+    ckpt.resume_loader(same, state, tmp_path)
+    assert list(same) == list(saved)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None, reason="TensorFlow is not installed in this venv")
+def test_a_keras_checkpoint_of_another_model_is_one_error_line_and_exit_2(tmp_path: Path, capsys, monkeypatch) -> None:
+    """The Keras recipe's load_latest into another model said ValueError with a traceback (exit 1); now as the PyTorch
+    recipe's: exit 2 naming the checkpoint and the ways out. (Keras 2 selected as the recipe selects it.)"""
+    if "TF_USE_LEGACY_KERAS" not in os.environ:
+        monkeypatch.setenv("TF_USE_LEGACY_KERAS", "1")
+    from hvdtrain.train import keraskit
+    from hvdtrain.train.entry import exit_with
+    from hvdtrain.train.metrics import History
+
+    def built(width: int):
+        model = keraskit.build_model((4,), 3, width)
+        model.compile(optimizer=keraskit.tf.keras.optimizers.SGD(0.1, momentum=0.9), loss="mse")
+        model.optimizer.build(model.trainable_variables)
+        return model
+
+    old = built(2)
+    keraskit.save_checkpoint(tmp_path, 1, old, History([{"epoch": 1}]), 1)
+    with pytest.raises(SystemExit) as e:
+        exit_with(lambda: keraskit.load_latest(tmp_path, built(3))[0], "/r/keras_train.py")
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"keras_train.py: error: {tmp_path}/ckpt-epoch0001.pt does not fit this model or optimizer (")
+    assert err.endswith("train in a new --run-dir, or pass --no-resume to start from scratch\n") and \
+        err.count("\n") == 1, err
+    assert keraskit.load_latest(tmp_path, built(2))[0] == 1  # the same model still resumes

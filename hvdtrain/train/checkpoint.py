@@ -60,6 +60,18 @@ class Found:
     step: int = 0
 
 
+def resume_loader(loader: Any, state: Mapping[str, Any], directory: Path | str) -> None:
+    """Put a mid-epoch checkpoint's loader position back (`loader.load_state_dict`); a position of other data (another
+    --dataset, --seed or order: the sampler's ValueError) is a CheckpointMismatch, so exit 2 with the way out."""
+    try:
+        loader.load_state_dict(state)
+    except ValueError as e:
+        raise CheckpointMismatch(
+            f"the newest checkpoint in {directory} was written mid-epoch on other data ({e}): resume with the "
+            "--dataset and --seed it was written with, train in a new --run-dir, or pass --no-resume to start from "
+            "scratch") from None
+
+
 def checkpoint_path(directory: Path | str, epoch: int, step: int = 0) -> Path:
     """`ckpt-epochEEEE.pt`, or with `step` > 0 (steps into epoch `epoch` + 1) `ckpt-epochEEEE-stepSSSSSS.pt`."""
     if not isinstance(epoch, int) or epoch < 0 or (epoch == 0 and not step):

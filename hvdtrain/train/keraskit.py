@@ -163,10 +163,17 @@ def load_latest(ckpt_dir: Path, model: Any) -> tuple[int, list[dict[str, Any]], 
                                    warn=lambda msg: print(f"WARNING: {msg}", flush=True))
     if found is None:
         return 0, [], None
-    model.set_weights(found.state["model"])
-    # a LossScaleOptimizer builds (and holds the variables of) the optimizer it wraps, not itself: set them there
-    inner = getattr(model.optimizer, "inner_optimizer", model.optimizer)
-    inner.set_weights(found.state["optimizer"])
+    try:
+        model.set_weights(found.state["model"])
+        # a LossScaleOptimizer builds (and holds the variables of) the optimizer it wraps, not itself: set them there
+        inner = getattr(model.optimizer, "inner_optimizer", model.optimizer)
+        inner.set_weights(found.state["optimizer"])
+    except ValueError as e:
+        what = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise checkpoint.CheckpointMismatch(
+            f"{found.path} does not fit this model or optimizer ({what}): it was written with another model or "
+            "input shape (the dataset), or by an earlier version of the recipe; train in a new --run-dir, or pass "
+            "--no-resume to start from scratch") from None
     scale = loss_scale_variables(model.optimizer)
     if scale and len(found.state["loss_scale"]) == len(scale):  # else (fp32/bf16 before): the initial scale
         for variable, value in zip(scale, found.state["loss_scale"], strict=True):

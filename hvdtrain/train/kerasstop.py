@@ -35,6 +35,7 @@ from typing import Any
 
 from hvdtrain.data import ShardSampler
 from hvdtrain.train import preempt
+from hvdtrain.train.checkpoint import CheckpointMismatch
 from hvdtrain.train.keraskit import Callback, tf
 
 
@@ -74,7 +75,7 @@ def restore_metrics(model: Any, values: list[float]) -> None:
         build_metrics(model)
     variables = [v for metric in model.metrics for v in metric.variables]
     if len(variables) != len(values):
-        raise ValueError(f"the checkpoint holds {len(values)} metric values, this model has {len(variables)} "
+        raise CheckpointMismatch(f"the checkpoint holds {len(values)} metric values, this model has {len(variables)} "
                          "metric variables: it was written with other metrics; pass --no-resume or a new --run-dir")
     for variable, value in zip(variables, values, strict=True):
         variable.assign(value)
