@@ -1,13 +1,17 @@
-"""A real one-node Slurm cluster on this machine, for tests: its own munged, slurmctld and slurmd, private ports and
-one private directory, and nothing left behind.
+"""A real Slurm cluster on this machine, for tests: its own munged, slurmctld and slurmd, private ports and one
+private directory, and nothing left behind. One node (this machine's short hostname), or several (`nodes=N`: n1 ..
+nN, one slurmd each, `slurmd -N`, on a port of its own, all at 127.0.0.1; a job's tasks on "different nodes" then
+share this machine, its hostname and its /dev/shm).
 
     T = $TMPDIR/hvdtrain-slurm-XXXXXXXX (0755: munged runs as user munge and must traverse it)
       ├─ owner    "PID START_TIME" of the test process that owns the cluster (/proc/PID/stat field 22)
       ├─ munge/   munge.key (munge, 0400), munge.socket, munged.pid, munged.seed   (munged -F, as user munge)
       ├─ etc/     slurm.conf: SlurmctldPort/SlurmdPort free TCP ports picked now; node <short hostname> at
-      │           127.0.0.1 with os.cpu_count() CPUs; partition `debug` (default); no accounting, no cgroups
-      ├─ state/ spool/ tmpfs/   slurmctld's state, slurmd's spool, the node's TmpFS
-      ├─ log/     slurmctld.log, slurmd.log, and each daemon's stdout+stderr <name>.out (munged -F logs there)
+      │           127.0.0.1 with os.cpu_count() CPUs (or n1..nN, each with a Port and those CPUs); partition
+      │           `debug` (default); no accounting, no cgroups
+      ├─ state/ spool/ tmpfs/   slurmctld's state, slurmd's spool (spool/<node>), the node's TmpFS (tmpfs/<node>
+      │                         with several nodes: PMIx makes the same folder names there on each)
+      ├─ log/     slurmctld.log, slurmd.log (slurmd-<node>.log), and each daemon's stdout+stderr <name>.out
       └─ jobs/    the batch jobs' output files (<job id>.out)
 
 Nothing under /etc/munge, /run/munge, /etc/slurm or /var is read or written: every Slurm command finds the cluster
@@ -87,9 +91,14 @@ class RunResult:
 @dataclass
 class SlurmCluster:
     root: Path  # T
-    node: str
-    cpus: int
+    node: str  # the first node (the only one, unless `nodes` has more)
+    cpus: int  # each node's
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    nodes: list[str] = field(default_factory=list)  # every node ([node] when empty)
+
+    @property
+    def node_names(self) -> list[str]:
+        return self.nodes or [self.node]
 
     @property
     def conf(self) -> Path:
@@ -155,8 +164,8 @@ class SlurmCluster:
         return {pid: cmd for pid, cmd in cluster_processes(self.conf).items()
                 if cmd.startswith(f"slurmstepd: [{job_id}.")}
 
-    def node_state(self) -> str:
-        result = self.run(["sinfo", "-h", "-N", "-n", self.node, "-o", "%T"], timeout_s=10)
+    def node_state(self, node: str | None = None) -> str:
+        result = self.run(["sinfo", "-h", "-N", "-n", node or self.node, "-o", "%T"], timeout_s=10)
         return result.output.strip() if result.returncode == 0 else ""
 
     def logs(self, lines: int = 20) -> str:
@@ -255,9 +264,13 @@ def write_munge_key(root: Path) -> None:
     key.chmod(0o400)
 
 
-def slurm_conf(root: Path, node: str, cpus: int, ctld_port: int, slurmd_port: int) -> str:
+def slurm_conf(root: Path, node: str, cpus: int, ctld_port: int, slurmd_port: int,
+               more: Sequence[tuple[str, int]] = ()) -> str:
+    """The cluster's slurm.conf: node `node` at 127.0.0.1 with slurmd on `slurmd_port`; `more` (name, port): one
+    more node each, with a slurmd of its own on this machine (`slurmd -N name`)."""
+    here = socket.gethostname().split(".")[0]  # slurmctld runs only where SlurmctldHost names this machine
     lines = {
-        "ClusterName": "hvdtrain", "SlurmctldHost": f"{node}(127.0.0.1)",
+        "ClusterName": "hvdtrain", "SlurmctldHost": f"{here}(127.0.0.1)",
         "SlurmUser": "root", "SlurmdUser": "root",
         "SlurmctldPort": ctld_port, "SlurmdPort": slurmd_port,
         "AuthType": "auth/munge", "CredType": "cred/munge",
@@ -277,9 +290,15 @@ def slurm_conf(root: Path, node: str, cpus: int, ctld_port: int, slurmd_port: in
         # pending job whose begin time has come (a requeued one) within ~1 s, not at the next 60 s pass.
         "SchedulerParameters": "batch_sched_delay=0,sched_interval=1",
     }
+    if more:  # one slurmd per node on this machine: each its own port, pid file, log and TmpFS (PMIx's folders)
+        lines |= {"SlurmdPidFile": root / "slurmd-%n.pid", "SlurmdLogFile": root / "log" / "slurmd-%n.log",
+                  "TmpFS": root / "tmpfs" / "%n"}
     text = [f"{k}={v}" for k, v in lines.items()]
-    text.append(f"NodeName={node} NodeAddr=127.0.0.1 CPUs={cpus} State=UNKNOWN")
-    text.append(f"PartitionName=debug Nodes={node} Default=YES MaxTime=INFINITE State=UP")
+    names = [node, *(name for name, _ in more)]
+    for name, port in [(node, slurmd_port), *more] if more else [(node, 0)]:
+        where = f" NodeHostname={here} Port={port}" if more else ""
+        text.append(f"NodeName={name} NodeAddr=127.0.0.1{where} CPUs={cpus} State=UNKNOWN")
+    text.append(f"PartitionName=debug Nodes={','.join(names)} Default=YES MaxTime=INFINITE State=UP")
     return "\n".join(text) + "\n"
 
 
@@ -314,8 +333,17 @@ def start(cluster: SlurmCluster) -> None:
     _wait_until(cluster, "munged's socket", cluster.munge_socket.exists)
     _popen(cluster, "slurmctld", ["slurmctld", "-D", "-i", "-f", str(cluster.conf)])
     _wait_until(cluster, "slurmctld answering", lambda: cluster.run(["scontrol", "ping"], 10).returncode == 0)
-    _popen(cluster, "slurmd", ["slurmd", "-D", "-N", cluster.node, "-f", str(cluster.conf)])
-    _wait_until(cluster, f"node {cluster.node} idle", lambda: cluster.node_state() == "idle")
+    for node in cluster.node_names:
+        for folder in ("spool", "tmpfs"):
+            (cluster.root / folder / node).mkdir(exist_ok=True)
+        _popen(cluster, _slurmd(cluster, node), ["slurmd", "-D", "-N", node, "-f", str(cluster.conf)])
+    for node in cluster.node_names:
+        _wait_until(cluster, f"node {node} idle", lambda node=node: cluster.node_state(node) == "idle")
+
+
+def _slurmd(cluster: SlurmCluster, node: str) -> str:
+    """The name a node's slurmd has in `cluster.procs` (and its log/<name>.out)."""
+    return f"slurmd-{node}" if cluster.nodes else "slurmd"
 
 
 def cancel_all(cluster: SlurmCluster) -> None:
@@ -332,8 +360,8 @@ def cancel_all(cluster: SlurmCluster) -> None:
 
 
 def stop_daemons(cluster: SlurmCluster) -> None:
-    """SIGTERM each daemon (slurmd first, munged last), SIGKILL after STOP_S, reap it."""
-    for name in reversed(DAEMONS):
+    """SIGTERM each daemon (the slurmds first, munged last), SIGKILL after STOP_S, reap it."""
+    for name in [*(_slurmd(cluster, node) for node in cluster.node_names), "slurmctld", "munged"]:
         proc = cluster.procs.get(name)
         if proc is None:
             continue
@@ -383,14 +411,17 @@ def teardown(cluster: SlurmCluster) -> None:
 
 
 @contextlib.contextmanager
-def slurm_cluster_running(parent: Path | None = None) -> Iterator[SlurmCluster]:
-    """Start a private one-node cluster (T in `parent`, default $TMPDIR: every folder above T must be traversable by
-    user munge); yield it; tear everything down (see the module docstring)."""
-    cluster = SlurmCluster(make_root(parent), socket.gethostname().split(".")[0], os.cpu_count() or 2)
+def slurm_cluster_running(parent: Path | None = None, nodes: int = 1) -> Iterator[SlurmCluster]:
+    """Start a private cluster of one node (or `nodes`: n1..nN) (T in `parent`, default $TMPDIR: every folder above
+    T must be traversable by user munge); yield it; tear everything down (see the module docstring)."""
+    names = [f"n{i + 1}" for i in range(nodes)] if nodes > 1 else []
+    cluster = SlurmCluster(make_root(parent), names[0] if names else socket.gethostname().split(".")[0],
+                           os.cpu_count() or 2, nodes=names)
     try:
         write_munge_key(cluster.root)
-        ctld_port, slurmd_port = free_ports(2)
-        cluster.conf.write_text(slurm_conf(cluster.root, cluster.node, cluster.cpus, ctld_port, slurmd_port))
+        ctld_port, *slurmd_ports = free_ports(1 + max(nodes, 1))
+        cluster.conf.write_text(slurm_conf(cluster.root, cluster.node, cluster.cpus, ctld_port, slurmd_ports[0],
+                                           list(zip(names[1:], slurmd_ports[1:], strict=True))))
         start(cluster)
         yield cluster
     finally:
@@ -401,6 +432,16 @@ def slurm_cluster_running(parent: Path | None = None) -> Iterator[SlurmCluster]:
 def slurm_cluster_fixture() -> Iterator[SlurmCluster]:
     """One cluster per test module that imports this fixture (`from tests.slurm import slurm_cluster_fixture`).
     Skipped when not root; fails, saying how to install them, when the Slurm binaries are missing."""
+    yield from _cluster_for_tests(nodes=1)
+
+
+@pytest.fixture(scope="module", name="slurm_two_nodes")
+def slurm_two_nodes_fixture() -> Iterator[SlurmCluster]:
+    """A two-node cluster (n1, n2: two slurmd on this machine) per test module that imports this fixture."""
+    yield from _cluster_for_tests(nodes=2)
+
+
+def _cluster_for_tests(nodes: int) -> Iterator[SlurmCluster]:
     reason = unavailable_reason()
     if reason:
         pytest.skip(f"no Slurm cluster: {reason}")
@@ -408,5 +449,5 @@ def slurm_cluster_fixture() -> Iterator[SlurmCluster]:
     if missing:
         pytest.fail(f"Slurm is not installed here (missing: {', '.join(missing)}): run `bash scripts/setup.sh` "
                     "(its apt step installs slurmctld, slurmd, slurm-client and munge)", pytrace=False)
-    with slurm_cluster_running() as cluster:
+    with slurm_cluster_running(nodes=nodes) as cluster:
         yield cluster

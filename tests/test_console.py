@@ -43,7 +43,7 @@ INTERRUPTED_START = [  # horovodrun given SIGINT while it imported its modules
     "Traceback (most recent call last):", '  File "/venv/bin/horovodrun", line 5, in <module>',
     "    from horovod.runner.launch import run_commandline", "KeyboardInterrupt",
 ]
-OTHER_ERROR = [*FRAMES[:3], "RuntimeError: could not connect to some hosts via ssh"]
+OTHER_ERROR = [*FRAMES[:3], "RuntimeError: could not find a common interface"]
 
 
 def test_horovodrun_traceback_for_a_failed_rank_is_kept_off_the_console_and_in_the_log(tmp_path):
@@ -92,6 +92,23 @@ def test_horovodruns_hidden_account_is_printed_when_no_rank_failure_explains_the
     assert _exit_code(1, router, None, False) == 1
     assert err.getvalue().splitlines() == ["hvdtrain: horovodrun exited with code 1 and no rank reported a failure",
                                            elastic[-1]]
+
+
+def test_horovodruns_failed_ssh_check_is_said_with_the_check_to_run():
+    check = [*FRAMES[:3], "RuntimeError: could not connect to some hosts via ssh"]
+    out, err = io.StringIO(), io.StringIO()
+    router = OutputRouter(Logs(), out, err)
+    for line in ["ssh not successful for host b:", "ssh: Could not resolve hostname b: Name or service not known",
+                 *check]:
+        router.line(line)
+    assert out.getvalue().splitlines() == ["ssh not successful for host b:",
+                                           "ssh: Could not resolve hostname b: Name or service not known"]
+    assert _exit_code(1, router, None, False, ["hvdtrain", "doctor", "--hosts", "a:2,b:2"]) == 1
+    assert err.getvalue().splitlines() == [
+        "hvdtrain: horovodrun could not reach every host over ssh (`ssh not successful for host ...` above names each, "
+        "with ssh's error), so no rank started. Check the hosts with `hvdtrain doctor --hosts a:2,b:2`: horovodrun "
+        "needs passwordless ssh from here to each host, by the name given; inside a Slurm allocation, `--launcher "
+        "srun` starts the ranks without ssh"]
 
 
 def test_any_other_launcher_traceback_is_shown_whole_and_a_cut_off_one_too():

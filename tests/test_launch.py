@@ -179,6 +179,21 @@ def test_exit_code_is_the_failing_ranks(controller, tmp_path):
     assert "hvdtrain: rank 1 on host localhost exited with code 3 (the first rank to fail)" in res.output
 
 
+def test_hosts_horovodrun_cannot_reach_are_said_with_the_check_to_run(tmp_path):
+    """horovodrun's ssh check fails before any rank starts: its lines name each host, its traceback is left out, and
+    hvdtrain says what to check (tests/test_slurm_nodes.py: the same inside a two-node Slurm allocation)."""
+    job = write_job(tmp_path, SCRIPTS / "fail_rank.py", hosts="nosuchhost-a.invalid:1,nosuchhost-b.invalid:1",
+                    ssh={"port": 2200})
+    res = run_bounded([HVDTRAIN, "run", str(job)], timeout=120)
+    assert res.returncode == 1, res.describe()
+    for host in ("nosuchhost-a.invalid", "nosuchhost-b.invalid"):
+        assert f"ssh not successful for host {host}:\nssh: Could not resolve hostname {host}" in res.output
+    assert "Traceback" not in res.output and "RuntimeError" not in res.output, res.describe()
+    assert "hvdtrain: horovodrun could not reach every host over ssh (`ssh not successful for host ...` above names " \
+        "each, with ssh's error), so no rank started. Check the hosts with `hvdtrain doctor --hosts " \
+        "nosuchhost-a.invalid:1,nosuchhost-b.invalid:1 --ssh-port 2200`: " in res.output, res.describe()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("controller", "signum"), [("gloo", signal.SIGTERM), ("mpi", signal.SIGINT),
                                                     ("mpi", signal.SIGTERM)])

@@ -5,7 +5,9 @@ NOTE [console]: the console shows the ranks' output, horovodrun's short status l
 log files (logs.dir) get every line. What the console leaves out:
   - horovodrun's traceback when it reports the job ending the way hvdtrain's summary already says (a rank exited
     non-zero: `RuntimeError: Horovod detected that one or more processes exited ...`, MPI's `mpirun failed with
-    exit code`, elastic's `Job has been shutdown`), or when hvdtrain itself stopped the job (a KeyboardInterrupt
+    exit code`, elastic's `Job has been shutdown`; its failed ssh check, `could not connect to some hosts via ssh`,
+    after its lines naming each host and ssh's error: `launcher_account` says it), or when hvdtrain itself stopped
+    the job (a KeyboardInterrupt
     after a forwarded SIGINT, and Python's `Exception ignored in ...` report then). Any other traceback is echoed
     whole: it is the only account of what went wrong.
     Chained tracebacks after a hidden one are decided the same way, each on its own exception line.
@@ -28,6 +30,7 @@ the job's end, hvdtrain prints it after its own verdict (`LauncherLines.hidden`)
 from __future__ import annotations
 
 import re
+import shlex
 import threading
 import time
 from pathlib import Path
@@ -48,6 +51,8 @@ EXIT_LINE = re.compile(r"Process \d+ exit with status code ")  # horovodrun (Glo
 TRACEBACK = "Traceback (most recent call last):"
 JOB_ENDED = ("RuntimeError: Horovod detected that one or more processes exited with non-zero status",
              "RuntimeError: mpirun failed with exit code", "RuntimeError: Job has been shutdown")
+SSH_CHECK = "RuntimeError: could not connect to some hosts via ssh"  # horovodrun's check of every host, before a rank
+EXPLAINED = (*JOB_ENDED, SSH_CHECK)  # tracebacks hvdtrain's verdict accounts for
 STOPPED = ("KeyboardInterrupt", "SystemExit")
 MESSAGE_TAIL = re.compile(r"^\s*(?:Process name:.*|Exit code:.*)?$")  # the rest of JOB_ENDED's message
 CHAINED = ("During handling of the above exception", "The above exception was the direct cause")
@@ -75,7 +80,7 @@ class LauncherLines:
                 self.held.append(line)
                 return []
             held, self.held = [*self.held, line], []
-            self.hiding = line.startswith(JOB_ENDED) or (self.stopping and line.startswith(STOPPED))
+            self.hiding = line.startswith(EXPLAINED) or (self.stopping and line.startswith(STOPPED))
             if self.hiding:
                 self.hidden.append(line)
             return [] if self.hiding else held
@@ -95,6 +100,18 @@ class LauncherLines:
         """At the end of the output: a traceback cut off before its exception line is shown as it is."""
         held, self.held = self.held, []
         return held
+
+
+def launcher_account(launcher: str, returncode: int, said: list[str], check_hosts: list[str]) -> list[str]:
+    """hvdtrain's verdict when no rank failure explains the launcher's end: horovodrun's failed ssh check in words
+    (`check_hosts`: the `hvdtrain doctor` command that checks the job's hosts), else the exit code and horovodrun's
+    own hidden account."""
+    if any(line.startswith(SSH_CHECK) for line in said):
+        return ["hvdtrain: horovodrun could not reach every host over ssh (`ssh not successful for host ...` above "
+                f"names each, with ssh's error), so no rank started. Check the hosts with `{shlex.join(check_hosts)}`: "
+                "horovodrun needs passwordless ssh from here to each host, by the name given; inside a Slurm "
+                "allocation, `--launcher srun` starts the ranks without ssh"]
+    return [f"hvdtrain: {launcher} exited with code {returncode} and no rank reported a failure", *said]
 
 
 class OutputRouter:

@@ -28,7 +28,7 @@ from hvdtrain import exitcodes, records
 from hvdtrain.doctor import probe
 from hvdtrain.job.model import Logs, Ssh
 from hvdtrain.job.plan import RANK_MODULE, LaunchPlan
-from hvdtrain.launch.console import OutputRouter, pump
+from hvdtrain.launch.console import OutputRouter, launcher_account, pump
 from hvdtrain.launch.failures import FailureTracker
 from hvdtrain.launch.lifeline import DONE, die_with_parent, group_alive
 from hvdtrain.launch.stops import StopRequests
@@ -398,7 +398,7 @@ def _supervise(plan: LaunchPlan, job: _Job, timeout_s: float | None, ssh: Ssh, w
     job.stops.tell(router, upto=asked)
     if proc.returncode != 0 and router.failures.peer_timed_out and stopped_by is None:
         _find_lost_hosts(router.failures, plan, ssh)
-    return _exit_code(proc.returncode, router, stopped_by, timed_out)
+    return _exit_code(proc.returncode, router, stopped_by, timed_out, _doctor_argv(plan, ssh))
 
 
 def _find_lost_hosts(failures: FailureTracker, plan: LaunchPlan, ssh: Ssh) -> None:
@@ -411,7 +411,15 @@ def _find_lost_hosts(failures: FailureTracker, plan: LaunchPlan, ssh: Ssh) -> No
         failures.unreachable = unreachable_hosts(remote, ssh.port, ssh.identity_file)
 
 
-def _exit_code(returncode: int, router: OutputRouter, signum: int | None, timed_out: bool) -> int:
+def _doctor_argv(plan: LaunchPlan, ssh: Ssh) -> list[str]:
+    """`hvdtrain doctor` on the job's hosts, as horovodrun reaches them."""
+    hosts = ",".join(f"{host}:{plan.rank_hosts.count(host)}" for host in dict.fromkeys(plan.rank_hosts))
+    return ["hvdtrain", "doctor", "--hosts", hosts, *(["--ssh-port", str(ssh.port)] if ssh.port else []),
+            *(["--ssh-identity-file", ssh.identity_file] if ssh.identity_file else [])]
+
+
+def _exit_code(returncode: int, router: OutputRouter, signum: int | None, timed_out: bool,
+               check_hosts: list[str] | None = None) -> int:
     """The job's exit code: the failing rank's (the cause's, from the ranks' records; else the first to exit); 128 +
     N when signal N killed it; 75 when, and only when, the ranks stopped to be resumed (FailureTracker.preempted)."""
     if timed_out:
@@ -430,8 +438,8 @@ def _exit_code(returncode: int, router: OutputRouter, signum: int | None, timed_
     if returncode != 0:
         said = router.launcher.hidden  # horovodrun's own account, when its traceback was kept off the console
         launcher = "srun" if router.srun_labels else "horovodrun"
-        for line in router.failures.report(router.logs.dir) or [
-                f"hvdtrain: {launcher} exited with code {returncode} and no rank reported a failure", *said]:
+        for line in router.failures.report(router.logs.dir) or launcher_account(launcher, returncode, said,
+                                                                                 check_hosts or []):
             router.note(line)
     code = returncode
     if returncode != 0 and failure is not None:
