@@ -14,7 +14,9 @@ The test hosts get a fresh host key every run, so whatever ssh records about the
 ssh client of a test (ours, horovodrun's, mpirun's plm_rsh_agent, the doctor's) goes through the cluster's `ssh`
 wrapper (`SshCluster.client_env()`: first on PATH, and OMPI_MCA_plm_rsh_agent), which runs the real ssh with a
 private config (`-F`): known hosts in the fixture's temporary directory, never ~/.ssh/known_hosts, and nothing from
-~/.ssh/config. Options given with `-o` (horovodrun's StrictHostKeyChecking=no) still apply on top of it.
+~/.ssh/config. Options given with `-o` (horovodrun's StrictHostKeyChecking=no) still apply on top of it. The config
+also names each host by its hostname (HostName its address, the fixture's key): a Slurm node's name
+(tests/slurm.py).
 """
 
 from __future__ import annotations
@@ -242,6 +244,9 @@ def ssh_cluster(tmp: Path, n: int = 2) -> Iterator[SshCluster]:
             sshds.append(subprocess.Popen(
                 ["ip", "netns", "exec", host.namespace, "unshare", "--uts", "sh", "-c", sshd],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True))
+        with (tmp / "ssh_config").open("a") as config:  # each host by its hostname too (a Slurm node's name)
+            config.writelines(f"Host {host.hostname}\n  HostName {host.address}\n  IdentityFile {identity}\n"
+                              for host in hosts)
         for host in hosts:
             _wait_for_ssh(host, identity, client_bin)
         yield SshCluster(hosts, identity, bridge, client_bin)

@@ -1,23 +1,26 @@
 """A real Slurm cluster on this machine, for tests: its own munged, slurmctld and slurmd, private ports and one
-private directory, and nothing left behind. One node (this machine's short hostname), or several (`nodes=N`: n1 ..
-nN, one slurmd each, `slurmd -N`, on a port of its own, all at 127.0.0.1; a job's tasks on "different nodes" then
-share this machine, its hostname and its /dev/shm).
+private directory, and nothing left behind. One node (this machine, by its short hostname), or one node per test
+host of tests/netns.py (`hosts=`): a slurmd in each host's network namespace and under its hostname, so a job's
+tasks on two nodes have two hostnames and addresses, and reach each other over the hosts' bridge (ssh too: the
+hosts' sshd, the node names in the ssh client's private config).
 
     T = $TMPDIR/hvdtrain-slurm-XXXXXXXX (0755: munged runs as user munge and must traverse it)
       ├─ owner    "PID START_TIME" of the test process that owns the cluster (/proc/PID/stat field 22)
       ├─ munge/   munge.key (munge, 0400), munge.socket, munged.pid, munged.seed   (munged -F, as user munge)
       ├─ etc/     slurm.conf: SlurmctldPort/SlurmdPort free TCP ports picked now; node <short hostname> at
-      │           127.0.0.1 with os.cpu_count() CPUs (or n1..nN, each with a Port and those CPUs); partition
-      │           `debug` (default); no accounting, no cgroups
+      │           127.0.0.1 with os.cpu_count() CPUs (or each host's name at its address, slurmctld at the hosts'
+      │           bridge); partition `debug` (default); no accounting, no cgroups
       ├─ state/ spool/ tmpfs/   slurmctld's state, slurmd's spool (spool/<node>), the node's TmpFS (tmpfs/<node>
-      │                         with several nodes: PMIx makes the same folder names there on each)
+      │                         with several nodes: PMIx makes the same folder names on each)
       ├─ log/     slurmctld.log, slurmd.log (slurmd-<node>.log), and each daemon's stdout+stderr <name>.out
       └─ jobs/    the batch jobs' output files (<job id>.out)
 
 Nothing under /etc/munge, /run/munge, /etc/slurm or /var is read or written: every Slurm command finds the cluster
 through SLURM_CONF (`SlurmCluster.env()`), and the helpers here run them with it and without any SLURM_* variable
 inherited from outside (a test run inside a real Slurm job must not talk to that job's cluster). The daemons run
-in the foreground as children of this process (munged -F, slurmctld -D -i, slurmd -D), each in its own session.
+in the foreground as children of this process (munged -F, slurmctld -D -i, slurmd -D), each in its own session; a
+host's slurmd through `nsenter --net` (not `ip netns exec`, which mounts a sysfs of its own without the cgroup
+filesystem slurmd needs) and `unshare --uts`, as the host's sshd.
 
 NOTE [ Job processes and the per-test process check ]
 slurmd starts a slurmstepd per job step through a middle process that exits, so slurmstepd and the job's tasks are
@@ -40,6 +43,7 @@ import contextlib
 import os
 import pwd
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -51,6 +55,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+
+from tests import netns
+from tests.netns import SshCluster, SshHost
 
 PREFIX = "hvdtrain-slurm-"  # scripts/fresh_state.sh matches it
 DAEMONS = ("munged", "slurmctld", "slurmd")
@@ -91,14 +98,15 @@ class RunResult:
 @dataclass
 class SlurmCluster:
     root: Path  # T
-    node: str  # the first node (the only one, unless `nodes` has more)
+    node: str  # the first node (the only one without hosts)
     cpus: int  # each node's
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
-    nodes: list[str] = field(default_factory=list)  # every node ([node] when empty)
+    hosts: list[SshHost] = field(default_factory=list)  # the nodes, when they are test hosts (tests/netns.py)
+    client_env: dict[str, str] = field(default_factory=dict)  # for every command: the hosts' ssh client
 
     @property
     def node_names(self) -> list[str]:
-        return self.nodes or [self.node]
+        return [host.hostname for host in self.hosts] or [self.node]
 
     @property
     def conf(self) -> Path:
@@ -115,7 +123,7 @@ class SlurmCluster:
     def full_env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
         """os.environ without SLURM_* variables, plus env() and extra."""
         base = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-        return {**base, **self.env(), **(extra or {})}
+        return {**base, **self.client_env, **self.env(), **(extra or {})}
 
     def run(self, argv: Sequence[str], timeout_s: float = CMD_TIMEOUT_S, env: dict[str, str] | None = None,
             cwd: Path | None = None) -> RunResult:
@@ -265,12 +273,12 @@ def write_munge_key(root: Path) -> None:
 
 
 def slurm_conf(root: Path, node: str, cpus: int, ctld_port: int, slurmd_port: int,
-               more: Sequence[tuple[str, int]] = ()) -> str:
-    """The cluster's slurm.conf: node `node` at 127.0.0.1 with slurmd on `slurmd_port`; `more` (name, port): one
-    more node each, with a slurmd of its own on this machine (`slurmd -N name`)."""
+               hosts: Sequence[SshHost] = (), ctld_address: str = "127.0.0.1") -> str:
+    """The cluster's slurm.conf: node `node` at 127.0.0.1, or one node per host (its hostname at its address), with
+    slurmd on `slurmd_port` (in each host's namespace) and slurmctld at `ctld_address`."""
     here = socket.gethostname().split(".")[0]  # slurmctld runs only where SlurmctldHost names this machine
     lines = {
-        "ClusterName": "hvdtrain", "SlurmctldHost": f"{here}(127.0.0.1)",
+        "ClusterName": "hvdtrain", "SlurmctldHost": f"{here}({ctld_address})",
         "SlurmUser": "root", "SlurmdUser": "root",
         "SlurmctldPort": ctld_port, "SlurmdPort": slurmd_port,
         "AuthType": "auth/munge", "CredType": "cred/munge",
@@ -290,15 +298,14 @@ def slurm_conf(root: Path, node: str, cpus: int, ctld_port: int, slurmd_port: in
         # pending job whose begin time has come (a requeued one) within ~1 s, not at the next 60 s pass.
         "SchedulerParameters": "batch_sched_delay=0,sched_interval=1",
     }
-    if more:  # one slurmd per node on this machine: each its own port, pid file, log and TmpFS (PMIx's folders)
+    if hosts:  # one slurmd per node on this machine's disk: each its own pid file, log and TmpFS (PMIx's folders)
         lines |= {"SlurmdPidFile": root / "slurmd-%n.pid", "SlurmdLogFile": root / "log" / "slurmd-%n.log",
                   "TmpFS": root / "tmpfs" / "%n"}
     text = [f"{k}={v}" for k, v in lines.items()]
-    names = [node, *(name for name, _ in more)]
-    for name, port in [(node, slurmd_port), *more] if more else [(node, 0)]:
-        where = f" NodeHostname={here} Port={port}" if more else ""
-        text.append(f"NodeName={name} NodeAddr=127.0.0.1{where} CPUs={cpus} State=UNKNOWN")
-    text.append(f"PartitionName=debug Nodes={','.join(names)} Default=YES MaxTime=INFINITE State=UP")
+    nodes = [(host.hostname, host.address) for host in hosts] or [(node, "127.0.0.1")]
+    text += [f"NodeName={name} NodeAddr={address} CPUs={cpus} State=UNKNOWN" for name, address in nodes]
+    text.append(f"PartitionName=debug Nodes={','.join(name for name, _ in nodes)} Default=YES MaxTime=INFINITE "
+                "State=UP")
     return "\n".join(text) + "\n"
 
 
@@ -336,14 +343,20 @@ def start(cluster: SlurmCluster) -> None:
     for node in cluster.node_names:
         for folder in ("spool", "tmpfs"):
             (cluster.root / folder / node).mkdir(exist_ok=True)
-        _popen(cluster, _slurmd(cluster, node), ["slurmd", "-D", "-N", node, "-f", str(cluster.conf)])
+    slurmd = ["slurmd", "-D", "-f", str(cluster.conf), "-N"]
+    if not cluster.hosts:
+        _popen(cluster, "slurmd", [*slurmd, cluster.node])
+    for host in cluster.hosts:  # in the host's network namespace, under its hostname
+        inside = f"hostname {host.hostname} && exec {shlex.join([*slurmd, host.hostname])}"
+        _popen(cluster, _slurmd(cluster, host.hostname),
+               ["nsenter", f"--net=/run/netns/{host.namespace}", "unshare", "--uts", "sh", "-c", inside])
     for node in cluster.node_names:
         _wait_until(cluster, f"node {node} idle", lambda node=node: cluster.node_state(node) == "idle")
 
 
 def _slurmd(cluster: SlurmCluster, node: str) -> str:
     """The name a node's slurmd has in `cluster.procs` (and its log/<name>.out)."""
-    return f"slurmd-{node}" if cluster.nodes else "slurmd"
+    return f"slurmd-{node}" if cluster.hosts else "slurmd"
 
 
 def cancel_all(cluster: SlurmCluster) -> None:
@@ -411,17 +424,20 @@ def teardown(cluster: SlurmCluster) -> None:
 
 
 @contextlib.contextmanager
-def slurm_cluster_running(parent: Path | None = None, nodes: int = 1) -> Iterator[SlurmCluster]:
-    """Start a private cluster of one node (or `nodes`: n1..nN) (T in `parent`, default $TMPDIR: every folder above
-    T must be traversable by user munge); yield it; tear everything down (see the module docstring)."""
-    names = [f"n{i + 1}" for i in range(nodes)] if nodes > 1 else []
-    cluster = SlurmCluster(make_root(parent), names[0] if names else socket.gethostname().split(".")[0],
-                           os.cpu_count() or 2, nodes=names)
+def slurm_cluster_running(parent: Path | None = None, hosts: SshCluster | None = None) -> Iterator[SlurmCluster]:
+    """Start a private cluster of one node, or of one node per host of `hosts` (T in `parent`, default $TMPDIR:
+    every folder above T must be traversable by user munge); yield it; tear everything down (see the module
+    docstring)."""
+    nodes = hosts.hosts if hosts else []
+    cluster = SlurmCluster(make_root(parent), nodes[0].hostname if nodes else socket.gethostname().split(".")[0],
+                           os.cpu_count() or 2, hosts=list(nodes), client_env=hosts.client_env() if hosts else {})
     try:
         write_munge_key(cluster.root)
-        ctld_port, *slurmd_ports = free_ports(1 + max(nodes, 1))
-        cluster.conf.write_text(slurm_conf(cluster.root, cluster.node, cluster.cpus, ctld_port, slurmd_ports[0],
-                                           list(zip(names[1:], slurmd_ports[1:], strict=True))))
+        ctld_port, slurmd_port = free_ports(2)
+        # The hosts reach slurmctld at the bridge's address in the root namespace (`.1` of their subnet).
+        ctld_address = nodes[0].address.rsplit(".", 1)[0] + ".1" if nodes else "127.0.0.1"
+        cluster.conf.write_text(slurm_conf(cluster.root, cluster.node, cluster.cpus, ctld_port, slurmd_port, nodes,
+                                           ctld_address))
         start(cluster)
         yield cluster
     finally:
@@ -432,16 +448,21 @@ def slurm_cluster_running(parent: Path | None = None, nodes: int = 1) -> Iterato
 def slurm_cluster_fixture() -> Iterator[SlurmCluster]:
     """One cluster per test module that imports this fixture (`from tests.slurm import slurm_cluster_fixture`).
     Skipped when not root; fails, saying how to install them, when the Slurm binaries are missing."""
-    yield from _cluster_for_tests(nodes=1)
+    yield from _cluster_for_tests()
 
 
 @pytest.fixture(scope="module", name="slurm_two_nodes")
-def slurm_two_nodes_fixture() -> Iterator[SlurmCluster]:
-    """A two-node cluster (n1, n2: two slurmd on this machine) per test module that imports this fixture."""
-    yield from _cluster_for_tests(nodes=2)
+def slurm_two_nodes_fixture(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
+    """A two-node cluster, its nodes the two test hosts of tests/netns.py, per test module that imports this
+    fixture. Skipped where those hosts cannot be made, as tests/test_multihost.py is."""
+    reason = netns.unavailable_reason()
+    if reason:
+        pytest.skip(f"no namespace hosts for the nodes: {reason}")
+    with netns.ssh_cluster(tmp_path_factory.mktemp("slurm-hosts")) as hosts:
+        yield from _cluster_for_tests(hosts)
 
 
-def _cluster_for_tests(nodes: int) -> Iterator[SlurmCluster]:
+def _cluster_for_tests(hosts: SshCluster | None = None) -> Iterator[SlurmCluster]:
     reason = unavailable_reason()
     if reason:
         pytest.skip(f"no Slurm cluster: {reason}")
@@ -449,5 +470,5 @@ def _cluster_for_tests(nodes: int) -> Iterator[SlurmCluster]:
     if missing:
         pytest.fail(f"Slurm is not installed here (missing: {', '.join(missing)}): run `bash scripts/setup.sh` "
                     "(its apt step installs slurmctld, slurmd, slurm-client and munge)", pytrace=False)
-    with slurm_cluster_running(nodes=nodes) as cluster:
+    with slurm_cluster_running(hosts=hosts) as cluster:
         yield cluster
