@@ -20,7 +20,7 @@ import yaml
 from hvdtrain.job.model import Logs
 from hvdtrain.launch.console import PARTIAL_LIMIT, OutputRouter
 from hvdtrain.launch.failures import RankFailure
-from hvdtrain.launch.runner import _exit_code
+from hvdtrain.launch.verdict import exit_code
 from tests.harness import BIN, REPO, kill_launcher_when, route, run_bounded, wait_gone
 
 HVDTRAIN = str(BIN / "hvdtrain")
@@ -89,7 +89,7 @@ def test_horovodruns_hidden_account_is_printed_when_no_rank_failure_explains_the
     for line in elastic:
         router.line(line)
     assert out.getvalue() == "" and router.failures.first is None
-    assert _exit_code(1, router, None, False) == 1
+    assert exit_code(1, router, None, False) == 1
     assert err.getvalue().splitlines() == ["hvdtrain: horovodrun exited with code 1 and no rank reported a failure",
                                            elastic[-1]]
 
@@ -103,7 +103,7 @@ def test_horovodruns_failed_ssh_check_is_said_with_the_check_to_run():
         router.line(line)
     assert out.getvalue().splitlines() == ["ssh not successful for host b:",
                                            "ssh: Could not resolve hostname b: Name or service not known"]
-    assert _exit_code(1, router, None, False, ["hvdtrain", "doctor", "--hosts", "a:2,b:2"]) == 1
+    assert exit_code(1, router, None, False, ["hvdtrain", "doctor", "--hosts", "a:2,b:2"]) == 1
     assert err.getvalue().splitlines() == [
         "hvdtrain: horovodrun could not reach every host over ssh (`ssh not successful for host ...` above names each, "
         "with ssh's error), so no rank started. Check the hosts with `hvdtrain doctor --hosts a:2,b:2`: horovodrun "

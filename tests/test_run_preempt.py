@@ -28,8 +28,9 @@ from hvdtrain.cli import main
 from hvdtrain.job.model import Logs
 from hvdtrain.launch.console import OutputRouter
 from hvdtrain.launch.failures import FailureTracker
-from hvdtrain.launch.runner import PREEMPTED, _exit_code, _records_dir
+from hvdtrain.launch.runner import _records_dir
 from hvdtrain.launch.stops import STOP_ASKED, STOP_ASKED_AGAIN
+from hvdtrain.launch.verdict import PREEMPTED, exit_code
 from hvdtrain.records import RankRecord
 from tests.harness import BIN, REPO, STARTED_SESSIONS, kill_tree, wait_gone
 
@@ -134,7 +135,7 @@ def test_the_verdict_is_preempted_only_when_no_rank_failed(ranks, first, preempt
     router = OutputRouter(Logs(), io.StringIO(), err := io.StringIO(), FailureTracker(("localhost",) * 2))
     router.line(f"Process 0 exit with status code {first}.")
     router.failures.records = ranks
-    code = _exit_code(1, router, None, False)
+    code = exit_code(1, router, None, False)
     said = err.getvalue()
     assert (code == exitcodes.PREEMPTED) == preempted, said  # 75 only for a stop to be resumed: --requeue keys on it
     assert (PREEMPTED in said) == preempted and ("hvdtrain: rank " in said) != preempted, said

@@ -28,10 +28,11 @@ from hvdtrain import exitcodes, records
 from hvdtrain.doctor import probe
 from hvdtrain.job.model import Logs, Ssh
 from hvdtrain.job.plan import RANK_MODULE, LaunchPlan
-from hvdtrain.launch.console import OutputRouter, launcher_account, pump
+from hvdtrain.launch.console import OutputRouter, pump
 from hvdtrain.launch.failures import FailureTracker
 from hvdtrain.launch.lifeline import DONE, die_with_parent, group_alive
 from hvdtrain.launch.stops import StopRequests
+from hvdtrain.launch.verdict import doctor_argv, exit_code, find_lost_hosts
 
 GRACE_S = 20.0  # horovodrun itself gives ranks 5 s after SIGTERM, then 5 s more before SIGKILL
 POLL_S = 0.5
@@ -42,8 +43,6 @@ RECORDS_TMP = "hvdtrain-records-"  # the ranks' records without logs.dir: a temp
 SWEEP_POLL_S = 0.05  # how often the sweep looks whether horovodrun's group has stopped
 SRUN_ABORT_S = 10.0  # after SIGTERM, how long srun may take to kill its step through Slurm before SIGKILL
 SNAPSHOT_S = 2.0  # a process-tree walk costs CPU that the ranks need: not every poll
-PREEMPTED = (f"hvdtrain: the job stopped to be resumed: the ranks checkpointed at a step boundary (exit "
-             f"{exitcodes.PREEMPTED}); run it again to resume from the checkpoint")
 
 
 class LaunchError(RuntimeError):
@@ -128,7 +127,7 @@ def find_horovodrun() -> str:
 #    not forwarded and does not stop the job: `stops.StopRequests` (installed first thing by `hvdtrain run`, so that
 #    SIGUSR1 never kills it, and again with the handlers above) creates records.STOP_FILE in the job's records
 #    directory; the ranks see it, agree, checkpoint at their next step boundary and exit 75 (hvdtrain/train), and
-#    `_exit_code` calls that ending "preempted" (FailureTracker.preempted) and exits 75 (--requeue then requeues
+#    `verdict.exit_code` calls that ending "preempted" (FailureTracker.preempted) and exits 75 (--requeue then requeues
 #    the Slurm job: command.requeue_slurm_job). Repeating it changes nothing; a rank that ignores it just goes on.
 #    With `--launcher srun` the same: Slurm's `B:` signal reaches the batch shell (hvdtrain) only, not the step.
 #    The file is removed when the next run prepares the same records directory.
@@ -397,54 +396,5 @@ def _supervise(plan: LaunchPlan, job: _Job, timeout_s: float | None, ssh: Ssh, w
     job.tell(timed_out, timeout_s, upto=settled)
     job.stops.tell(router, upto=asked)
     if proc.returncode != 0 and router.failures.peer_timed_out and stopped_by is None:
-        _find_lost_hosts(router.failures, plan, ssh)
-    return _exit_code(proc.returncode, router, stopped_by, timed_out, _doctor_argv(plan, ssh))
-
-
-def _find_lost_hosts(failures: FailureTracker, plan: LaunchPlan, ssh: Ssh) -> None:
-    """Gloo does not say which peer it timed out on: ask ssh which of the job's remote hosts is gone (bounded)."""
-    from hvdtrain.doctor.ssh import is_local, local_addresses, unreachable_hosts
-
-    here = local_addresses()
-    remote = sorted({h for h in plan.rank_hosts if not is_local(h, here)})
-    if remote:
-        failures.unreachable = unreachable_hosts(remote, ssh.port, ssh.identity_file)
-
-
-def _doctor_argv(plan: LaunchPlan, ssh: Ssh) -> list[str]:
-    """`hvdtrain doctor` on the job's hosts, as horovodrun reaches them."""
-    hosts = ",".join(f"{host}:{plan.rank_hosts.count(host)}" for host in dict.fromkeys(plan.rank_hosts))
-    return ["hvdtrain", "doctor", "--hosts", hosts, *(["--ssh-port", str(ssh.port)] if ssh.port else []),
-            *(["--ssh-identity-file", ssh.identity_file] if ssh.identity_file else [])]
-
-
-def _exit_code(returncode: int, router: OutputRouter, signum: int | None, timed_out: bool,
-               check_hosts: list[str] | None = None) -> int:
-    """The job's exit code: the failing rank's (the cause's, from the ranks' records; else the first to exit); 128 +
-    N when signal N killed it; 75 when, and only when, the ranks stopped to be resumed (FailureTracker.preempted)."""
-    if timed_out:
-        router.note("hvdtrain: job timed out and was stopped")
-        return exitcodes.TIMED_OUT
-    if signum is not None:
-        code = exitcodes.SIGNALLED + signum
-        router.note(f"hvdtrain: the job was stopped by {signal.Signals(signum).name}; exit code {code}")
-        return code
-    if returncode < 0:
-        return exitcodes.SIGNALLED - returncode
-    if returncode != 0 and router.failures.preempted():
-        router.note(PREEMPTED)
-        return exitcodes.PREEMPTED
-    failure = router.failures.exit_failure()
-    if returncode != 0:
-        said = router.launcher.hidden  # horovodrun's own account, when its traceback was kept off the console
-        launcher = "srun" if router.srun_labels else "horovodrun"
-        for line in router.failures.report(router.logs.dir) or launcher_account(launcher, returncode, said,
-                                                                                 check_hosts or []):
-            router.note(line)
-    code = returncode
-    if returncode != 0 and failure is not None:
-        code = failure.code or (exitcodes.SIGNALLED + failure.signum if failure.signum else returncode)
-    if code == exitcodes.PREEMPTED:  # 75 says "run it again to resume" (`--requeue` does): not after a failure
-        router.note(f"hvdtrain: exit code 1, not {code}: a rank failed, so the job did not just stop to be resumed")
-        return 1
-    return code
+        find_lost_hosts(router.failures, plan, ssh)
+    return exit_code(proc.returncode, router, stopped_by, timed_out, doctor_argv(plan, ssh))
