@@ -22,6 +22,7 @@ import yaml
 
 from hvdtrain.cli import main
 from hvdtrain.datasets.arrays import digits
+from hvdtrain.job.model import quantity_bytes
 from hvdtrain.render import ClusterOptions, K8sOptions, RenderError, render_file
 from hvdtrain.render.shmsize import PREFETCH, RECIPES, SAMPLE_BYTES, SLOT_BYTES, per_rank_bytes
 from hvdtrain.train.config import RecipeConfig
@@ -194,6 +195,28 @@ def test_a_secret_value_never_reaches_the_manifest(tmp_path):
         render(tmp_path, both)
 
 
+def test_a_workers_memory_holds_its_shm_and_is_requested_and_limited(tmp_path, validator):  # noqa: F811
+    obj = render(tmp_path, FULL + "  memory: 96Gi\n")
+    worker = pods(obj)["Worker"]
+    assert worker["containers"][0]["resources"] == {"requests": {"memory": "96Gi"},
+                                                    "limits": {"nvidia.com/gpu": 8, "memory": "96Gi"}}
+    assert "resources" not in pods(obj)["Launcher"]["containers"][0]
+    assert not sorted(validator.iter_errors(obj), key=str)
+    kubernetes_validate.validate(as_pod_template(worker), K8S_VERSION, strict=True)
+    # /dev/shm (8448Mi here) counts against it: a limit it fills is refused, with both sizes.
+    with pytest.raises(RenderError, match=r"kubernetes.memory 8Gi cannot hold the workers' /dev/shm \(8448Mi, auto: "
+                                          r".*raise kubernetes.memory or lower kubernetes.shm_size"):
+        render(tmp_path, FULL + "  memory: 8Gi\n")
+    assert render(tmp_path, FULL + "  memory: 8Gi\n  shm_size: 4Gi\n")
+    path = tmp_path / "job.yaml"
+    for memory, said in (("  memory: 100G\n", "(100G: kubernetes.memory)."), ("", "(none set: kubernetes.memory).")):
+        path.write_text(FULL + memory)
+        assert main(["render", "k8s", str(path), "--output", str(tmp_path / "out.yaml")]) == 0
+        assert f"rounded up); it counts against the pod's memory {said}\n" in (tmp_path / "out.yaml").read_text()
+    assert [quantity_bytes(q) for q in ("16Gi", "512Mi", "2G", "1.5Ki", "100", "3k")] == [
+        16 * 2**30, 512 * 2**20, 2e9, 1536, 100, 3000]
+
+
 def test_a_pods_time_to_stop_reaches_kubernetes_and_the_entrypoint(tmp_path):
     # Kubernetes kills a pod terminationGracePeriodSeconds after its SIGTERM (30 s unless set); the entrypoint's
     # wait for the ranks (NOTE [a worker pod's SIGTERM]) ends 10 s before that, on the workers and the launcher.
@@ -218,6 +241,7 @@ def test_a_pods_time_to_stop_reaches_kubernetes_and_the_entrypoint(tmp_path):
     ({"shm_size": "big"}, r"kubernetes.shm_size.*'auto' or a Kubernetes quantity"),
     ({"imag": "x"}, r"kubernetes.imag"),
     ({"termination_grace_s": 10}, r"kubernetes.termination_grace_s.*greater than or equal to 20"),
+    ({"memory": "lots"}, r"kubernetes.memory.*a Kubernetes quantity such as 64Gi"),
 ])
 def test_bad_kubernetes_section_names_the_key(tmp_path, value, match, capsys):
     path = tmp_path / "job.yaml"

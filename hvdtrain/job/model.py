@@ -222,6 +222,24 @@ def _quantity(value: str) -> str:
     return value
 
 
+def _memory(value: str | None) -> str | None:
+    if value is not None and not QUANTITY.fullmatch(value):
+        raise ValueError("expected a Kubernetes quantity such as 64Gi or 512Mi")
+    return value
+
+
+def quantity_bytes(value: str) -> float:
+    """A quantity QUANTITY matches, in bytes (16Gi -> 16 x 2**30; 2G -> 2 x 10**9)."""
+    m = QUANTITY.fullmatch(value)
+    if m is None:
+        raise ValueError(f"not a Kubernetes quantity: {value!r}")
+    suffix = m.group(2) or ""
+    number = float(value[:len(value) - len(suffix)])
+    if suffix.endswith("i"):  # Ki Mi Gi Ti Pi Ei
+        return number * float(1024 ** ("KMGTPE".index(suffix[0]) + 1))
+    return number * float(1000 ** ("kMGTPE".index(suffix) + 1)) if suffix else number  # k M G T P E
+
+
 class Kubernetes(_Model):
     """What `hvdtrain render k8s` needs beyond the job itself: the image, the run volume, Secrets, /dev/shm.
     `hvdtrain run` does not read this section."""
@@ -253,6 +271,10 @@ class Kubernetes(_Model):
                     "between its SIGTERM and Kubernetes' SIGKILL. The ranks checkpoint at their next step boundary "
                     "and exit meanwhile (the entrypoint waits for them until 10 s before the end); a recipe's "
                     "--sigterm-grace must fit in it. 20-86400 seconds.")
+    memory: Annotated[str | None, AfterValidator(_memory)] = Field(
+        None, description="Each worker's memory request and limit (a quantity such as 64Gi): its ranks, their "
+                          "producers and its /dev/shm, which counts against it. Unset: none (a LimitRange of the "
+                          "namespace may still set one, which then has to hold /dev/shm too).")
     shm_size: Annotated[str, AfterValidator(_quantity)] = Field(
         "auto", description="Size of each worker's /dev/shm (a memory-backed emptyDir): a quantity such as 16Gi, or "
                             "'auto': what the shipped recipes' loaders need for the ranks of one worker, with NCCL's "

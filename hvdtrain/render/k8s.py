@@ -28,7 +28,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from hvdtrain.job.model import JobSpec, Kubernetes
+from hvdtrain.job.model import JobSpec, Kubernetes, quantity_bytes
 from hvdtrain.render.common import (
     IMAGE_PYTHON,
     IMAGE_ROOT,
@@ -182,8 +182,12 @@ def _worker(spec: JobSpec, lay: Placement, shm: ShmSize, port: int) -> dict[str,
     k8s = spec.kubernetes
     container = _container("worker", k8s, [ENTRYPOINT, "sshd", "-p", str(port)],  # -p: over the image's Port
                            [_stop_wait(k8s)])
-    if lay.gpus_per_node:
-        container["resources"] = {"limits": {"nvidia.com/gpu": lay.gpus_per_node}}
+    limits: dict[str, Any] = {"nvidia.com/gpu": lay.gpus_per_node} if lay.gpus_per_node else {}
+    if k8s.memory:  # requests = limits: a worker evicted for memory under load would stop the whole job
+        limits["memory"] = k8s.memory
+        container["resources"] = {"requests": {"memory": k8s.memory}, "limits": limits}
+    elif limits:
+        container["resources"] = {"limits": limits}
     # /dev/shm is 64 MiB in a pod by default: too small for NCCL and hvdtrain's shared-memory loader.
     volume, mount = _run_volume(k8s)
     container["volumeMounts"] = [{"name": "dshm", "mountPath": "/dev/shm"}, mount]
@@ -242,6 +246,10 @@ def _render(spec: JobSpec, cluster: ClusterOptions, opts: K8sOptions) -> Rendere
     if k8s.namespace:
         metadata["namespace"] = k8s.namespace
     shm = shm_size(spec, lay.slots_per_node, lay.gpus_per_node)
+    if k8s.memory and quantity_bytes(shm.quantity) >= quantity_bytes(k8s.memory):
+        raise RenderError(f"kubernetes.memory {k8s.memory} cannot hold the workers' /dev/shm ({shm.quantity}, "
+                          f"{shm.why}), which counts against it, and the ranks themselves: raise kubernetes.memory "
+                          "or lower kubernetes.shm_size")
     obj = {
         "apiVersion": API_VERSION,
         "kind": "MPIJob",
@@ -281,7 +289,8 @@ def render_k8s(spec: JobSpec, cluster: ClusterOptions, opts: K8sOptions | None =
               f"{lay.gpus_per_node} GPU(s) per worker. Needs the Kubeflow MPI Operator (v2beta1 API).",
               f"# Needs, in the job's namespace: the PersistentVolumeClaim {k8s.run_volume} (mounted on the workers "
               f"at {k8s.run_mount}){secrets}.",
-              f"# /dev/shm per worker: {out.shm.quantity} ({out.shm.why}); it counts against the pod's memory.",
+              f"# /dev/shm per worker: {out.shm.quantity} ({out.shm.why}); it counts against the pod's memory"
+              + (f" ({k8s.memory}: kubernetes.memory)." if k8s.memory else " (none set: kubernetes.memory)."),
               f"# A pod's SIGTERM (kubectl delete, a drain, preemption): the ranks checkpoint at their next step "
               f"boundary and exit 75{_grace_words(out.sigterm_grace)}; Kubernetes kills the pod "
               f"{k8s.termination_grace_s} s after the SIGTERM (kubernetes.termination_grace_s).",
