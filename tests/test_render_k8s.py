@@ -147,6 +147,12 @@ def test_flags_override_the_spec_and_are_checked_like_it(tmp_path):
     (lambda t: t.replace("runs/resnet", "runs/resnet, --sigterm, soon"), r"--sigterm-grace a number of seconds"),
     (lambda t: t.replace("NCCL_DEBUG: WARN", "NCCL_DEBUG: WARN, HVDTRAIN_STOP_WAIT_S: '50'"),
      r"env HVDTRAIN_STOP_WAIT_S is set by the render from kubernetes.termination_grace_s \(120 s, less 10 s\)"),
+    (lambda t: t + "    HVDTRAIN_STOP_WAIT_S: {secret: s, key: k}\n",
+     r"kubernetes.secret_env HVDTRAIN_STOP_WAIT_S is set by the render .* remove it from kubernetes.secret_env"),
+    (lambda t: t.replace("runs/resnet", "runs/resnet, --sigterm-grace, nan"),
+     r"args --sigterm-grace nan: expected 0 <= seconds < 3600"),
+    (lambda t: t.replace("runs/resnet", "runs/resnet, --sigterm-grace=-5"),
+     r"args --sigterm-grace -5.0: expected 0 <= seconds < 3600"),
 ])
 def test_what_a_cluster_cannot_take_is_refused_with_the_fix(tmp_path, edit, match):
     with pytest.raises(RenderError, match=match):
@@ -204,17 +210,21 @@ def test_a_workers_memory_holds_its_shm_and_is_requested_and_limited(tmp_path, v
     assert not sorted(validator.iter_errors(obj), key=str)
     kubernetes_validate.validate(as_pod_template(worker), K8S_VERSION, strict=True)
     # /dev/shm (8448Mi here) counts against it: a limit it fills is refused, with both sizes.
-    with pytest.raises(RenderError, match=r"kubernetes.memory 8Gi cannot hold the workers' /dev/shm \(8448Mi, auto: "
-                                          r".*raise kubernetes.memory or lower kubernetes.shm_size"):
+    with pytest.raises(RenderError, match=r"kubernetes.memory 8Gi is not more than the workers' /dev/shm \(8448Mi, "
+                                          r"auto: .*Raise kubernetes.memory .* or lower kubernetes.shm_size"):
         render(tmp_path, FULL + "  memory: 8Gi\n")
     assert render(tmp_path, FULL + "  memory: 8Gi\n  shm_size: 4Gi\n")
     path = tmp_path / "job.yaml"
-    for memory, said in (("  memory: 100G\n", "(100G: kubernetes.memory)."), ("", "(none set: kubernetes.memory).")):
+    for memory, said in (("  memory: 100G\n", "(100G: kubernetes.memory)."),
+                         ("", "(no limit set: kubernetes.memory).")):
         path.write_text(FULL + memory)
         assert main(["render", "k8s", str(path), "--output", str(tmp_path / "out.yaml")]) == 0
         assert f"rounded up); it counts against the pod's memory {said}\n" in (tmp_path / "out.yaml").read_text()
-    assert [quantity_bytes(q) for q in ("16Gi", "512Mi", "2G", "1.5Ki", "100", "3k")] == [
-        16 * 2**30, 512 * 2**20, 2e9, 1536, 100, 3000]
+    assert [quantity_bytes(q) for q in ("16Gi", "512Mi", "2G", "1.5Ki", "100", "3k", "1.5G")] == [
+        16 * 2**30, 512 * 2**20, 2e9, 1536, 100, 3000, 1.5e9]
+    for bad in ("1e3", "96gi", "96m", "Gi"):
+        with pytest.raises(ValueError, match="not a Kubernetes quantity"):
+            quantity_bytes(bad)
 
 
 def test_a_pods_time_to_stop_reaches_kubernetes_and_the_entrypoint(tmp_path):
@@ -232,7 +242,17 @@ def test_a_pods_time_to_stop_reaches_kubernetes_and_the_entrypoint(tmp_path):
     assert main(["render", "k8s", str(path), "--output", str(tmp_path / "out.yaml")]) == 0
     header = (tmp_path / "out.yaml").read_text()
     assert "checkpoint come within --sigterm-grace 100 s (raise it for long steps or big checkpoints); Kubernetes " \
-        "kills the pod 120 s after the SIGTERM (kubernetes.termination_grace_s).\n" in header
+        "kills the pod 120 s after the SIGTERM at most (kubernetes.termination_grace_s).\n" in header
+    # The elastic recipe's ranks do not stop on SIGTERM: its --sigterm-grace is not checked, and the header says so;
+    # another script is told it must stop by itself.
+    for script, said in (("pytorch_elastic.py", "the elastic recipe's ranks end at once (SIGUSR1 asks it to "
+                                                "checkpoint)"),
+                         ("my_train.py", "the ranks get it (the shipped recipes checkpoint at their next step "
+                                         "boundary and exit 75; this script must do so itself)")):
+        text = FULL.replace("pytorch_train.py", script).replace("runs/resnet", "runs/resnet, --sigterm-grace, '500'")
+        path.write_text(text + "  shm_size: 16Gi\n")
+        assert main(["render", "k8s", str(path), "--output", str(tmp_path / "out.yaml")]) == 0, script
+        assert f"# A pod's SIGTERM (kubectl delete, a drain, preemption): {said}" in (tmp_path / "out.yaml").read_text()
 
 
 @pytest.mark.parametrize(("value", "match"), [

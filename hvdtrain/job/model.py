@@ -267,10 +267,11 @@ class Kubernetes(_Model):
                                           "HF_HUB_DISABLE_IMPLICIT_TOKEN): written into the manifest as given.")
     termination_grace_s: int = Field(
         120, ge=20, le=86400,
-        description="The pods' terminationGracePeriodSeconds: how long a deleted, drained or preempted pod has "
-                    "between its SIGTERM and Kubernetes' SIGKILL. The ranks checkpoint at their next step boundary "
-                    "and exit meanwhile (the entrypoint waits for them until 10 s before the end); a recipe's "
-                    "--sigterm-grace must fit in it. 20-86400 seconds.")
+        description="The pods' terminationGracePeriodSeconds: the most a deleted, drained or preempted pod has "
+                    "between its SIGTERM and Kubernetes' SIGKILL (a node shutting down, an eviction or the "
+                    "autoscaler may give less). The ranks checkpoint at their next step boundary and exit meanwhile "
+                    "(the entrypoint waits for them until 10 s before the end); a recipe's --sigterm-grace must fit "
+                    "in it. 20-86400 seconds.")
     memory: Annotated[str | None, AfterValidator(_memory)] = Field(
         None, description="Each worker's memory request and limit (a quantity such as 64Gi): its ranks, their "
                           "producers and its /dev/shm, which counts against it. Unset: none (a LimitRange of the "

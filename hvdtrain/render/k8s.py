@@ -88,9 +88,10 @@ def _check(spec: JobSpec, controller: str) -> Kubernetes:
         raise RenderError(f"kubernetes.run_mount {k8s.run_mount!r} {where} in the pods (the image's venv, the "
                           "operator's ssh keys and hostfile, system folders): mount the run volume at a folder of its "
                           "own, e.g. /runs (the default)")
-    if STOP_WAIT_ENV in spec.env:
-        raise RenderError(f"env {STOP_WAIT_ENV} is set by the render from kubernetes.termination_grace_s "
-                          f"({k8s.termination_grace_s} s, less {STOP_MARGIN_S} s): remove it from env and set "
+    if STOP_WAIT_ENV in spec.env or STOP_WAIT_ENV in k8s.secret_env:
+        where = "env" if STOP_WAIT_ENV in spec.env else "kubernetes.secret_env"
+        raise RenderError(f"{where} {STOP_WAIT_ENV} is set by the render from kubernetes.termination_grace_s "
+                          f"({k8s.termination_grace_s} s, less {STOP_MARGIN_S} s): remove it from {where} and set "
                           "kubernetes.termination_grace_s instead")
     problem = credential_problem(spec, controller)
     if problem:
@@ -104,9 +105,13 @@ def _recipe_flags(spec: JobSpec) -> argparse.Namespace:
     parser.add_argument("--run-dir", default="runs")
     parser.add_argument("--sigterm-grace", type=float, default=RECIPES[PurePosixPath(spec.script).name].sigterm_grace)
     try:
-        return parser.parse_known_args(spec.args)[0]
+        flags = parser.parse_known_args(spec.args)[0]
     except (argparse.ArgumentError, SystemExit) as exc:
         raise RenderError(f"args: {exc}: --run-dir needs a folder, --sigterm-grace a number of seconds") from None
+    if not 0 <= flags.sigterm_grace < 3600:  # the recipes' own rule (hvdtrain.train.config); nan fails it too
+        raise RenderError(f"args --sigterm-grace {flags.sigterm_grace}: expected 0 <= seconds < 3600, the time a rank "
+                          "has from a SIGTERM to its stop's checkpoint (default 4)")
+    return flags
 
 
 def _run_dir_problem(spec: JobSpec, given: str, cwd: str, mount: str) -> str | None:
@@ -225,7 +230,7 @@ class Rendered:
     spec: JobSpec
     lay: Placement
     shm: ShmSize
-    sigterm_grace: float | None  # a shipped recipe's --sigterm-grace; None: another script
+    sigterm_grace: float | None  # a shipped recipe's --sigterm-grace; None: another script, or the elastic recipe
 
 
 def _render(spec: JobSpec, cluster: ClusterOptions, opts: K8sOptions) -> Rendered:
@@ -235,11 +240,12 @@ def _render(spec: JobSpec, cluster: ClusterOptions, opts: K8sOptions) -> Rendere
     name = check_name(cluster.name)
     k8s = _check(spec, spec.controller or cluster.controller or "gloo")  # horovodrun_argv's controller
     grace = None
-    if PurePosixPath(spec.script).name in RECIPES:
+    recipe = RECIPES.get(PurePosixPath(spec.script).name)
+    if recipe is not None:
         flags = _recipe_flags(spec)
-        grace = flags.sigterm_grace
+        grace = flags.sigterm_grace if recipe.stops_on_sigterm else None
         problem = _run_dir_problem(spec, flags.run_dir, spec.workdir or k8s.run_mount, k8s.run_mount) \
-            or _grace_problem(grace, k8s)
+            or (_grace_problem(grace, k8s) if grace is not None else None)
         if problem:
             raise RenderError(problem)
     metadata: dict[str, Any] = {"name": name, "labels": {"app.kubernetes.io/name": "hvdtrain"}}
@@ -247,9 +253,10 @@ def _render(spec: JobSpec, cluster: ClusterOptions, opts: K8sOptions) -> Rendere
         metadata["namespace"] = k8s.namespace
     shm = shm_size(spec, lay.slots_per_node, lay.gpus_per_node)
     if k8s.memory and quantity_bytes(shm.quantity) >= quantity_bytes(k8s.memory):
-        raise RenderError(f"kubernetes.memory {k8s.memory} cannot hold the workers' /dev/shm ({shm.quantity}, "
-                          f"{shm.why}), which counts against it, and the ranks themselves: raise kubernetes.memory "
-                          "or lower kubernetes.shm_size")
+        raise RenderError(f"kubernetes.memory {k8s.memory} is not more than the workers' /dev/shm ({shm.quantity}, "
+                          f"{shm.why}), which counts against it: nothing would be left for the ranks. Raise "
+                          "kubernetes.memory (to /dev/shm plus what the ranks and their producers need) or lower "
+                          "kubernetes.shm_size")
     obj = {
         "apiVersion": API_VERSION,
         "kind": "MPIJob",
@@ -271,11 +278,16 @@ def mpijob(spec: JobSpec, cluster: ClusterOptions, opts: K8sOptions | None = Non
     return _render(spec, cluster, opts or K8sOptions()).obj
 
 
-def _grace_words(grace: float | None) -> str:
-    if grace is None:
-        return " (the shipped recipes; this script must do so itself)"
-    return (f" if that boundary and the checkpoint come within --sigterm-grace {grace:g} s (raise it for long steps "
-            "or big checkpoints)")
+def _sigterm_words(spec: JobSpec, grace: float | None) -> str:
+    """What a worker pod's SIGTERM does to the ranks, for the manifest's header."""
+    if grace is not None:
+        return ("the ranks checkpoint at their next step boundary and exit 75 if that boundary and the checkpoint "
+                f"come within --sigterm-grace {grace:g} s (raise it for long steps or big checkpoints)")
+    if PurePosixPath(spec.script).name in RECIPES:  # the elastic recipe: SIGTERM drops a rank
+        return ("the elastic recipe's ranks end at once (SIGUSR1 asks it to checkpoint); the job resumes from its "
+                "last checkpoint")
+    return ("the ranks get it (the shipped recipes checkpoint at their next step boundary and exit 75; this script "
+            "must do so itself)")
 
 
 def render_k8s(spec: JobSpec, cluster: ClusterOptions, opts: K8sOptions | None = None, *,
@@ -290,10 +302,10 @@ def render_k8s(spec: JobSpec, cluster: ClusterOptions, opts: K8sOptions | None =
               f"# Needs, in the job's namespace: the PersistentVolumeClaim {k8s.run_volume} (mounted on the workers "
               f"at {k8s.run_mount}){secrets}.",
               f"# /dev/shm per worker: {out.shm.quantity} ({out.shm.why}); it counts against the pod's memory"
-              + (f" ({k8s.memory}: kubernetes.memory)." if k8s.memory else " (none set: kubernetes.memory)."),
-              f"# A pod's SIGTERM (kubectl delete, a drain, preemption): the ranks checkpoint at their next step "
-              f"boundary and exit 75{_grace_words(out.sigterm_grace)}; Kubernetes kills the pod "
-              f"{k8s.termination_grace_s} s after the SIGTERM (kubernetes.termination_grace_s).",
+              + (f" ({k8s.memory}: kubernetes.memory)." if k8s.memory else " (no limit set: kubernetes.memory)."),
+              f"# A pod's SIGTERM (kubectl delete, a drain, preemption): {_sigterm_words(spec, out.sigterm_grace)}; "
+              f"Kubernetes kills the pod {k8s.termination_grace_s} s after the SIGTERM at most "
+              "(kubernetes.termination_grace_s).",
               "# Submit: kubectl apply -f FILE; follow: kubectl logs -f job/<name>-launcher"]
     header += [f"# Not used here: {item}" for item in ignored_keys(spec)]
     return "\n".join(header) + "\n" + yaml.safe_dump(out.obj, sort_keys=False, default_flow_style=False, width=1000)

@@ -37,9 +37,10 @@ class RecipeFlags:
     num_workers: int = 1
     accumulates: bool = True  # a batch holds --backward-passes-per-step chunks
     sigterm_grace: float = 4.0  # seconds from a SIGTERM to the stop's checkpoint (hvdtrain.train.preempt)
+    stops_on_sigterm: bool = True  # False: SIGTERM ends a rank at once (the elastic recipe: it drops that rank)
 
 
-RECIPES = {"pytorch_train.py": RecipeFlags(), "pytorch_elastic.py": RecipeFlags(),
+RECIPES = {"pytorch_train.py": RecipeFlags(), "pytorch_elastic.py": RecipeFlags(stops_on_sigterm=False),
            "keras_train.py": RecipeFlags(accumulates=False)}
 SAMPLE_BYTES = {"digits": 1 * 8 * 8 * 4}  # float32 1×8×8 (hvdtrain.datasets.arrays.digits)
 

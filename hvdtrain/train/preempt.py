@@ -35,7 +35,8 @@ NOTE [stop requests]
   the others; they meet the lost rank in their next collective (HorovodInternalError) and `entry.exit_with` ends
   them by SIGTERM too (`died_of_sigterm`), so the launcher still names the failed rank as the cause and these as
   its victims. The default grace (4 s) is below horovodrun's 5 s
-  before SIGKILL; on Kubernetes raise it towards the pod's terminationGracePeriodSeconds.
+  before SIGKILL; on Kubernetes raise it for long steps, under `kubernetes.termination_grace_s` less 10 s (the
+  pod's terminationGracePeriodSeconds, less the entrypoint's margin; `hvdtrain render k8s` checks it).
 - What the checkpoint must hold for the resumed run to end with the same weights as an uninterrupted one: the
   loader's position (its batches consumed, the prefetcher's look-ahead given back), and each rank's own state that
   no collective has made equal yet (its RNG, its BatchNorm running statistics, its local metric sums): see
