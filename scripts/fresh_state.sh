@@ -67,22 +67,6 @@ for seg in "$shm"/hvdtrain_*; do
   fi
 done
 
-if [[ "${HVDTRAIN_SKIP_NETNS:-}" != 1 ]] && command -v ip >/dev/null && [[ $(id -u) == 0 ]]; then
-  for ns in $(ip netns list 2>/dev/null | awk '{print $1}' | grep -E '^hvdt[0-9]+h[0-9]+$' || true); do
-    if [[ -z "$(ip netns pids "$ns" 2>/dev/null)" ]]; then
-      say "removing the test host namespace $ns (no process left in it)"
-      ip netns del "$ns" || true
-    fi
-  done
-  for br in $(ip -o link show type bridge 2>/dev/null | awk -F': ' '{print $2}' | grep -E '^hb[0-9]+$' || true); do
-    tok="${br#hb}"
-    if ! ip netns list 2>/dev/null | awk '{print $1}' | grep -qE "^hvdt${tok}h[0-9]+$"; then
-      say "removing the test hosts' bridge $br (none of its namespaces is left)"
-      ip link del "$br" || true
-    fi
-  done
-fi
-
 slurm_dir="${TMPDIR:-/tmp}/hvdtrain-slurm-"
 start_time() {  # field 22 of /proc/$1/stat: when process $1 started (clock ticks after boot); fails if it is gone
   local stat fields
@@ -161,3 +145,20 @@ for dir in "$slurm_dir"*/; do
     rm -rf -- "$dir"
   fi
 done
+
+# After the Slurm clusters: a killed two-node run's slurmd live in the namespaces (tests/slurm.py `hosts=`).
+if [[ "${HVDTRAIN_SKIP_NETNS:-}" != 1 ]] && command -v ip >/dev/null && [[ $(id -u) == 0 ]]; then
+  for ns in $(ip netns list 2>/dev/null | awk '{print $1}' | grep -E '^hvdt[0-9]+h[0-9]+$' || true); do
+    if [[ -z "$(ip netns pids "$ns" 2>/dev/null)" ]]; then
+      say "removing the test host namespace $ns (no process left in it)"
+      ip netns del "$ns" || true
+    fi
+  done
+  for br in $(ip -o link show type bridge 2>/dev/null | awk -F': ' '{print $2}' | grep -E '^hb[0-9]+$' || true); do
+    tok="${br#hb}"
+    if ! ip netns list 2>/dev/null | awk '{print $1}' | grep -qE "^hvdt${tok}h[0-9]+$"; then
+      say "removing the test hosts' bridge $br (none of its namespaces is left)"
+      ip link del "$br" || true
+    fi
+  done
+fi

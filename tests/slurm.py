@@ -455,6 +455,7 @@ def slurm_cluster_fixture() -> Iterator[SlurmCluster]:
 def slurm_two_nodes_fixture(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
     """A two-node cluster, its nodes the two test hosts of tests/netns.py, per test module that imports this
     fixture. Skipped where those hosts cannot be made, as tests/test_multihost.py is."""
+    _check_slurm()
     reason = netns.unavailable_reason()
     if reason:
         pytest.skip(f"no namespace hosts for the nodes: {reason}")
@@ -462,7 +463,7 @@ def slurm_two_nodes_fixture(tmp_path_factory: pytest.TempPathFactory) -> Iterato
         yield from _cluster_for_tests(hosts)
 
 
-def _cluster_for_tests(hosts: SshCluster | None = None) -> Iterator[SlurmCluster]:
+def _check_slurm() -> None:
     reason = unavailable_reason()
     if reason:
         pytest.skip(f"no Slurm cluster: {reason}")
@@ -470,5 +471,9 @@ def _cluster_for_tests(hosts: SshCluster | None = None) -> Iterator[SlurmCluster
     if missing:
         pytest.fail(f"Slurm is not installed here (missing: {', '.join(missing)}): run `bash scripts/setup.sh` "
                     "(its apt step installs slurmctld, slurmd, slurm-client and munge)", pytrace=False)
+
+
+def _cluster_for_tests(hosts: SshCluster | None = None) -> Iterator[SlurmCluster]:
+    _check_slurm()
     with slurm_cluster_running(hosts=hosts) as cluster:
         yield cluster

@@ -224,6 +224,10 @@ def test_a_position_of_other_data_is_one_error_line_and_exit_2(tmp_path: Path, c
     same = ShardSampler(100, 0, 2, seed=1, batch_size=5)
     ckpt.resume_loader(same, state, tmp_path)
     assert list(same) == list(saved)
+    # A state that is broken rather than of other data stays the sampler's own error.
+    with pytest.raises(ValueError, match="sampler state is missing") as broken:
+        ckpt.resume_loader(same, {"epoch": 0}, tmp_path)
+    assert not isinstance(broken.value, ckpt.CheckpointMismatch)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None, reason="TensorFlow is not installed in this venv")
@@ -236,9 +240,10 @@ def test_a_keras_checkpoint_of_another_model_is_one_error_line_and_exit_2(tmp_pa
     from hvdtrain.train.entry import exit_with
     from hvdtrain.train.metrics import History
 
-    def built(width: int):
+    def built(width: int, adam: bool = False):
         model = keraskit.build_model((4,), 3, width)
-        model.compile(optimizer=keraskit.tf.keras.optimizers.SGD(0.1, momentum=0.9), loss="mse")
+        optimizers = keraskit.tf.keras.optimizers
+        model.compile(optimizer=optimizers.Adam(0.1) if adam else optimizers.SGD(0.1, momentum=0.9), loss="mse")
         model.optimizer.build(model.trainable_variables)
         return model
 
@@ -251,4 +256,7 @@ def test_a_keras_checkpoint_of_another_model_is_one_error_line_and_exit_2(tmp_pa
     assert err.startswith(f"keras_train.py: error: {tmp_path}/ckpt-epoch0001.pt does not fit this model or optimizer (")
     assert err.endswith("train in a new --run-dir, or pass --no-resume to start from scratch\n") and \
         err.count("\n") == 1, err
+    # The same model with another optimizer (Adam: more variables): tf_keras's set_weights would load a part.
+    with pytest.raises(ckpt.CheckpointMismatch, match=r"\(the optimizer has \d+ variables, the checkpoint \d+\)"):
+        keraskit.load_latest(tmp_path, built(2, adam=True))
     assert keraskit.load_latest(tmp_path, built(2))[0] == 1  # the same model still resumes

@@ -89,7 +89,7 @@ def test_horovodruns_hidden_account_is_printed_when_no_rank_failure_explains_the
     for line in elastic:
         router.line(line)
     assert out.getvalue() == "" and router.failures.first is None
-    assert exit_code(1, router, None, False) == 1
+    assert exit_code(1, router, None, False, []) == 1
     assert err.getvalue().splitlines() == ["hvdtrain: horovodrun exited with code 1 and no rank reported a failure",
                                            elastic[-1]]
 

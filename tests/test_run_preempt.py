@@ -135,7 +135,7 @@ def test_the_verdict_is_preempted_only_when_no_rank_failed(ranks, first, preempt
     router = OutputRouter(Logs(), io.StringIO(), err := io.StringIO(), FailureTracker(("localhost",) * 2))
     router.line(f"Process 0 exit with status code {first}.")
     router.failures.records = ranks
-    code = exit_code(1, router, None, False)
+    code = exit_code(1, router, None, False, [])
     said = err.getvalue()
     assert (code == exitcodes.PREEMPTED) == preempted, said  # 75 only for a stop to be resumed: --requeue keys on it
     assert (PREEMPTED in said) == preempted and ("hvdtrain: rank " in said) != preempted, said

@@ -48,12 +48,13 @@ if hvd.rank() == int(sys.argv[1]):
 """
 
 
-def write_spec(folder: Path, controller: str, fails: int = -1, extra: str = "") -> Path:
+def write_spec(folder: Path, controller: str, fails: int = -1, extra: str = "", env: str = "") -> Path:
     """job.yaml: 4 ranks of WHERE (rank `fails` exits 3), no hosts."""
     (folder / "rank.py").write_text(WHERE)
     spec = folder / "job.yaml"
     spec.write_text(f"script: {json.dumps(str(folder / 'rank.py'))}\nnp: 4\nargs: [{json.dumps(str(fails))}]\n"
-                    f"controller: {controller}\nlogs: {{dir: logs}}\nenv: {{TF_CPP_MIN_LOG_LEVEL: '2'}}\n" + extra)
+                    f"controller: {controller}\nlogs: {{dir: logs}}\nenv: {{TF_CPP_MIN_LOG_LEVEL: '2'{env}}}\n"
+                    + extra)
     return spec
 
 
@@ -61,7 +62,10 @@ def two_node_job(cluster: SlurmCluster, tmp_path: Path, launcher: str, fails: in
     """sbatch of `hvdtrain render slurm --slots-per-node 2` (`launcher`: gloo or mpi under horovodrun, or srun):
     (the job's output, "STATE code:signal")."""
     flags = ["--slots-per-node", "2", *(["--launcher", "srun"] if launcher == "srun" else [])]
-    script = render(write_spec(tmp_path, "gloo" if launcher == "gloo" else "mpi", fails), flags=flags)
+    # Under MPI, mpirun must start its daemon on the second node through Slurm (plm/slurm): never ssh, which the
+    # hosts' private ssh config would let it use.
+    env = ", OMPI_MCA_plm: slurm" if launcher == "mpi" else ""
+    script = render(write_spec(tmp_path, "gloo" if launcher == "gloo" else "mpi", fails, env=env), flags=flags)
     assert "#SBATCH --nodes=2\n#SBATCH --ntasks-per-node=2\n" in script.read_text()
     job = submit(cluster, script)
     result = cluster.wait(job, JOB_TIMEOUT_S)

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from hvdtrain.data.errors import (
         LoaderError,
         LoaderTimeoutError,
+        SamplerMismatch,
         SharedMemoryFullError,
         WorkerDiedError,
         WorkerError,
@@ -30,8 +31,8 @@ if TYPE_CHECKING:
     from hvdtrain.data.workers import WorkerInfo, default_collate, derive_seed, worker_info
 
 _LAZY = {
-    **dict.fromkeys(("LoaderError", "LoaderTimeoutError", "SharedMemoryFullError", "WorkerDiedError", "WorkerError"),
-                    "hvdtrain.data.errors"),
+    **dict.fromkeys(("LoaderError", "LoaderTimeoutError", "SamplerMismatch", "SharedMemoryFullError",
+                     "WorkerDiedError", "WorkerError"), "hvdtrain.data.errors"),
     "ShmLoader": "hvdtrain.data.loader",
     "ShardSampler": "hvdtrain.data.sharding",
     "expected_batches": "hvdtrain.data.sharding",
@@ -50,6 +51,7 @@ __all__ = [
     "GpuIdleMeter",
     "LoaderError",
     "LoaderTimeoutError",
+    "SamplerMismatch",
     "ShardSampler",
     "SharedMemoryFullError",
     "ShmLoader",

@@ -11,6 +11,10 @@ class DataError(ValueError):
     exit with one line naming it instead of a traceback."""
 
 
+class SamplerMismatch(ValueError):
+    """A saved sampler state of other data: another number of samples, seed, shuffle or order."""
+
+
 class LoaderError(RuntimeError):
     """The data loader cannot go on (its message says which worker, rank and epoch)."""
 

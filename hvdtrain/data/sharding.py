@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from hvdtrain.data.errors import SamplerMismatch
+
 
 def check_rank(rank: int, size: int) -> None:
     """ValueError unless `size >= 1` and `0 <= rank < size` (shared by every loader)."""
@@ -204,8 +206,8 @@ class ShardSampler:
         for key in ("num_samples", "seed", "shuffle", "order_name"):
             saved = "order" if key == "order_name" else key  # states of older versions lack "order": accepted
             if saved in state and state[saved] != getattr(self, key):
-                raise ValueError(f"sampler state has {saved}={state[saved]!r} but this sampler has "
-                                 f"{saved}={getattr(self, key)!r}: it belongs to another data set or order")
+                raise SamplerMismatch(f"sampler state has {saved}={state[saved]!r} but this sampler has "
+                                      f"{saved}={getattr(self, key)!r}: it belongs to another data set or order")
         self.epoch = int(state["epoch"])
         if state["size"] == self.size and state["batch_size"] == self.batch_size:
             self.offset, self.batches_consumed = int(state["offset"]), 0

@@ -27,14 +27,16 @@ def find_lost_hosts(failures: FailureTracker, plan: LaunchPlan, ssh: Ssh) -> Non
 
 
 def doctor_argv(plan: LaunchPlan, ssh: Ssh) -> list[str]:
-    """`hvdtrain doctor` on the job's hosts, as horovodrun reaches them."""
-    hosts = ",".join(f"{host}:{plan.rank_hosts.count(host)}" for host in dict.fromkeys(plan.rank_hosts))
+    """`hvdtrain doctor` on the job's hosts (every host of -H: horovodrun checks them all, ranks or not), as
+    horovodrun reaches them."""
+    hosts = plan.argv[plan.hosts_at] if plan.hosts_at is not None else \
+        ",".join(f"{host}:{plan.rank_hosts.count(host)}" for host in dict.fromkeys(plan.rank_hosts))
     return ["hvdtrain", "doctor", "--hosts", hosts, *(["--ssh-port", str(ssh.port)] if ssh.port else []),
             *(["--ssh-identity-file", ssh.identity_file] if ssh.identity_file else [])]
 
 
 def exit_code(returncode: int, router: OutputRouter, signum: int | None, timed_out: bool,
-               check_hosts: list[str] | None = None) -> int:
+               check_hosts: list[str]) -> int:
     """The job's exit code: the failing rank's (the cause's, from the ranks' records; else the first to exit); 128 +
     N when signal N killed it; 75 when, and only when, the ranks stopped to be resumed (FailureTracker.preempted)."""
     if timed_out:
@@ -54,7 +56,7 @@ def exit_code(returncode: int, router: OutputRouter, signum: int | None, timed_o
         said = router.launcher.hidden  # horovodrun's own account, when its traceback was kept off the console
         launcher = "srun" if router.srun_labels else "horovodrun"
         for line in router.failures.report(router.logs.dir) or launcher_account(launcher, returncode, said,
-                                                                                 check_hosts or []):
+                                                                                 check_hosts):
             router.note(line)
     code = returncode
     if returncode != 0 and failure is not None:

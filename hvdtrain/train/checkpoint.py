@@ -62,10 +62,12 @@ class Found:
 
 def resume_loader(loader: Any, state: Mapping[str, Any], directory: Path | str) -> None:
     """Put a mid-epoch checkpoint's loader position back (`loader.load_state_dict`); a position of other data (another
-    --dataset, --seed or order: the sampler's ValueError) is a CheckpointMismatch, so exit 2 with the way out."""
+    --dataset, --seed or order: the sampler's SamplerMismatch) is a CheckpointMismatch, so exit 2 with the way out."""
+    from hvdtrain.data.errors import SamplerMismatch
+
     try:
         loader.load_state_dict(state)
-    except ValueError as e:
+    except SamplerMismatch as e:
         raise CheckpointMismatch(
             f"the newest checkpoint in {directory} was written mid-epoch on other data ({e}): resume with the "
             "--dataset and --seed it was written with, train in a new --run-dir, or pass --no-resume to start from "

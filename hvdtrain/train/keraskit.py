@@ -167,6 +167,9 @@ def load_latest(ckpt_dir: Path, model: Any) -> tuple[int, list[dict[str, Any]], 
         model.set_weights(found.state["model"])
         # a LossScaleOptimizer builds (and holds the variables of) the optimizer it wraps, not itself: set them there
         inner = getattr(model.optimizer, "inner_optimizer", model.optimizer)
+        if len(found.state["optimizer"]) != len(inner.variables):  # set_weights would load a part without a word
+            raise ValueError(f"the optimizer has {len(inner.variables)} variables, the checkpoint "
+                             f"{len(found.state['optimizer'])}")
         inner.set_weights(found.state["optimizer"])
     except ValueError as e:
         what = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__

@@ -76,7 +76,8 @@ def restore_metrics(model: Any, values: list[float]) -> None:
     variables = [v for metric in model.metrics for v in metric.variables]
     if len(variables) != len(values):
         raise CheckpointMismatch(f"the checkpoint holds {len(values)} metric values, this model has {len(variables)} "
-                         "metric variables: it was written with other metrics; pass --no-resume or a new --run-dir")
+                                 "metric variables: it was written with other metrics; pass --no-resume or a new "
+                                 "--run-dir")
     for variable, value in zip(variables, values, strict=True):
         variable.assign(value)
 
