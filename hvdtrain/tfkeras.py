@@ -16,7 +16,7 @@ the hooks it overrides, so the ranks silently drift apart. hvdtrain never lets a
 The Horovod that scripts/setup.sh builds guards itself too, for scripts that never import hvdtrain (its patch):
 every entry point of its Keras integration raises `UnsupportedKerasError` on a Keras 3 object, and its modules bind
 tf.keras's own backend (0.28.1 bound `from keras import backend`, Keras 3's even in legacy mode, which lacks
-`get_value`, so `LearningRateWarmupCallback` failed). tests/test_horovod_keras.py runs both paths.
+`get_value`, so `LearningRateWarmupCallback` failed). tests/horovod/test_keras.py runs both paths.
 
 `keras_verdict()` is the pure decision (no TensorFlow needed), shared with `hvdtrain doctor`.
 `startup_lines_filtered()` keeps TensorFlow's start-up lines off the console:

@@ -18,7 +18,7 @@ class SmallCNN(nn.Module):
     """Two 3x3 convolutions (each with BatchNorm) and a max pooling, one more convolution and pooling per halving
     while the map is larger than 4x4, then two linear layers with a LayerNorm between: ~99% on 8x8 digits in a few
     epochs, ~100% on 5 classes of small (16x16, 32x32) colour squares and 4 classes of 32x32 shapes in random
-    colours (scripts/make_shapes.py) in 10 epochs (tests/test_models.py).
+    colours (scripts/make_shapes.py) in 10 epochs (tests/recipes/test_models.py).
 
     - Depth grows with the image: a shape is told apart by its outline, which the 5x5 receptive field of two
       convolutions does not see in a 32x32 image (the two-convolution model sat at 25-43% on the shapes).

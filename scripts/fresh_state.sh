@@ -11,12 +11,12 @@
 #   - ~/.ssh/known_hosts entries for the test hosts' addresses (10.213.20-219.11-12; older test runs recorded them);
 #   - /dev/shm/hvdtrain_<pid>_* segments whose creating process is gone;
 #   - the namespace test hosts of a killed test run (network namespaces hvdt<N>h<I> with no process left in them,
-#     and their bridge hb<N> once none of its namespaces is left: tests/netns.py);
-#   - the private Slurm cluster of a killed test run (tests/slurm.py): munged, slurmctld and slurmd whose command line
+#     and their bridge hb<N> once none of its namespaces is left: tests/support/netns.py);
+#   - the private Slurm cluster of a killed test run (tests/support/slurm.py): munged, slurmctld and slurmd whose command line
 #     names a directory ${TMPDIR:-/tmp}/hvdtrain-slurm-*, every process whose SLURM_CONF is in one (slurmstepd, job
 #     tasks), and those directories; not a live test run's cluster (its directory's `owner` names a test process
 #     still running). Slurm daemons of any other configuration are never touched.
-# For tests/test_fresh_state.py: HVDTRAIN_PRIVSEP_DIR and HVDTRAIN_SHM_DIR put /run/sshd and /dev/shm elsewhere;
+# For tests/project/test_fresh_state.py: HVDTRAIN_PRIVSEP_DIR and HVDTRAIN_SHM_DIR put /run/sshd and /dev/shm elsewhere;
 # HVDTRAIN_SKIP_NETNS=1 leaves namespaces and bridges alone.
 set -euo pipefail
 privsep="${HVDTRAIN_PRIVSEP_DIR:-/run/sshd}"
@@ -79,7 +79,7 @@ running() {  # is process $1 there and not a zombie (dead, not reaped yet by its
   stat=$(cat "/proc/$1/stat" 2>/dev/null) || return 1
   [[ "${stat##*) }" != Z* ]]
 }
-# A cluster is live when the test process that owns it is: its directory has `owner` (tests/slurm.py writes
+# A cluster is live when the test process that owns it is: its directory has `owner` (tests/support/slurm.py writes
 # "PID START_TIME": the test process's pid and its start time, so that a pid reused since does not count). A directory
 # without one (an older fixture's, or one made this instant) counts as live for its first minute.
 live_slurm=()
@@ -146,7 +146,7 @@ for dir in "$slurm_dir"*/; do
   fi
 done
 
-# After the Slurm clusters: a killed two-node run's slurmd live in the namespaces (tests/slurm.py `hosts=`).
+# After the Slurm clusters: a killed two-node run's slurmd live in the namespaces (tests/support/slurm.py `hosts=`).
 if [[ "${HVDTRAIN_SKIP_NETNS:-}" != 1 ]] && command -v ip >/dev/null && [[ $(id -u) == 0 ]]; then
   for ns in $(ip netns list 2>/dev/null | awk '{print $1}' | grep -E '^hvdt[0-9]+h[0-9]+$' || true); do
     if [[ -z "$(ip netns pids "$ns" 2>/dev/null)" ]]; then

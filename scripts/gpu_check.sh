@@ -23,7 +23,7 @@
 #                rate a ResNet-50 at bf16 + channels-last trains at (what the feed must reach)
 #   jpeg         bench/gpu_jpeg.py (B9): a ResNet-50 on 224 px JPEGs, bf16 + channels-last, fed by hvdtrain (decode +
 #                augment in the producers) vs decoded batches already on the GPU vs DataLoader; goals met / NOT met
-#   prefetch     tests/test_prefetch_cuda.py + tests/test_prefetch.py under TORCH_CUDA_SANITIZER=1
+#   prefetch     tests/data/test_prefetch_cuda.py + tests/data/test_prefetch.py under TORCH_CUDA_SANITIZER=1
 #   h2d          bench/h2d_overlap.py: step time with the prefetcher vs synchronous copies vs data on the GPU
 #   racecheck    compute-sanitizer --tool racecheck over a few of those tests (skipped where it is missing)
 #   keras        the Keras recipe needs TensorFlow: run if it imports, else reported as skipped

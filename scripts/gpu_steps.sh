@@ -130,7 +130,7 @@ step_build() {
 
 step_prefetch() {
   TORCH_CUDA_SANITIZER=1 "$VPY" -m pytest -q -p no:cacheprovider -p no:randomly \
-    --junitxml="$WORK/prefetch-junit.xml" tests/test_prefetch_cuda.py tests/test_prefetch.py
+    --junitxml="$WORK/prefetch-junit.xml" tests/data/test_prefetch_cuda.py tests/data/test_prefetch.py
   local rc=$?
   note "$(grep -o '<testsuite [^>]*' "$WORK/prefetch-junit.xml" 2>/dev/null | head -1 \
           | grep -oE '(errors|failures|skipped|tests)="[0-9]+"' | tr '\n' ' ')(TORCH_CUDA_SANITIZER=1)"
@@ -142,7 +142,7 @@ step_racecheck() {
   cs="$(command -v compute-sanitizer || echo "$CUDA_HOME_DIR/bin/compute-sanitizer")"
   [[ -x "$cs" ]] || { note "compute-sanitizer not installed"; exit 77; }
   "$cs" --tool racecheck --error-exitcode 9 --print-limit 20 \
-    "$VPY" -m pytest -q -p no:cacheprovider -p no:randomly tests/test_prefetch_cuda.py -k "n_batches"
+    "$VPY" -m pytest -q -p no:cacheprovider -p no:randomly tests/data/test_prefetch_cuda.py -k "n_batches"
   local rc=$?
   note "racecheck over the prefetcher's 1, 2 and 7 batch tests: exit $rc"
   return $rc

@@ -8,7 +8,7 @@ Why: libstdc++ 13 (GCC 13, Ubuntu 24.04, the GPU images) stopped including <stri
 group_table.h (`std::string`) and common.h (`std::logic_error`) on the first GPU machine lent to this project, while
 GCC 12 (Debian 12, CI) built it. A standard header is treated as providing only itself, which is what every
 libstdc++ guarantees; headers outside the tree (CUDA, MPI, NVTX) provide nothing. scripts/patches/ adds the includes;
-tests/test_gpu_check.py runs this over the sdist before and after the patch.
+tests/project/test_gpu_check.py runs this over the sdist before and after the patch.
 
 Limits (it reads text; it does not preprocess): an include inside an `#if` block counts as made whatever the
 condition; only `std::`-qualified names are matched for <string>, <stdexcept> and <system_error> (`using std::x`

@@ -1,9 +1,9 @@
-"""Regenerate tests/data/mosaic/: small MDS datasets written by mosaicml-streaming's own MDSWriter.
+"""Regenerate tests/fixtures/mosaic/: small MDS datasets written by mosaicml-streaming's own MDSWriter.
 
 hvdtrain does not depend on mosaicml-streaming (it pins numpy<2.2); run this in a separate environment:
     python3 -m venv /tmp/mosaic && /tmp/mosaic/bin/pip install mosaicml-streaming==0.13.0
-    /tmp/mosaic/bin/python scripts/make_mosaic_fixtures.py tests/data/mosaic
-The expected values are recomputed by tests/test_mds.py from the same seeds (`sample(i)` below is copied there).
+    /tmp/mosaic/bin/python scripts/make_mosaic_fixtures.py tests/fixtures/mosaic
+The expected values are recomputed by tests/stream/test_mds.py from the same seeds (`sample(i)` below is copied there).
 """
 
 import shutil

@@ -4,7 +4,7 @@
 # What it does (each step prints what it did; a failing step names itself and how to fix it):
 #   1. apt:     installs Open MPI (openmpi-bin, libopenmpi-dev), build tools, ssh client, iproute2,
 #               openssh-server (sshd for the multi-host tests' namespace hosts; not started), and Slurm with munge
-#               (slurmctld, slurmd, slurm-client, munge: the tests' private Slurm cluster, tests/slurm.py, runs its
+#               (slurmctld, slurmd, slurm-client, munge: the tests' private Slurm cluster, tests/support/slurm.py, runs its
 #               own daemons) — only the ones missing. Needs root (or sudo). In a container (no init) the packages'
 #               scripts start no service: invoke-rc.d cannot tell the runlevel, or Docker's policy-rc.d denies it.
 #   2. venv:    creates ./.venv (Python 3.11) unless it exists.
@@ -14,6 +14,9 @@
 #               gloo's interface for process sets; the standard includes GCC 13 needs) and
 #               builds it with PyTorch ops and the Gloo and MPI controllers. Skipped when the stamp in
 #               .venv/hvdtrain-horovod.stamp matches (same Horovod, patch, torch, build flags) and Horovod imports.
+#               The wheel is kept in ~/.cache/hvdtrain-wheels/<key> (HVDTRAIN_WHEEL_CACHE), the key a hash over every
+#               build input (sdist, patch, this script's build steps, torch/TF, Python, compiler, Open MPI, CUDA):
+#               a new venv on the same machine installs it instead of compiling again (CI's clean clones).
 #   5. check:   runs `hvdtrain doctor`.
 #
 # scripts/setup.sh --gpu: the GPU variant, on a machine with or without a GPU. It installs into ./.venv-gpu the CUDA
@@ -26,7 +29,7 @@
 # Environment knobs: PYTHON (interpreter for the venv, default python3), HVDTRAIN_VENV (default .venv; .venv-gpu
 # with --gpu), HVDTRAIN_FRAMEWORKS (torch,tensorflow — the default — or torch), HVDTRAIN_BUILD_DIR (default .build;
 # .build-gpu with --gpu), HOROVOD_GPU_OPERATIONS (NCCL in the GPU image and with --gpu), HOROVOD_CUDA_HOME,
-# HOROVOD_BUILD_CUDA_CC_LIST, HVDTRAIN_FORCE_REBUILD=1, HVDTRAIN_SKIP_APT=1.
+# HOROVOD_BUILD_CUDA_CC_LIST, HVDTRAIN_FORCE_REBUILD=1 (build again, replacing the cached wheel), HVDTRAIN_WHEEL_CACHE, HVDTRAIN_SKIP_APT=1.
 set -euo pipefail
 
 GPU=0
@@ -84,7 +87,7 @@ apt_packages() {
   step apt "system packages (Open MPI, compilers, ssh client/server, Slurm and munge)"
   if [[ "${HVDTRAIN_SKIP_APT:-0}" == "1" ]]; then echo "    skipped (HVDTRAIN_SKIP_APT=1)"; return; fi
   local want=(openmpi-bin libopenmpi-dev build-essential openssh-client openssh-server iproute2 procps patch)
-  # Slurm and munge are for the tests' private cluster (tests/slurm.py). A machine with a Slurm of its own (a
+  # Slurm and munge are for the tests' private cluster (tests/support/slurm.py). A machine with a Slurm of its own (a
   # cluster's login node: sbatch not from a Debian package) keeps it: Debian's would shadow or mismatch the site's.
   local sbatch
   sbatch="$(command -v sbatch || true)"
@@ -201,17 +204,25 @@ cuda_env() {
        "(home: $home), NCCL from $nv/nccl, architectures $HOROVOD_BUILD_CUDA_CC_LIST"
 }
 
-horovod_build() {
-  step horovod "Horovod $HOROVOD_VERSION from the PyPI sdist, patched"
-  local key
-  key="$(build_key)"
-  if [[ "${HVDTRAIN_FORCE_REBUILD:-0}" != "1" && -f "$STAMP" && "$(cat "$STAMP")" == "$key" ]] \
-     && "$VENV/bin/python" -c "import $HVD_MODULES" 2>/dev/null; then
-    echo "    already built ($key): not rebuilding"
-    return
+# The wheel cache: a Horovod wheel built earlier on this machine is installed again, not rebuilt, when every input of
+# its build is the same: the build key above, the sdist's sha256, this script's build functions, the Python, the
+# compiler, Open MPI and (GPU) CUDA. A fresh machine has no cache and builds; a changed input is another key and
+# rebuilds. Kept apart from hvdtrain's runtime cache (scripts/fresh_state.sh removes that one, not this).
+WHEEL_CACHE="${HVDTRAIN_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/hvdtrain-wheels}"
+wheel_key() {  # build key -> a hash over every input of the build
+  local cc mpi nvcc="none"
+  cc="$( (cc --version 2>/dev/null || echo none) | head -1)"
+  mpi="$( (mpirun --version 2>/dev/null || echo none) | head -1)"
+  if [[ -n "${CUDA_HOME:-${HOROVOD_CUDA_HOME:-}}" || ${#CUDA_ENV[@]} -gt 0 ]]; then
+    nvcc="$(env "${CUDA_ENV[@]}" bash -c '"${HOROVOD_CUDA_HOME:-${CUDA_HOME:-/nonexistent}}/bin/nvcc" --version' \
+            2>/dev/null | tail -1 || echo none)"
   fi
-  rm -f "$STAMP"
-  mkdir -p "$BUILD_DIR"
+  printf '%s\n' "$1" "sdist=$HOROVOD_SHA256" "python=$("$VENV/bin/python" -VV)" "cc=$cc" "mpi=$mpi" "nvcc=$nvcc" \
+    "env=${CUDA_ENV[*]}" "script=$(declare -f horovod_build build_wheel cuda_env build_key wheel_key)" \
+    | sha256sum | cut -c1-24
+}
+
+build_wheel() {  # key, wheel directory: download, check, patch and build the sdist into a wheel there
   local sdist="$BUILD_DIR/horovod-$HOROVOD_VERSION.tar.gz"
   if [[ ! -f "$sdist" ]] || ! echo "$HOROVOD_SHA256  $sdist" | sha256sum -c --quiet - 2>/dev/null; then
     rm -f "$sdist"
@@ -223,21 +234,52 @@ horovod_build() {
   rm -rf "$src"
   tar -xzf "$sdist" -C "$BUILD_DIR"
   patch -d "$src" -p1 --quiet < "$PATCH" || fail "patch did not apply" "check $PATCH against the sdist"
-  cuda_env
-  echo "    patched with $(basename "$PATCH"); building ($key) — about 2-5 minutes on 2 cores (GPU: ~10)"
-  local t0=$SECONDS log="$BUILD_DIR/horovod-build.log"
+  echo "    patched with $(basename "$PATCH"); building ($1) — about 2-5 minutes on 2 cores (GPU: ~10)"
+  local t0=$SECONDS log="$BUILD_DIR/horovod-build.log" tmp="$2.tmp.$$"
   local frameworks=(HOROVOD_WITH_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1)
   if [[ "$EXTRAS" == *tensorflow* ]]; then frameworks+=(HOROVOD_WITH_TENSORFLOW=1)
   else frameworks+=(HOROVOD_WITHOUT_TENSORFLOW=1); fi
-  "$VENV/bin/python" -m pip uninstall -y -q horovod 2>/dev/null || true
+  rm -rf "$tmp"
   if ! env PATH="$VENV/bin:$PATH" CMAKE_POLICY_VERSION_MINIMUM=3.5 MAKEFLAGS="-j$(nproc)" \
       HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1 "${frameworks[@]}" "${CUDA_ENV[@]}" \
-      "$VENV/bin/python" -m pip install --no-build-isolation --no-cache-dir -v "$src" >"$log" 2>&1; then
+      "$VENV/bin/python" -m pip wheel --no-build-isolation --no-deps --no-cache-dir -v -w "$tmp" "$src" >"$log" 2>&1
+  then
+    rm -rf "$tmp"
     tail -n 40 "$log" >&2
     fail "Horovod build failed (full log: $log)" \
       "read the compiler error above; missing MPI headers -> apt-get install libopenmpi-dev"
   fi
+  rm -rf "$2"
+  mv "$tmp" "$2"  # whole or not at all: an interrupted build leaves no wheel under the key
   echo "    built in $((SECONDS - t0)) s (log: $log)"
+}
+
+horovod_build() {
+  step horovod "Horovod $HOROVOD_VERSION from the PyPI sdist, patched"
+  local key
+  key="$(build_key)"
+  if [[ "${HVDTRAIN_FORCE_REBUILD:-0}" != "1" && -f "$STAMP" && "$(cat "$STAMP")" == "$key" ]] \
+     && "$VENV/bin/python" -c "import $HVD_MODULES" 2>/dev/null; then
+    echo "    already built ($key): not rebuilding"
+    return
+  fi
+  rm -f "$STAMP"
+  mkdir -p "$BUILD_DIR"
+  cuda_env
+  local dir
+  dir="$WHEEL_CACHE/$(wheel_key "$key")"
+  local wheels=("$dir"/horovod-"$HOROVOD_VERSION"-*.whl)
+  if [[ "${HVDTRAIN_FORCE_REBUILD:-0}" == "1" || ! -f "${wheels[0]}" ]]; then
+    mkdir -p "$WHEEL_CACHE"
+    build_wheel "$key" "$dir"
+    wheels=("$dir"/horovod-"$HOROVOD_VERSION"-*.whl)
+  else
+    echo "    the wheel built earlier from the same inputs: ${wheels[0]}"
+  fi
+  "$VENV/bin/python" -m pip uninstall -y -q horovod 2>/dev/null || true
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps "${wheels[0]}"
+  "$VENV/bin/python" -c "import $HVD_MODULES" \
+    || fail "the Horovod wheel ${wheels[0]} does not import" "HVDTRAIN_FORCE_REBUILD=1 bash scripts/setup.sh"
   echo "$key" > "$STAMP"
 }
 

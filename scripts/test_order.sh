@@ -40,7 +40,7 @@ for mode in "${modes[@]}"; do
     random) random_order_plugin
             PYTHONPATH="$ORDER_PLUGINS${PYTHONPATH:+:$PYTHONPATH}" \
               run "random (seed ${RANDOM_SEED:=$RANDOM})" -p randomly "--randomly-seed=$RANDOM_SEED" ;;
-    files) for file in tests/test_*.py; do run "$file alone" "$file"; done ;;
+    files) while read -r file; do run "$file alone" "$file"; done < <(find tests -name "test_*.py" | sort) ;;
     *) echo "unknown mode '$mode': expected reverse, random or files" >&2; exit 2 ;;
   esac
 done

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests import harness
+from tests.support import harness
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -28,7 +28,8 @@ def private_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None
 @pytest.fixture(scope="session", autouse=True)
 def outside_slurm() -> Iterator[None]:
     """Run inside a Slurm job, the tests would see its SLURM_* variables, and `hvdtrain run` of a spec without hosts
-    would plan on that job's allocation: every test starts outside Slurm (tests/slurm.py's cluster passes its own)."""
+    would plan on that job's allocation: every test starts outside Slurm (tests/support/slurm.py's cluster passes its
+    own)."""
     with pytest.MonkeyPatch.context() as mp:
         for name in [n for n in os.environ if n.startswith("SLURM_")]:
             mp.delenv(name)
@@ -75,9 +76,10 @@ def no_process_outlives_its_test(nothing_left_behind: harness.OrphanReaper) -> I
 
 @pytest.fixture(autouse=True)
 def legacy_keras_variable_restored() -> Iterator[None]:
-    """hvdtrain never sets TF_USE_LEGACY_KERAS (entry points do: tests/test_tfkeras.py checks both), but a test
-    that imports TensorFlow in this process sets it first, and every later test's subprocess would inherit it
-    (tests/test_tfkeras.py checks what happens without it). Each test leaves the variable as it found it."""
+    """hvdtrain never sets TF_USE_LEGACY_KERAS (entry points do: tests/horovod/test_tfkeras_guard.py checks both),
+    but a test that imports TensorFlow in this process sets it first, and every later test's subprocess would
+    inherit it (tests/horovod/test_tfkeras_guard.py checks what happens without it). Each test leaves the variable
+    as it found it."""
     name = "TF_USE_LEGACY_KERAS"
     saved = os.environ.get(name)
     yield

@@ -26,7 +26,7 @@ There is no helper thread: the host-side work (fetching from the loader, the mem
 pass. Either way one batch is in flight and the same guards hold. So no thread has to
 `torch.cuda.set_device` (it would default to GPU 0), and nothing can leak across epochs or hang in `close()`.
 All CUDA calls run under `torch.cuda.device(self.device)`, so the stream and events belong to the right GPU even
-when another device is current. tests/test_prefetch_cuda.py checks these rules on a GPU: run it under
+when another device is current. tests/data/test_prefetch_cuda.py checks these rules on a GPU: run it under
 `TORCH_CUDA_SANITIZER=1`.
 """
 

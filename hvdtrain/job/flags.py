@@ -17,7 +17,7 @@ from pydantic import BaseModel, Field
 from pydantic.fields import FieldInfo
 
 SCHEMA_KEY = "x-horovodrun-flags"
-# Every option string of horovodrun 0.28.1's parser (tests/test_flags.py compares it with the installed one).
+# Every option string of horovodrun 0.28.1's parser (tests/job/test_flags.py compares it with the installed one).
 HOROVODRUN_OPTIONS = frozenset((
     "--autotune", "--autotune-bayes-opt-max-samples", "--autotune-gaussian-process-noise", "--autotune-log-file",
     "--autotune-steps-per-sample", "--autotune-warmup-samples", "--binding-args", "--blacklist-cooldown-range",

@@ -30,7 +30,7 @@ LABEL_BYTES = 8  # int64
 
 @dataclass(frozen=True)
 class RecipeFlags:
-    """A shipped recipe's loader flags and their defaults (tests/test_render_k8s.py checks them against the
+    """A shipped recipe's loader flags and their defaults (tests/render/test_k8s.py checks them against the
     recipes' Config classes)."""
 
     batch_size: int = 32

@@ -23,7 +23,7 @@ skipped when it would need to evict something some reader needs sooner than the 
 that shard itself when it gets there), so a reader running ahead of the others cannot push out what they read
 next. Counting every reader matters: with a cache just the size of one window, a reader 1.5 blocks behind another
 would have what it reads next evicted by the reader ahead, and refetch several times the dataset per epoch, if
-each evicted by its own position alone (tests/test_remote_store.py). The last epoch (`plan(last=True)`) fetches
+each evicted by its own position alone (tests/stream/test_remote_store.py). The last epoch (`plan(last=True)`) fetches
 nothing of the next one ahead.
 
 A producer makes room, writes its shard and renames it into place under that one lock (partial files of dead

@@ -1,5 +1,5 @@
 """Rank 1 waits in an allreduce that rank 0 joins only after 60 s, with a stop request installed (grace: argv[2]
-seconds); it writes its pid to argv[1] first. tests/test_preempt.py SIGTERMs it there."""
+seconds); it writes its pid to argv[1] first. tests/train/test_preempt.py SIGTERMs it there."""
 
 import os
 import sys

@@ -1,5 +1,5 @@
-"""Tests that leave processes behind on purpose, for tests/test_leak_guard.py (not collected by the suite: run it
-by path, so that tests/conftest.py's leak guard applies to it as to every test).
+"""Tests that leave processes behind on purpose, for tests/project/test_leak_guard.py (not collected by the suite: run
+it by path, so that tests/conftest.py's leak guard applies to it as to every test).
 
 Each orphan is started the way Horovod starts a rank: `setsid` into a session of its own, by a middleman that
 exits at once. Its pid goes to $LEAK_DEMO_PID_FILE.short or .long (how long it sleeps); $LEAK_DEMO_MARKER is on its

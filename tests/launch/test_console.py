@@ -1,0 +1,289 @@
+"""What the console shows (NOTE [console] in hvdtrain/launch/console.py): hvdtrain's summary, not horovodrun's
+traceback.
+
+- in-process: the router fed the lines real horovodrun runs printed (Gloo's rank failure, an interrupted start);
+  what reaches the console, what reaches launcher.log.
+- real jobs (Gloo and MPI): a failing rank, Ctrl-C mid-run, Ctrl-C while horovodrun starts, Ctrl-C before anything
+  starts. The console has hvdtrain's account and no Python traceback of the launcher; the log keeps horovodrun's.
+"""
+
+from __future__ import annotations
+
+import io
+import signal
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+
+from hvdtrain.job.model import Logs
+from hvdtrain.launch.console import PARTIAL_LIMIT, OutputRouter
+from hvdtrain.launch.failures import RankFailure
+from hvdtrain.launch.verdict import exit_code
+from tests.support.harness import BIN, REPO, kill_launcher_when, route, run_bounded, wait_gone
+
+HVDTRAIN = str(BIN / "hvdtrain")
+FAIL_RANK = str(REPO / "tests" / "scripts" / "fail_rank.py")
+FRAMES = [
+    "Traceback (most recent call last):",
+    '  File "/venv/bin/horovodrun", line 8, in <module>',
+    "    sys.exit(run_commandline())",
+    "             ^^^^^^^^^^^^^^^^^",
+    '  File "/venv/lib/python3.11/site-packages/horovod/runner/gloo_run.py", line 284, in launch_gloo',
+    "    raise RuntimeError('Horovod detected that one or more processes exited with non-zero '",
+]
+GLOO_FAILURE = [  # what horovodrun printed when rank 1 of 2 exited with code 3 (Gloo)
+    "Process 1 exit with status code 3.", "Terminating remaining workers after failure of Process 1.",
+    "[0]<stderr>:Terminated", "Process 0 exit with status code 143.", *FRAMES,
+    "RuntimeError: Horovod detected that one or more processes exited with non-zero status, thus causing the job "
+    "to be terminated. The first process to do so was:", "Process name: 1", "Exit code: 3", "",
+]
+INTERRUPTED_START = [  # horovodrun given SIGINT while it imported its modules
+    "Traceback (most recent call last):", '  File "/venv/bin/horovodrun", line 5, in <module>',
+    "    from horovod.runner.launch import run_commandline", "KeyboardInterrupt",
+]
+OTHER_ERROR = [*FRAMES[:3], "RuntimeError: could not find a common interface"]
+
+
+def test_horovodrun_traceback_for_a_failed_rank_is_kept_off_the_console_and_in_the_log(tmp_path):
+    router, out, err = route(GLOO_FAILURE, Logs(dir=str(tmp_path)))
+    assert out.splitlines() == ["Process 1 exit with status code 3.",
+                                "Terminating remaining workers after failure of Process 1.",
+                                "Process 0 exit with status code 143."]
+    assert err == ""  # rank 0's `Terminated` (the shell's, the job was ending) is only in its log
+    assert (tmp_path / "launcher.log").read_text().splitlines() == [
+        line for line in GLOO_FAILURE if not line.startswith("[0]")]
+    assert (tmp_path / "rank.0.log").read_text() == "Terminated\n"
+    assert router.failures.first == RankFailure(1, code=3)
+    assert router.failures.report(None) == ["hvdtrain: rank 1 exited with code 3 (the first rank to fail)"]
+
+
+def test_an_interrupted_horovodrun_is_hidden_only_when_hvdtrain_stopped_it():
+    _, out, _ = route(INTERRUPTED_START, Logs(), stopping=True)
+    assert out == ""
+    _, out, _ = route(INTERRUPTED_START, Logs())  # nobody asked it to stop: the traceback is the only account
+    assert out.splitlines() == INTERRUPTED_START
+    # CI, 2026-11-25: SIGINT landed as a function was entered; Python 3.11 printed an empty line after that frame
+    at_def = [*INTERRUPTED_START[:3], '  File "/usr/lib/python3.11/re/_parser.py", line 113, in __init__',
+              "    def __init__(self, state, data=None):", "", "KeyboardInterrupt"]
+    _, out, _ = route([*at_def, "still shown"], Logs(), stopping=True)
+    assert out.splitlines() == ["still shown"]
+    _, out, _ = route(at_def, Logs())
+    assert out.splitlines() == at_def
+
+
+def test_chained_tracebacks_and_exit_reports_of_a_stopped_horovodrun_are_hidden_too():
+    chained = [*INTERRUPTED_START, "", "During handling of the above exception, another exception occurred:", "",
+               *INTERRUPTED_START]
+    ignored = ["Exception ignored in: <module 'threading' from '/usr/lib/python3.11/threading.py'>",
+               *INTERRUPTED_START[:2], "KeyboardInterrupt: "]
+    _, out, _ = route([*chained, *ignored, "still shown"], Logs(), stopping=True)
+    assert out.splitlines() == ["still shown"]
+
+
+def test_horovodruns_hidden_account_is_printed_when_no_rank_failure_explains_the_end():
+    elastic = [*FRAMES[:3], "RuntimeError: Job has been shutdown, see above error messages for details."]
+    out, err = io.StringIO(), io.StringIO()
+    router = OutputRouter(Logs(), out, err)
+    for line in elastic:
+        router.line(line)
+    assert out.getvalue() == "" and router.failures.first is None
+    assert exit_code(1, router, None, False, []) == 1
+    assert err.getvalue().splitlines() == ["hvdtrain: horovodrun exited with code 1 and no rank reported a failure",
+                                           elastic[-1]]
+
+
+def test_horovodruns_failed_ssh_check_is_said_with_the_check_to_run():
+    check = [*FRAMES[:3], "RuntimeError: could not connect to some hosts via ssh"]
+    out, err = io.StringIO(), io.StringIO()
+    router = OutputRouter(Logs(), out, err)
+    for line in ["ssh not successful for host b:", "ssh: Could not resolve hostname b: Name or service not known",
+                 *check]:
+        router.line(line)
+    assert out.getvalue().splitlines() == ["ssh not successful for host b:",
+                                           "ssh: Could not resolve hostname b: Name or service not known"]
+    assert exit_code(1, router, None, False, ["hvdtrain", "doctor", "--hosts", "a:2,b:2"]) == 1
+    assert err.getvalue().splitlines() == [
+        "hvdtrain: horovodrun could not reach every host over ssh (`ssh not successful for host ...` above names each, "
+        "with ssh's error), so no rank started. Check the hosts with `hvdtrain doctor --hosts a:2,b:2`: horovodrun "
+        "needs passwordless ssh from here to each host, by the name given; inside a Slurm allocation, `--launcher "
+        "srun` starts the ranks without ssh"]
+
+
+def test_any_other_launcher_traceback_is_shown_whole_and_a_cut_off_one_too():
+    _, out, _ = route([*OTHER_ERROR, "after"], Logs())
+    assert out.splitlines() == [*OTHER_ERROR, "after"]
+    _, out, _ = route(FRAMES[:3], Logs())  # the output ended inside the traceback
+    assert out.splitlines() == FRAMES[:3]
+    _, out, err = route(["[1]<stderr>:Terminated"], Logs())  # no failure, no stop: a rank's own line
+    assert err == "[1]<stderr>:Terminated\n"
+
+
+def test_a_rank_line_landing_inside_horovodruns_exit_line_is_split_off():
+    # CI, 2026-11-25: horovodrun's print() wrote its text, rank 0's forwarded line, then the newline
+    lines = ["[1]<stderr>:Killed",
+             "Process 1 exit with status code 137.[0]<stderr>:Traceback (most recent call last):",
+             "", "Terminating remaining workers after failure of Process 1.",
+             "[0]<stderr>:RuntimeError: Horovod has been shut down.", "Process 0 exit with status code 143."]
+    router, out, err = route(lines, Logs())
+    assert router.failures.first == RankFailure(1, code=137, signum=9)
+    assert out.splitlines() == ["Process 1 exit with status code 137.", "",
+                                "Terminating remaining workers after failure of Process 1.",
+                                "Process 0 exit with status code 143."]
+    assert err.splitlines() == ["[1]<stderr>:Killed", "[0]<stderr>:Traceback (most recent call last):",
+                                "[0]<stderr>:RuntimeError: Horovod has been shut down."]
+    _, out, _ = route(["[3,1]<stdout>:a line of [0]<stdout>:its own"], Logs())  # only a launcher line is split
+    assert out == "[1]<stdout>:a line of [0]<stdout>:its own\n"
+
+
+def test_two_horovodrun_exit_lines_in_one_are_split():
+    # both ranks' threads print() at once: text, text, newline, newline
+    lines = ["Process 0 exit with status code 143.Process 1 exit with status code 143.", ""]
+    router, out, _ = route(lines, Logs())
+    assert out.splitlines() == ["Process 0 exit with status code 143.", "Process 1 exit with status code 143.", ""]
+    assert router.failures.first == RankFailure(0, code=143, signum=15)
+
+
+def test_mpi_chunks_of_two_ranks_in_one_line_go_back_to_their_ranks_whole():
+    # CI, 2026-11-25 (ranks unbuffered): rank 1's print() wrote its text; rank 0's line came; then rank 1's newline
+    lines = ["[1,1]<stderr>:train.py: error: diverged (loss nan)[1,0]<stderr>:train.py: error: diverged (loss 1.4)",
+             "[1,1]<stderr>:",
+             "[1,0]<stderr>:RuntimeError[1,1]<stdout>:half [1,0]<stderr>:: [1,0]<stderr>:boom",  # a traceback's parts
+             "[1,1]<stdout>:a line", "[1,1]<stderr>:no newline at the end[1,0]<stdout>:last"]
+    router, out, err = route(lines, Logs())
+    assert err.splitlines() == ["[0]<stderr>:train.py: error: diverged (loss 1.4)",
+                                "[1]<stderr>:train.py: error: diverged (loss nan)",
+                                "[0]<stderr>:RuntimeError: boom",
+                                "[1]<stderr>:no newline at the end"]  # held until the output ended
+    assert out.splitlines() == ["[1]<stdout>:half a line", "[0]<stdout>:last"]
+    assert router.failures.cause == (0, "RuntimeError: boom")
+
+
+def test_an_mpi_line_that_never_ends_is_held_only_so_long():
+    router = OutputRouter(Logs(), io.StringIO(), err := io.StringIO())
+    for _ in range(5000):  # another rank's lines end every physical line; rank 0's never ends: 110,000 characters
+        router.line(f"[1,0]<stderr>:{'x' * 22}[1,1]<stdout>:step")
+        assert len(router.partial.get((0, "stderr"), "")) < PARTIAL_LIMIT
+    router.close()
+    assert [len(line) for line in err.getvalue().splitlines()] == [len("[0]<stderr>:") + n for n in (65_538, 44_462)]
+
+
+def test_srun_labels_are_rank_lines_only_for_the_srun_launcher(tmp_path):
+    """srun --label writes `N: text` (N right-aligned among 10+ tasks); srun's own lines are the launcher's."""
+    logs = Logs(dir=str(tmp_path))
+    router = OutputRouter(logs, out := io.StringIO(), io.StringIO(), srun_labels=True)
+    for line in ("0: step 1", "11: step 1", " 3: RuntimeError: boom",
+                 "srun: error: vm: task 3: Exited with exit code 3"):
+        router.line(line)
+    router.close()
+    assert out.getvalue().splitlines() == ["[0]<stdout>:step 1", "[11]<stdout>:step 1",
+                                           "[3]<stdout>:RuntimeError: boom",
+                                           "srun: error: vm: task 3: Exited with exit code 3"]
+    assert (tmp_path / "rank.3.log").read_text() == "RuntimeError: boom\n"
+    assert "task 3" in (tmp_path / "launcher.log").read_text()
+    router = OutputRouter(Logs(), out := io.StringIO(), io.StringIO())  # horovodrun's output: no such labels
+    router.line("0: not a rank line")
+    router.close()
+    assert out.getvalue() == "0: not a rank line\n"
+
+
+def test_a_progress_bars_update_under_mpi_is_shown_at_once_and_unfinished_lines_before_the_verdict():
+    bar = "\r 50%|#####     | 5/10"  # tqdm's update: no newline; other ranks' lines end the physical line
+    _, _, err = route([f"[1,0]<stderr>:{bar}[1,1]<stdout>:step"] * 3, Logs())
+    assert err.split("\n") == [f"[0]<stderr>:{bar}"] * 3 + [""]  # not splitlines(): it splits at \r too
+    router = OutputRouter(Logs(), io.StringIO(), err := io.StringIO())
+    router.line("[1,1]<stderr>:RuntimeError[1,1]<stddiag>:a diagnostic[1,0]<stdout>:x")
+    router.line("[1,1]<stderr>:: out of memory")  # rank 1's stderr and its diagnostic channel are not mixed
+    router.line("[1,0]<stderr>:killed mid-li[1,1]<stdout>:y")
+    router.end_of_output()  # the reader thread, when horovodrun's output ends: before the launcher's verdict
+    assert router.failures.tails[0][-1] == "killed mid-li"
+    assert router.failures.cause == (1, "RuntimeError: out of memory")
+    assert err.getvalue().splitlines() == ["[1]<stderr>:RuntimeError: out of memory", "[1]<stderr>:a diagnostic",
+                                           "[0]<stderr>:killed mid-li"]
+
+
+# ---------------------------------------------------------------- real jobs
+
+WAIT = """
+import os, sys, time
+import horovod.torch as hvd
+hvd.init()
+open(os.path.join(sys.argv[1], f"ready.{hvd.rank()}"), "w").close()
+time.sleep(300)
+"""
+
+
+def write_job(tmp_path: Path, controller: str, script: str = "job.py", **keys: object) -> Path:
+    (tmp_path / "job.py").write_text(WAIT)
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump({"script": script, "np": 2, "controller": controller, "args": [str(tmp_path)],
+                                   "env": {"TF_CPP_MIN_LOG_LEVEL": "2"}, **keys}))
+    return job
+
+
+def launcher_tracebacks(output: str) -> list[str]:
+    """Traceback lines that are not a rank's own (rank lines carry `[N]<stderr>:`, hvdtrain's quotes `  | `)."""
+    return [line for line in output.splitlines() if line.startswith(("Traceback", "KeyboardInterrupt"))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("controller", ["gloo", "mpi"])
+def test_a_failing_rank_shows_hvdtrains_summary_and_no_launcher_traceback(controller, tmp_path):
+    job = write_job(tmp_path, controller, script=FAIL_RANK, logs={"dir": "logs"})
+    res = run_bounded([HVDTRAIN, "run", str(job)], timeout=180)
+    assert res.returncode == 3, res.describe()
+    assert "hvdtrain: rank 1 on host localhost exited with code 3 (the first rank to fail)" in res.output
+    assert f"hvdtrain: its output: {tmp_path / 'logs' / 'rank.1.log'}" in res.output
+    assert launcher_tracebacks(res.output) == [], res.describe()
+    if controller == "gloo":  # MPI: horovodrun execs mpirun, which prints no traceback
+        assert "Traceback (most recent call last):" in (tmp_path / "logs" / "launcher.log").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("controller", ["gloo", "mpi"])
+def test_ctrl_c_mid_run_says_what_hvdtrain_did(controller, tmp_path):
+    job = write_job(tmp_path, controller)
+    ready = lambda: all((tmp_path / f"ready.{r}").exists() for r in range(2))  # noqa: E731
+    killed = kill_launcher_when([HVDTRAIN, "run", str(job)], ready, signal.SIGINT, timeout=120)
+    assert killed.ready, killed.output
+    assert killed.returncode == 130, killed.output
+    lines = killed.output.splitlines()
+    assert "hvdtrain: SIGINT received: stopping every rank (Ctrl-C again to kill them at once)" in lines
+    assert lines[-1] == "hvdtrain: the job was stopped by SIGINT; exit code 130", killed.output
+    assert launcher_tracebacks(killed.output) == [], killed.output
+    assert "Traceback" not in killed.output and "Terminated" not in killed.output, killed.output
+    assert wait_gone(killed.processes, 20) == []
+
+
+def _horovodrun_of(tmp_path: Path):
+    def started() -> bool:
+        for p in psutil.process_iter(["cmdline"]):
+            cmd = " ".join(p.info["cmdline"] or [])
+            if "horovodrun" in cmd and str(tmp_path) in cmd and "hvdtrain.rank" in cmd:
+                return True
+        return False
+    return started
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_horovodrun_starts_shows_no_traceback(tmp_path):
+    job = write_job(tmp_path, "gloo")
+    killed = kill_launcher_when([HVDTRAIN, "run", str(job)], _horovodrun_of(tmp_path), signal.SIGINT, timeout=120)
+    assert killed.ready and killed.returncode == 130, killed.output
+    assert "hvdtrain: the job was stopped by SIGINT; exit code 130" in killed.output
+    assert launcher_tracebacks(killed.output) == [] and "Traceback" not in killed.output, killed.output
+    assert wait_gone(killed.processes, 20) == []
+
+
+def test_ctrl_c_before_the_job_starts_is_one_line(tmp_path):
+    # The spec's interpreter hangs when hvdtrain probes it, so SIGINT lands in hvdtrain's own checks.
+    slow = tmp_path / "slow-python"
+    slow.write_text(f"#!/bin/sh\necho $$ > {tmp_path}/probe.pid\nexec sleep 120\n")
+    slow.chmod(0o755)
+    job = write_job(tmp_path, "gloo", python=str(slow))
+    probe = tmp_path / "probe.pid"
+    killed = kill_launcher_when([HVDTRAIN, "run", str(job)], probe.exists, signal.SIGINT, timeout=60)
+    assert killed.ready and killed.returncode == 130, killed.output
+    assert killed.output.splitlines() == ["hvdtrain: interrupted (SIGINT); no job was started"]
+    assert wait_gone(killed.processes, 10) == []  # the probe (sleep) was killed with hvdtrain's checks
