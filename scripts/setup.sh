@@ -29,7 +29,8 @@
 # Environment knobs: PYTHON (interpreter for the venv, default python3), HVDTRAIN_VENV (default .venv; .venv-gpu
 # with --gpu), HVDTRAIN_FRAMEWORKS (torch,tensorflow — the default — or torch), HVDTRAIN_BUILD_DIR (default .build;
 # .build-gpu with --gpu), HOROVOD_GPU_OPERATIONS (NCCL in the GPU image and with --gpu), HOROVOD_CUDA_HOME,
-# HOROVOD_BUILD_CUDA_CC_LIST, HVDTRAIN_FORCE_REBUILD=1 (build again, replacing the cached wheel), HVDTRAIN_WHEEL_CACHE, HVDTRAIN_SKIP_APT=1.
+# HOROVOD_BUILD_CUDA_CC_LIST, HVDTRAIN_FORCE_REBUILD=1 (build again, replacing the cached wheel),
+# HVDTRAIN_WHEEL_CACHE (default ~/.cache/hvdtrain-wheels), HVDTRAIN_SKIP_APT=1.
 set -euo pipefail
 
 GPU=0
@@ -277,7 +278,7 @@ horovod_build() {
     echo "    the wheel built earlier from the same inputs: ${wheels[0]}"
   fi
   "$VENV/bin/python" -m pip uninstall -y -q horovod 2>/dev/null || true
-  "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps "${wheels[0]}"
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check -c "$CONSTRAINTS" "${wheels[0]}"
   "$VENV/bin/python" -c "import $HVD_MODULES" \
     || fail "the Horovod wheel ${wheels[0]} does not import" "HVDTRAIN_FORCE_REBUILD=1 bash scripts/setup.sh"
   echo "$key" > "$STAMP"

@@ -87,3 +87,26 @@ def legacy_keras_variable_restored() -> Iterator[None]:
         os.environ.pop(name, None)
     else:
         os.environ[name] = saved
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Time per test folder (setup, call and teardown of every test in it; module fixtures count where they are
+    built), printed before pytest's closing line: the table of docs/testing.md, from any run."""
+    seconds: dict[str, float] = {}
+    tests: dict[str, set[str]] = {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            if isinstance(report, pytest.TestReport):
+                parts = report.nodeid.split("::")[0].split("/")
+                folder = parts[1] if len(parts) > 2 and parts[0] == "tests" else parts[0]
+                seconds[folder] = seconds.get(folder, 0.0) + report.duration
+                tests.setdefault(folder, set()).add(report.nodeid)
+    if not seconds:
+        return
+    total = sum(seconds.values())
+    terminalreporter.write_sep("=", "time per test folder")
+    terminalreporter.write_line(f"{'folder':<10} {'tests':>6} {'minutes':>8} {'share':>6}")
+    for folder in sorted(seconds, key=seconds.__getitem__, reverse=True):
+        terminalreporter.write_line(f"{folder:<10} {len(tests[folder]):>6} {seconds[folder] / 60:>8.1f} "
+                                    f"{seconds[folder] / total:>6.0%}")
+    terminalreporter.write_line(f"{'all':<10} {sum(map(len, tests.values())):>6} {total / 60:>8.1f}")

@@ -52,42 +52,39 @@ def checkpoint_digest(run: Run, epoch: int) -> str:
 
 @pytest.fixture(scope="module")
 def fresh(tmp_path_factory) -> Run:
+    """3 epochs (Gloo) without interruption: what the resumed runs below must end as."""
     tmp = tmp_path_factory.mktemp("keras-fresh")
-    return run_recipe(tmp, tmp / "run", *ARGS, controller="gloo")
+    return run_recipe(tmp, tmp / "run", *ARGS[:1], "3", *ARGS[2:], controller="gloo")
 
 
 @pytest.fixture(scope="module")
 def resumed(fresh, tmp_path_factory) -> Run:
+    """The fresh run's directory as it was after epoch 2 (its epoch-3 checkpoint and summary removed), resumed (MPI)."""
     tmp = tmp_path_factory.mktemp("keras-resumed")
     shutil.copytree(fresh.run_dir, tmp / "run")
+    (tmp / "run" / "checkpoints" / "ckpt-epoch0003.pt").unlink()
+    (tmp / "run" / "summary.json").unlink()
     return run_recipe(tmp, tmp / "run", *ARGS[:1], "3", *ARGS[2:], controller="mpi")
-
-
-@pytest.fixture(scope="module")
-def straight(tmp_path_factory) -> Run:
-    """The resumed run's 3 epochs without the interruption."""
-    tmp = tmp_path_factory.mktemp("keras-straight")
-    return run_recipe(tmp, tmp / "run", *ARGS[:1], "3", *ARGS[2:], controller="gloo")
 
 
 def test_gloo_two_ranks_learn_and_end_with_identical_weights(fresh):
     summary = fresh.summary()
     digests = summary["weights_sha256_by_rank"]
     assert len(digests) == 2 and digests[0] == digests[1], f"ranks ended with different weights: {digests}"
-    assert digests[0] == checkpoint_digest(fresh, 2), "the last checkpoint does not hold the ranks' final weights"
-    assert summary["epochs_completed"] == 2 and summary["world_size"] == 2 and summary["resumed_from_epoch"] == 0
+    assert digests[0] == checkpoint_digest(fresh, 3), "the last checkpoint does not hold the ranks' final weights"
+    assert summary["epochs_completed"] == 3 and summary["world_size"] == 2 and summary["resumed_from_epoch"] == 0
     assert summary["val_accuracy"] > 0.5 and summary["samples_per_sec"] > 0, summary
     assert summary["keras"].startswith("tf_keras 2."), summary["keras"]
-    assert epoch_lines(fresh.output) == [1, 2]
+    assert epoch_lines(fresh.output) == [1, 2, 3]
     # the epoch line: the first step's LR → the last's during the warmup (23 steps of 2 × 32 samples), then one value
-    assert [row["lr_first"] for row in summary["history"]] == pytest.approx([0.05 + 0.05 / 23, 0.1])
-    assert re.findall(r"epoch \d+/2  .*  (lr \S+)  ", fresh.output) == ["lr 0.05217→0.1", "lr 0.1"]
+    assert [row["lr_first"] for row in summary["history"]] == pytest.approx([0.05 + 0.05 / 23, 0.1, 0.01])
+    assert re.findall(r"epoch \d+/3  .*  (lr \S+)  ", fresh.output) == ["lr 0.05217→0.1", "lr 0.1", "lr 0.01"]
     config = summary["config"]  # what the run was
     assert config["dataset"]["kind"] == "digits" and config["dataset"]["train_samples"] == 1438
     assert config["model"]["name"] == "cnn" and config["model"]["width"] == 32 and config["model"]["parameters"] > 0
     assert config["batch_size"] == {"per_rank": 32, "backward_passes_per_step": 1, "global": 64}
     assert config["lr"]["peak"] == pytest.approx(0.1) and config["lr"]["milestones"] == [2]
-    assert (config["epochs"], config["precision"], config["seed"]) == (2, "fp32", 42)
+    assert (config["epochs"], config["precision"], config["seed"]) == (3, "fp32", 42)
     assert config["world"] == {"size": 2, "local_size": 2, "hosts": 1}
     assert set(config["versions"]) == {"hvdtrain", "horovod", "tensorflow", "tf_keras", "python"}
     assert "weights identical on all 2 ranks" in fresh.output
@@ -108,13 +105,13 @@ def test_only_rank_0_writes_checkpoints_tensorboard_and_summary(fresh):
     assert sorted(fresh.audit) == [0, 1], f"expected an audit log from each rank: {fresh.audit}"
     assert fresh.audit[1] == [], f"rank 1 wrote into the run directory: {fresh.audit[1]}"
     renamed = [Path(p).name for kind, p in fresh.audit[0] if kind == "rename"]
-    assert renamed == ["ckpt-epoch0001.pt", "ckpt-epoch0002.pt", "summary.json"], renamed
+    assert renamed == ["ckpt-epoch0001.pt", "ckpt-epoch0002.pt", "ckpt-epoch0003.pt", "summary.json"], renamed
     # TensorBoard writes through TensorFlow's C++ file system, which the audit hook does not see; its event file
     # names end in .<host>.<pid>.<n>.v2, so check whose they are.
     events = list((fresh.run_dir / "tensorboard").rglob("events.out.tfevents.*"))
     assert events, "rank 0 wrote no TensorBoard logs"
     assert {int(p.name.split(".")[-3]) for p in events} == {fresh.pids[0]}, [p.name for p in events]
-    assert fresh.checkpoints() == ["ckpt-epoch0001.pt", "ckpt-epoch0002.pt"]
+    assert fresh.checkpoints() == ["ckpt-epoch0002.pt", "ckpt-epoch0003.pt"]  # --keep-checkpoints 2
     assert not list((fresh.run_dir / "checkpoints").glob(".*tmp-*")), "temp files left behind"
 
 
@@ -130,18 +127,18 @@ def test_mpi_resume_continues_from_the_next_epoch(resumed):
     assert resumed.checkpoints() == ["ckpt-epoch0002.pt", "ckpt-epoch0003.pt"]  # keep 2
 
 
-def test_a_resumed_run_trains_on_the_samples_of_an_uninterrupted_one(resumed, straight):
+def test_a_resumed_run_trains_on_the_samples_of_an_uninterrupted_one(resumed, fresh):
     """Each Keras epoch is one epoch of the rank's ShmLoader (set_epoch: the same shuffle on every rank): resumed at
     epoch 3, the ranks train on epoch 3's batches, so 2 epochs + a resume (MPI) end bit-identical to 3 epochs in one
     run (Gloo), every epoch's metrics included."""
-    assert epoch_lines(straight.output) == [1, 2, 3]
-    assert resumed.summary()["weights_sha256_by_rank"] == straight.summary()["weights_sha256_by_rank"]
+    assert epoch_lines(fresh.output) == [1, 2, 3]
+    assert resumed.summary()["weights_sha256_by_rank"] == fresh.summary()["weights_sha256_by_rank"]
     keys = ("epoch", "train_loss", "train_accuracy", "val_loss", "val_accuracy", "lr")
     assert [{k: row[k] for k in keys} for row in resumed.summary()["history"]] == \
-        [{k: row[k] for k in keys} for row in straight.summary()["history"]]
+        [{k: row[k] for k in keys} for row in fresh.summary()["history"]]
 
 
-def test_a_stop_request_mid_epoch_checkpoints_there_and_resumes_to_the_same_weights(straight, tmp_path):
+def test_a_stop_request_mid_epoch_checkpoints_there_and_resumes_to_the_same_weights(fresh, tmp_path):
     """SIGTERM to rank 1 alone after its 30th step (the 7th of epoch 2, 23 steps an epoch): both ranks stop after
     the same step (the vote rides one step behind), rank 0 checkpoints there with each rank's metric sums, epoch 2
     is neither validated nor checkpointed as done, every rank exits 75; the same command again (MPI) resumes at that
@@ -165,7 +162,7 @@ def test_a_stop_request_mid_epoch_checkpoints_there_and_resumes_to_the_same_weig
     assert f"resuming from {ckpts / names[1]} (epoch 1 done, then {step} steps of epoch 2)" in second.output
     assert epoch_lines(second.output) == [2, 3]
     keys = ("epoch", "train_loss", "train_accuracy", "val_loss", "val_accuracy", "lr_first", "lr")
-    summary, reference = second.summary(), straight.summary()
+    summary, reference = second.summary(), fresh.summary()
     assert [{k: row[k] for k in keys} for row in summary["history"]] == \
         [{k: row[k] for k in keys} for row in reference["history"]]
     assert summary["weights_sha256_by_rank"] == reference["weights_sha256_by_rank"], \
@@ -173,14 +170,14 @@ def test_a_stop_request_mid_epoch_checkpoints_there_and_resumes_to_the_same_weig
     assert second.checkpoints() == ["ckpt-epoch0002.pt", "ckpt-epoch0003.pt"]  # keep 2
 
 
-def test_the_lr_schedule_is_the_pytorch_recipes_epoch_by_epoch(straight):
+def test_the_lr_schedule_is_the_pytorch_recipes_epoch_by_epoch(fresh):
     """Warmup over epoch 1, milestone 2: LR × 0.1 for every step of epoch 3 (0-based 2), as the PyTorch recipe
     (tests/recipes/test_pytorch.py checks the same flags there); Horovod's callbacks used to compound a constant
     multiplier and start it an epoch late. Each epoch's LR is its last step's, 0.05 × 2 ranks at the peak."""
     from hvdtrain.train.lr import LRSchedule
 
     schedule = LRSchedule(peak_lr=0.05 * 2, start_lr=0.05, warmup_epochs=1, milestones=(2,))  # as the recipe: 2 ranks
-    history = straight.summary()["history"]
+    history = fresh.summary()["history"]
     assert [row["lr"] for row in history] == pytest.approx([schedule.lr_for_step(e, 0, 1) for e in range(3)])
     assert [row["lr"] for row in history] == pytest.approx([0.1, 0.1, 0.01])
 
