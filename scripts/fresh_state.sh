@@ -16,6 +16,8 @@
 #     names a directory ${TMPDIR:-/tmp}/hvdtrain-slurm-*, every process whose SLURM_CONF is in one (slurmstepd, job
 #     tasks), and those directories; not a live test run's cluster (its directory's `owner` names a test process
 #     still running). Slurm daemons of any other configuration are never touched.
+# Keeps the Horovod wheels scripts/setup.sh built (~/.cache/hvdtrain-wheels): each is stored under a hash of every
+# input of its build, so reusing one is what a fresh build would give, and no run leaves state in it.
 # For tests/project/test_fresh_state.py: HVDTRAIN_PRIVSEP_DIR and HVDTRAIN_SHM_DIR put /run/sshd and /dev/shm elsewhere;
 # HVDTRAIN_SKIP_NETNS=1 leaves namespaces and bridges alone.
 set -euo pipefail

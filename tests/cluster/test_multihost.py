@@ -165,6 +165,8 @@ def _cut_when_training(out: Path, host: netns.SshHost, state: dict, stop: thread
 @pytest.mark.parametrize("controller", ["gloo", "mpi"])
 def test_cutting_a_hosts_link_mid_training_fails_the_job_in_bounded_time_leaving_nothing(
         controller, cluster, tmp_path):
+    """Near 30 s under Gloo: the lost peer is found by Gloo's timeout (GLOO_TIMEOUT_S), which must outlast a slow
+    rendezvous on a busy machine."""
     _needs_mpirun(controller)
     out = tmp_path / "out"
     job = write_job(tmp_path, cluster, controller, out, loop_s=LOOP_S)
@@ -227,6 +229,8 @@ def test_doctor_passes_for_reachable_hosts_from_a_hostfile(cluster, tmp_path):
 
 @pytest.mark.timeout(300)
 def test_doctor_fails_naming_a_host_nobody_has_and_a_wrong_port_in_bounded_time(cluster):
+    """Over 30 s: ssh's connect timeout for the address nobody has is what it bounds, and each doctor run checks the
+    local build too."""
     good = cluster.hosts[0].address
     nobody = good.rsplit(".", 1)[0] + ".99"  # on the bridge's subnet, but no namespace answers for it
     key = str(cluster.identity_file)

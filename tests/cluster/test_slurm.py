@@ -156,7 +156,8 @@ def test_the_warning_signal_checkpoints_requeues_and_resumes_to_the_same_weights
     is `exec hvdtrain run`), sent here at a chosen moment with `scancel --signal=USR1 --batch` once epoch 1's
     checkpoint is written: the ranks checkpoint at a step boundary and exit 75, hvdtrain requeues the job
     (`--requeue`), Slurm runs it again (appending to its output), it resumes there and ends with the weights and
-    history of the same training run in one go outside Slurm."""
+    history of the same training run in one go outside Slurm. Over 30 s: the job runs twice through Slurm (stopped and
+    requeued, then resumed to the end)."""
     args = ("--dataset", "digits", "--epochs", "3", "--warmup-epochs", "1", "--batch-size", "4", "--no-tensorboard",
             "--no-progress")
     def override(run_dir: Path) -> str:

@@ -264,7 +264,7 @@ def test_worker_exception_is_reraised_with_its_traceback_and_the_loader_goes_on(
             list(ld)
         text = str(err.value)
         assert "data worker 1 of rank 0" in text and "KeyError" in text and "sample 7 is corrupt" in text
-        assert "loader_fixtures.py" in text and "in __getitem__" in text  # the producer's own traceback
+        assert "tests/support/loaders.py" in text and "in __getitem__" in text  # the producer's own traceback
         ld.set_epoch(1)
         with pytest.raises(WorkerError):
             list(ld)  # the workers are still alive and serve the next epoch (which hits sample 7 again)

@@ -276,6 +276,7 @@ def test_a_dataset_larger_than_this_machines_memory_loads_and_serves_batches_in_
     assert report["hwm_kib"] < 400 * 1024, report  # peak resident memory, mapped pages included
 
 
+@pytest.mark.slow
 def test_the_pytorch_recipe_exits_2_naming_a_nan_sample_met_while_training(tmp_path):
     from tests.support.harness import REPO, run_bounded
 

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.support.harness import BIN, run_bounded
 
 HVDTRAIN = str(BIN / "hvdtrain")
 
 
+@pytest.mark.slow
 def test_doctor_passes_and_lists_torch_ops_and_both_controllers():
     result = run_bounded([HVDTRAIN, "doctor"], timeout=180)
     assert result.returncode == 0, result.describe()
@@ -21,6 +24,7 @@ def test_doctor_passes_and_lists_torch_ops_and_both_controllers():
     assert "doctor: all required checks passed" in result.output
 
 
+@pytest.mark.slow
 def test_doctor_json_matches_and_requiring_nccl_fails_with_a_fix_on_a_cpu_build():
     result = run_bounded([HVDTRAIN, "doctor", "--json", "--require", "nccl,mpi"], timeout=180)
     checks = {c["name"]: c for c in json.loads(result.output)}

@@ -41,6 +41,7 @@ def test_parse_takes_the_last_marked_line_and_ignores_what_a_login_shell_prints(
     assert probe.parse(f"{probe.MARKER}{{not json\n") is None
 
 
+@pytest.mark.slow
 def test_the_build_is_cached_until_the_extension_changes(tmp_path, monkeypatch):
     monkeypatch.setenv("HVDTRAIN_CACHE_DIR", str(tmp_path / "cache"))
     calls = []

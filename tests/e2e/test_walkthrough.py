@@ -30,6 +30,8 @@ def free_port() -> int:
 
 @pytest.mark.slow
 def test_the_walkthrough_trains_an_image_folder_from_a_directory_and_from_s3(tmp_path: Path) -> None:
+    """Over 30 s: it runs the page's lines as written (convert, verify, two 2-rank trainings: from the folder and from
+    S3)."""
     lines = walkthrough_lines((REPO / "docs" / "streaming.md").read_text())
     assert any("data convert" in line for line in lines) and any("s3://" in line for line in lines), lines
     port = str(free_port())

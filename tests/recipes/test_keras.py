@@ -143,7 +143,8 @@ def test_a_stop_request_mid_epoch_checkpoints_there_and_resumes_to_the_same_weig
     the same step (the vote rides one step behind), rank 0 checkpoints there with each rank's metric sums, epoch 2
     is neither validated nor checkpointed as done, every rank exits 75; the same command again (MPI) resumes at that
     step, the rest of epoch 2 a fit of its own, and ends as the uninterrupted run: weights, and every epoch's
-    metrics and LRs (NOTE [Keras stops mid-epoch] in hvdtrain/train/kerasstop.py)."""
+    metrics and LRs (NOTE [Keras stops mid-epoch] in hvdtrain/train/kerasstop.py). Over 30 s: two 2-rank Keras runs (the
+    stop, the resume); TensorFlow's import alone takes 6-7 s a rank."""
     run_dir, ckpts, args = tmp_path / "run", tmp_path / "run" / "checkpoints", (*ARGS[:1], "3", *ARGS[2:])
     first = run_recipe(tmp_path, run_dir, *args, "--sigterm-grace", "60", controller="gloo", exit_code=1,
                        env={"HVDTRAIN_TEST_SIGNAL": "1:30:SIGTERM"})  # horovodrun's 1: a rank exited non-zero
@@ -214,7 +215,8 @@ def test_bf16_learns_on_cpu_with_identical_fp32_weights(bf16):
 def test_fp16_checkpoints_its_loss_scale_and_resumes_with_it(tmp_path):
     """fp16 runs on CPU (TensorFlow's float16 kernels, slow without AVX-512); the dynamic loss scale and its count
     of finite steps are part of each checkpoint and continue on resume (23 steps an epoch, no overflow here: the
-    count goes on from 23 to 46 rather than restarting at 0)."""
+    count goes on from 23 to 46 rather than restarting at 0). Over 30 s: two 2-rank Keras runs of an epoch each, in
+    float16 on a CPU without AVX-512."""
     run_dir = tmp_path / "run"
     first = run_recipe(tmp_path, run_dir, *ARGS, "--precision", "fp16", "--stop-after-epoch", "1", controller="gloo")
     assert epoch_lines(first.output) == [1]

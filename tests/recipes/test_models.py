@@ -73,6 +73,7 @@ def accuracy_after(models, train: tuple[np.ndarray, np.ndarray], val: tuple[np.n
         torch.set_num_threads(threads)
 
 
+@pytest.mark.slow
 def test_small_cnn_learns_colour_images_at_the_recipes_defaults(models) -> None:
     """8 epochs: the first SmallCNN (no BatchNorm, 16x16 flattened whole) ends at 23% here, and below 90% for 8 of
     seeds 0-9; the two-convolution one with BatchNorm dipped to 44-60% in some epochs; this one is at 100% from the
@@ -81,6 +82,7 @@ def test_small_cnn_learns_colour_images_at_the_recipes_defaults(models) -> None:
     assert accuracy > 0.9, accuracy
 
 
+@pytest.mark.slow
 def test_small_cnn_learns_shapes_whatever_their_colour(models) -> None:
     """The class is the outline: the two-convolution SmallCNN (5x5 receptive field, then pooled to 4x4) sat at
     25-43% on 32x32 shapes for 10 epochs; with a convolution per halving it reaches 99-100% (seeds 0-2)."""

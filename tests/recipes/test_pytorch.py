@@ -94,6 +94,7 @@ def test_only_rank_0_writes_checkpoints_and_summary_keeping_the_last_k(uninterru
 
 @pytest.mark.slow
 def test_stopped_runs_resume_from_the_last_intact_checkpoint_and_match_an_uninterrupted_run(uninterrupted, tmp_path):
+    """Over 30 s: three 2-rank runs (stopped after epoch 1, after epoch 2, then resumed past a truncated checkpoint)."""
     run_dir, ckpts = tmp_path / "run", tmp_path / "run" / "checkpoints"
     first = run_recipe(tmp_path, run_dir, *DIGITS_ARGS, "--stop-after-epoch", "1")
     assert "stopping after epoch 1" in first.output

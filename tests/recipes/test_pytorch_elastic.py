@@ -175,6 +175,8 @@ def digest_of_checkpoint(path: Path) -> str:
 @pytest.mark.slow
 @pytest.mark.timeout(JOB_TIMEOUT_S + 60)
 def test_a_killed_rank_is_dropped_training_goes_on_and_its_host_is_readmitted(tmp_path: Path) -> None:
+    """Over 30 s, and cannot be less: a whole elastic cycle of 3 ranks (a rank killed, the reset to 2, the host's
+    cool-down and rediscovery, the reset back to 3) and every epoch to the end, for the exactly-once data check."""
     run_dir, hosts_file = tmp_path / "run", tmp_path / "hosts.txt"
     write_hosts(hosts_file, HOSTS)
     chaos = Chaos(run_dir, hosts_file)

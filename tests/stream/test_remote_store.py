@@ -199,6 +199,7 @@ def test_a_cold_start_fetches_the_first_block_before_any_other_shard(tmp_path: P
     assert sorted(path for kind, path in events if kind == "GET") == sorted(f"/ds/{n}" for n in names)
 
 
+@pytest.mark.slow
 def test_mid_epoch_resume_on_another_world_size_reads_the_rest_exactly_once(tmp_path: Path, s3: MotoS3) -> None:
     """3 ranks (real producers, S3, a cache of about half the dataset) train 3 batches each of epoch 1 and save the
     loader state; 2 ranks (the job shrank, elastic) resume from it: together every sample exactly once."""
@@ -430,6 +431,7 @@ def test_missing_truncated_and_corrupt_shards_are_named(tmp_path: Path, s3: Moto
     assert not [p for p in ds.cache_dir.iterdir() if not p.name.startswith(".")]  # nothing bad was cached
 
 
+@pytest.mark.slow
 def test_a_store_that_stops_mid_epoch_is_retried_then_named_or_resumed(tmp_path: Path,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     write_dataset(tmp_path / "www" / "ds", 40, per_shard=10)

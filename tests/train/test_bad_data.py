@@ -370,6 +370,7 @@ def test_a_sample_that_overflows_on_one_rank_stops_every_rank_at_the_same_step(t
     assert local[1] == "nan" and local[0] != "nan", errors
 
 
+@pytest.mark.slow
 def test_no_check_finite_trains_on_regardless(tmp_path):
     data = huge_sample_dataset(tmp_path / "data")
     run_dir = tmp_path / "run"
@@ -379,6 +380,7 @@ def test_no_check_finite_trains_on_regardless(tmp_path):
     assert "train loss nan" in result.output and (run_dir / "summary.json").exists()
 
 
+@pytest.mark.slow
 def test_the_recipe_refuses_a_stray_label_on_every_rank_before_training(tmp_path):
     data = tmp_path / "data"
     data.mkdir()
@@ -398,6 +400,7 @@ def test_the_recipe_refuses_a_stray_label_on_every_rank_before_training(tmp_path
     assert sorted(p.name for p in run_dir.iterdir()) == ["hvdtrain.lock"]  # nothing trained, nothing written
 
 
+@pytest.mark.slow
 def test_a_corrupt_shard_is_exit_2_with_one_line_naming_it(tmp_path):
     data = tmp_path / "data"
     data.mkdir()

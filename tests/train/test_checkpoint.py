@@ -230,6 +230,7 @@ def test_a_position_of_other_data_is_one_error_line_and_exit_2(tmp_path: Path, c
     assert not isinstance(broken.value, ckpt.CheckpointMismatch)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None, reason="TensorFlow is not installed in this venv")
 def test_a_keras_checkpoint_of_another_model_is_one_error_line_and_exit_2(tmp_path: Path, capsys, monkeypatch) -> None:
     """The Keras recipe's load_latest into another model said ValueError with a traceback (exit 1); now as the PyTorch
