@@ -57,7 +57,7 @@ class JobResult:
         return f"$ {' '.join(self.argv)}\nexit code {self.returncode}\n--- output ---\n{self.output}"
 
 
-# Source for a rank's test wrapper (tests/recipes/test_pytorch.py, tests/recipes/test_keras.py): `signal_at(rank)`
+# Source for a rank's test wrapper (tests/support/recipes.py): `signal_at(rank)`
 # before the recipe runs makes a stop request land at a known step.
 SIGNAL_AT = r'''
 def signal_at(rank):
