@@ -9,7 +9,11 @@ log files (logs.dir) get every line. What the console leaves out:
     after its lines naming each host and ssh's error: `launcher_account` says it), or when hvdtrain itself stopped
     the job (a KeyboardInterrupt
     after a forwarded SIGINT, and Python's `Exception ignored in ...` report then). Any other traceback is echoed
-    whole: it is the only account of what went wrong.
+    whole: it is the only account of what went wrong. A SIGINT that lands while horovodrun spawns its per-rank
+    middlemen interrupts each of them too, and their tracebacks reach the pipe interleaved mid-line (CI, 2026-12-02:
+    a `Traceback` line indented, a line of only `^`, one traceback's frames after the other's KeyboardInterrupt):
+    after a forwarded signal a traceback is held through such fragments, and the fragments that follow a hidden
+    KeyboardInterrupt are hidden with it (`LauncherLines.feed`).
     Chained tracebacks after a hidden one are decided the same way, each on its own exception line.
   - the shell's `Terminated`/`Killed` line for a rank that was stopped because the job was ending.
 Lines from several writers can arrive as one. horovodrun's threads share its sys.stdout: `print()` writes its
@@ -60,6 +64,12 @@ IGNORED = "Exception ignored in"  # Python's report of an exception at interpret
 SHELL_NOTICES = ("Terminated", "Killed")
 
 
+def _frame_part(line: str) -> bool:
+    """A traceback's line after its header, before its exception line: a frame or its source (indented), the empty
+    line Python 3.11 prints after a frame stopped at a `def`, or a line of `^` markers cut off by another writer."""
+    return not line or line.startswith((" ", "\t")) or not line.strip("^~ ")
+
+
 class LauncherLines:
     """Which of horovodrun's own lines reach the console (see NOTE [console]); `feed` returns the lines to echo now.
 
@@ -76,7 +86,7 @@ class LauncherLines:
 
     def feed(self, line: str) -> list[str]:
         if self.held:
-            if line.startswith((" ", "\t")) or not line:  # Python 3.11 prints "" after a frame stopped at a `def`
+            if _frame_part(line) or (self.stopping and TRACEBACK in line):
                 self.held.append(line)
                 return []
             held, self.held = [*self.held, line], []
@@ -88,10 +98,11 @@ class LauncherLines:
             if line.strip():
                 self.hidden.append(line)
             return []
-        self.hiding = False
-        if self.stopping and line.startswith(IGNORED):
+        if self.stopping and (line.startswith((IGNORED, *STOPPED)) or (self.hiding and _frame_part(line))):
+            self.hiding = not line.startswith(IGNORED)  # an interrupted process's rest (NOTE [console])
             return []
-        if line == TRACEBACK:
+        self.hiding = False
+        if line == TRACEBACK or (self.stopping and TRACEBACK in line):
             self.held = [line]
             return []
         return [line]

@@ -76,8 +76,8 @@ def two_node_job(cluster: SlurmCluster, tmp_path: Path, launcher: str, fails: in
 
 @pytest.mark.parametrize("launcher", ["gloo", "mpi", "srun"])
 def test_two_ranks_run_on_each_node(slurm_two_nodes: SlurmCluster, tmp_path: Path, launcher: str) -> None:
-    """Over 30 s under Gloo (and the failing-rank test's Gloo case too): horovodrun on the first node takes 30-40 s
-    to start ranks over ssh on both nodes, where MPI takes 20 s and srun 6 s; naming the NIC does not shorten it."""
+    """The nodes know each other's names (NOTE [ Each host's names ] in tests/support/netns.py): without that,
+    horovodrun's lookups waited ~30 s on a DNS server the namespaces cannot reach."""
     out, ended = two_node_job(slurm_two_nodes, tmp_path, launcher)
     assert ended == "COMPLETED 0:0", out
     first, second = slurm_two_nodes.node_names

@@ -43,6 +43,47 @@ INTERRUPTED_START = [  # horovodrun given SIGINT while it imported its modules
     "Traceback (most recent call last):", '  File "/venv/bin/horovodrun", line 5, in <module>',
     "    from horovod.runner.launch import run_commandline", "KeyboardInterrupt",
 ]
+SPAWNED_AND_INTERRUPTED = [  # CI, 2026-12-02: SIGINT as horovodrun spawned its two middlemen; both printed at once
+    'Traceback (most recent call last):',
+    '  File "<string>", line 1, in <module>',
+    '  File "/root/.pyenv/versions/3.11.7/lib/python3.11/multiprocessing/spawn.py", line 122, in spawn_main',
+    '    exitcode = _main(fd, parent_sentinel)',
+    ' Traceback (most recent call last):',
+    '     File "<string>", line 1, in <module>',
+    '       File "/root/.pyenv/versions/3.11.7/lib/python3.11/multiprocessing/spawn.py", line 122, in spawn_main',
+    '      ^^^^^^^^^^^^^^^^^^^^^^^^^^',
+    '  File "/root/.pyenv/versions/3.11.7/lib/python3.11/multiprocessing/spawn.py", line 132, in _main',
+    '    self = reduction.pickle.load(from_parent)',
+    '    exitcode = _main(fd, parent_sentinel)',
+    '           ^^^^^  ^  ^ ^  ^ ^  ^ ^  ^ ^ ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^',
+    '^',
+    '  File "/root/.pyenv/versions/3.11.7/lib/python3.11/multiprocessing/spawn.py", line 131, in _main',
+    '  File "/root/.pyenv/versions/3.11.7/lib/python3.11/multiprocessing/synchronize.py", line 16, in <module>',
+    '    prepare(preparation_data)',
+    '  File "/root/.pyenv/versions/3.11.7/lib/python3.11/multiprocessing/spawn.py", line 246, in prepare',
+    "    _fixup_main_from_path(data['init_main_from_path'])",
+    '  File "/root/.pyenv/versions/3.11.7/lib/python3.11/multiprocessing/spawn.py", line 297, in _fixup_main_from_path',
+    '    main_content = runpy.run_path(main_path,',
+    '                   ^^^^^^^^^^^^^^^^^^^^^^^^^',
+    '  File "<frozen runpy>", line 291, in run_path',
+    '  File "<frozen runpy>", line 98, in _run_module_code',
+    '  File "<frozen runpy>", line 88, in _run_code',
+    '  File "/check/work/main/.venv/bin/hvdtrain-horovodrun", line 5, in <module>',
+    '    from hvdtrain.launch.hvdrun import main',
+    'KeyboardInterrupt',
+    '    import tempfile',
+    '  File "/root/.pyenv/versions/3.11.7/lib/python3.11/tempfile.py", line 43, in <module>',
+    '    import shutil as _shutil',
+    '  File "/root/.pyenv/versions/3.11.7/lib/python3.11/shutil.py", line 29, in <module>',
+    '    import lzma',
+    '  File "<frozen importlib._bootstrap>", line 1176, in _find_and_load',
+    '  File "<frozen importlib._bootstrap>", line 1147, in _find_and_load_unlocked',
+    '  File "<frozen importlib._bootstrap>", line 690, in _load_unlocked',
+    '  File "<frozen importlib._bootstrap_external>", line 936, in exec_module',
+    '  File "<frozen importlib._bootstrap_external>", line 1069, in get_code',
+    '  File "<frozen importlib._bootstrap_external>", line 729, in _compile_bytecode',
+    'KeyboardInterrupt',
+]
 OTHER_ERROR = [*FRAMES[:3], "RuntimeError: could not find a common interface"]
 
 
@@ -80,6 +121,14 @@ def test_chained_tracebacks_and_exit_reports_of_a_stopped_horovodrun_are_hidden_
                *INTERRUPTED_START[:2], "KeyboardInterrupt: "]
     _, out, _ = route([*chained, *ignored, "still shown"], Logs(), stopping=True)
     assert out.splitlines() == ["still shown"]
+
+
+def test_interleaved_tracebacks_of_middlemen_interrupted_as_they_started_are_hidden():
+    exits = ["Process 1 exit with status code -2.", "Process 0 exit with status code -2."]
+    _, out, _ = route([*SPAWNED_AND_INTERRUPTED, *exits, "still shown"], Logs(), stopping=True)
+    assert out.splitlines() == [*exits, "still shown"]
+    _, out, _ = route(SPAWNED_AND_INTERRUPTED, Logs())  # not stopped by hvdtrain: every line is shown
+    assert out.splitlines() == SPAWNED_AND_INTERRUPTED
 
 
 def test_horovodruns_hidden_account_is_printed_when_no_rank_failure_explains_the_end():

@@ -21,7 +21,7 @@ import pytest
 
 from hvdtrain import rundir
 from hvdtrain.train import checkpoint
-from tests.support.harness import BIN, HOROVODRUN, REPO, STARTED_SESSIONS, expect_ok, kill_tree, run_bounded
+from tests.support.harness import BIN, HVDRUN, REPO, STARTED_SESSIONS, expect_ok, kill_tree, run_bounded
 
 PY = sys.executable
 HVDTRAIN = str(BIN / "hvdtrain")
@@ -132,8 +132,9 @@ def test_a_second_job_on_a_busy_run_directory_is_refused_and_a_killed_job_leaves
         assert res.returncode == 2, res.describe()
         assert f"is in use by another job: its writer is pid {owner['pid']} on host {owner['host']}" in res.output
         assert "hvdtrain: starting" not in res.output and "Traceback" not in res.output  # nothing was launched
-        # The same job through horovodrun directly: rank 0 finds the lock taken, and every rank stops with it.
-        res = run_bounded([str(HOROVODRUN), "-np", "2", "-H", "localhost:2", "--gloo", PY, RECIPE, "--dataset",
+        # The same job through horovodrun's code directly (HVDRUN): rank 0 finds the lock taken, and every rank
+        # stops with it.
+        res = run_bounded([str(HVDRUN), "-np", "2", "-H", "localhost:2", "--gloo", PY, RECIPE, "--dataset",
                            "digits", "--epochs", "1000", "--no-progress", "--run-dir", str(run_dir)], timeout=180)
         assert res.returncode != 0, res.describe()
         for rank in (0, 1):
@@ -166,7 +167,7 @@ def test_an_elastic_job_on_a_busy_run_directory_stops_on_every_rank_having_writt
     run_dir = tmp_path / "run"
     holder = hold_in_another_process(run_dir)
     try:
-        res = run_bounded([str(HOROVODRUN), "-np", "2", "--gloo", "--network-interfaces", "lo",
+        res = run_bounded([str(HVDRUN), "-np", "2", "--gloo", "--network-interfaces", "lo",
                            "--host-discovery-script", str(REPO / "jobs" / "discover_hosts.sh"), "--min-np", "1",
                            "--max-np", "2", PY, str(REPO / "recipes" / "pytorch_elastic.py"), "--dataset", "digits",
                            "--epochs", "2", "--threads", "1", "--no-progress", "--run-dir", str(run_dir)],

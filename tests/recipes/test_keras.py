@@ -52,9 +52,9 @@ def checkpoint_digest(run: Run, epoch: int) -> str:
 
 @pytest.fixture(scope="module")
 def fresh(tmp_path_factory) -> Run:
-    """3 epochs (Gloo) without interruption: what the resumed runs below must end as."""
+    """3 epochs (Gloo) without interruption, under plain horovodrun: what the resumed runs below must end as."""
     tmp = tmp_path_factory.mktemp("keras-fresh")
-    return run_recipe(tmp, tmp / "run", *ARGS[:1], "3", *ARGS[2:], controller="gloo")
+    return run_recipe(tmp, tmp / "run", *ARGS[:1], "3", *ARGS[2:], controller="gloo", plain=True)
 
 
 @pytest.fixture(scope="module")

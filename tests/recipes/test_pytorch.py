@@ -40,8 +40,9 @@ def run_recipe(tmp: Path, run_dir: Path, *args: str, **kw) -> Run:
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> Run:
+    """Under plain horovodrun, as users call it on the recipe."""
     tmp = tmp_path_factory.mktemp("uninterrupted")
-    return run_recipe(tmp, tmp / "run", *DIGITS_ARGS)
+    return run_recipe(tmp, tmp / "run", *DIGITS_ARGS, plain=True)
 
 
 # ---- real 2-rank runs -----------------------------------------------------------------------------------------

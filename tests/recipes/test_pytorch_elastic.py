@@ -45,6 +45,9 @@ RECIPE_ARGS = ["--dataset", "digits", "--epochs", str(EPOCHS), "--warmup-epochs"
                "--no-tensorboard", "--no-progress"]
 JOB_TIMEOUT_S = 300  # generous: 2 cores shared with other engineers' tests; a run takes ~60-90 s
 STEP_TIMEOUT_S = 150  # for each thing the chaos thread waits for
+# How long a survivor blocked in a Gloo recv on the killed rank waits before it reports (Horovod's default: 30 s)
+# and how far apart the ranks may reach a rendezvous: the joining rank imports torch while the others wait.
+GLOO_TIMEOUT_S = 15
 
 
 def write_hosts(path: Path, hosts: tuple[str, ...]) -> None:
@@ -92,8 +95,9 @@ class Chaos(threading.Thread):
         write_hosts(self.hosts_file, tuple(h for h in HOSTS if h != VICTIM))  # ...and the host leaves discovery
         resumed = self.wait_for("2 ranks training", lambda e: e["event"] == "commit" and e["size"] == 2)
         # Horovod blacklists the host when every survivor has reported back, which is when the reset ends: a
-        # survivor blocked in a Gloo recv reports only at its timeout (30 s), so the cooldown (1 s here) may start
-        # just before this commit. The host listed now rejoins within cooldown + a discovery poll (1 s) + a commit.
+        # survivor blocked in a Gloo recv reports only at its timeout (GLOO_TIMEOUT_S), so the cooldown (1 s here)
+        # may start just before this commit. The host listed now rejoins within cooldown + a discovery poll (1 s) +
+        # a commit.
         self.times["resumed_commit"] = resumed["time"]
         write_hosts(self.hosts_file, HOSTS)  # the host is back
         self.times["relisted"] = time.time()
@@ -153,7 +157,7 @@ def write_job(tmp_path: Path, run_dir: Path) -> Path:
     job = tmp_path / "elastic.yaml"
     job.write_text(yaml.safe_dump({
         "script": str(REPO / "recipes" / "pytorch_elastic.py"), "np": 3, "controller": "gloo",
-        "network_interfaces": ["lo"],
+        "network_interfaces": ["lo"], "horovod": {"gloo_timeout_s": GLOO_TIMEOUT_S},
         "elastic": {"discovery_script": str(REPO / "jobs" / "discover_hosts.sh"), "min_np": 2, "max_np": 3,
                     "reset_limit": 5, "timeout_s": 120, "blacklist_cooldown_s": [1, 1]},
         "args": [*RECIPE_ARGS, "--run-dir", str(run_dir)]}))

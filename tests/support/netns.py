@@ -56,11 +56,30 @@ class SshCluster:
     identity_file: Path
     bridge: str
     client_bin: Path  # holds the `ssh` wrapper: see NOTE [ The user's ssh state is never touched ]
+    hosts_file: Path  # /etc/hosts inside the hosts: see NOTE [ Each host's names ]
 
     def client_env(self) -> dict[str, str]:
         """Environment under which every ssh started by a job, a test or hvdtrain uses the private config."""
         return {"PATH": f"{self.client_bin}{os.pathsep}{os.environ.get('PATH', '')}",
                 "OMPI_MCA_plm_rsh_agent": str(self.client_bin / "ssh")}
+
+
+# NOTE [ Each host's names ]
+# Inside a host, every process (sshd's sessions, a Slurm node's slurmd and its jobs) sees a hostname of its own
+# (a UTS namespace) and an /etc/hosts of its own (a mount namespace, private: nothing leaks to this machine's):
+# this machine's /etc/hosts plus every test host's name at its address, as on a cluster whose nodes know each other.
+# Without it horovodrun's lookups of the node names (its local-host filter, each rank's ssh-or-not) wait for a DNS
+# server the namespaces cannot reach: ~30 s per job, and the node that runs horovodrun counted as remote.
+def write_hosts_file(tmp: Path, hosts: list[SshHost]) -> Path:
+    path = tmp / "hosts"
+    path.write_text(Path("/etc/hosts").read_text() + "".join(f"{h.address} {h.hostname}\n" for h in hosts))
+    return path
+
+
+def as_host(host: SshHost, hosts_file: Path, argv: list[str]) -> list[str]:
+    """argv run as `host` runs it (NOTE [ Each host's names ]); prefix with how to enter its network namespace."""
+    inside = f"mount --bind {shlex.quote(str(hosts_file))} /etc/hosts && hostname {host.hostname} && exec "
+    return ["unshare", "--uts", "--mount", "sh", "-c", inside + shlex.join(argv)]
 
 
 @contextlib.contextmanager
@@ -236,17 +255,16 @@ def ssh_cluster(tmp: Path, n: int = 2) -> Iterator[SshCluster]:
         _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp / "host_key")])
         shutil.copy(tmp / "id_ed25519.pub", tmp / "authorized_keys")
         client_bin = write_ssh_client(tmp)
-        for i in range(1, n + 1):
-            host = _add_host(tok, i, subnet, bridge)
-            hosts.append(host)
-            # Its own UTS namespace too, so that the host's hostname (what ranks see) is its namespace's name.
-            sshd = f"hostname {host.hostname} && exec {SSHD} -D -e -f {shlex.quote(str(_sshd_config(tmp, host)))}"
-            sshds.append(subprocess.Popen(
-                ["ip", "netns", "exec", host.namespace, "unshare", "--uts", "sh", "-c", sshd],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True))
+        hosts.extend(_add_host(tok, i, subnet, bridge) for i in range(1, n + 1))
+        hosts_file = write_hosts_file(tmp, hosts)
+        for host in hosts:
+            sshd = [SSHD, "-D", "-e", "-f", str(_sshd_config(tmp, host))]
+            sshds.append(subprocess.Popen(["ip", "netns", "exec", host.namespace, *as_host(host, hosts_file, sshd)],
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                          start_new_session=True))
         with (tmp / "ssh_config").open("a") as config:  # each host by its hostname too (a Slurm node's name)
             config.writelines(f"Host {host.hostname}\n  HostName {host.address}\n  IdentityFile {identity}\n"
                               for host in hosts)
         for host in hosts:
             _wait_for_ssh(host, identity, client_bin)
-        yield SshCluster(hosts, identity, bridge, client_bin)
+        yield SshCluster(hosts, identity, bridge, client_bin, hosts_file)

@@ -82,14 +82,14 @@ class Run:
 
 
 def run_recipe(recipe: Path, tmp: Path, run_dir: Path, *args: str, controller: str = "gloo", exit_code: int = 0,
-               env: dict[str, str] | None = None, timeout: float = TIMEOUT_S) -> Run:
-    """`horovodrun -np 2` of `recipe --run-dir run_dir *args`, each rank under the audit wrapper; fails the test
-    (with every rank's output) unless it exits with `exit_code`."""
+               env: dict[str, str] | None = None, timeout: float = TIMEOUT_S, plain: bool = False) -> Run:
+    """`horovodrun -np 2` of `recipe --run-dir run_dir *args` (harness.horovodrun: plain horovodrun if `plain`),
+    each rank under the audit wrapper; fails the test (with every rank's output) unless it exits with `exit_code`."""
     wrapper = tmp / "audit_wrapper.py"
     wrapper.write_text(WRAPPER)
     log = tmp / f"audit-{len(list(tmp.glob('audit-*')))}"
     result = horovodrun(wrapper, str(log), str(recipe), str(run_dir), "--run-dir", str(run_dir), *args,
-                        controller=controller, timeout=timeout, env=env)
+                        controller=controller, timeout=timeout, env=env, plain=plain)
     if exit_code == 0:
         expect_ok(result)
     elif result.returncode != exit_code:

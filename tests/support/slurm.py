@@ -43,7 +43,6 @@ import contextlib
 import os
 import pwd
 import re
-import shlex
 import shutil
 import signal
 import socket
@@ -58,7 +57,7 @@ from pathlib import Path
 import pytest
 
 from tests.support import harness
-from tests.support.netns import SshCluster, SshHost
+from tests.support.netns import SshCluster, SshHost, as_host
 
 PREFIX = "hvdtrain-slurm-"  # scripts/fresh_state.sh matches it
 DAEMONS = ("munged", "slurmctld", "slurmd")
@@ -106,6 +105,7 @@ class SlurmCluster:
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     hosts: list[SshHost] = field(default_factory=list)  # the nodes, when they are test hosts (tests/support/netns.py)
     client_env: dict[str, str] = field(default_factory=dict)  # for every command: the hosts' ssh client
+    hosts_file: Path | None = None  # the hosts' /etc/hosts (tests/support/netns.py)
 
     @property
     def node_names(self) -> list[str]:
@@ -349,10 +349,10 @@ def start(cluster: SlurmCluster) -> None:
     slurmd = ["slurmd", "-D", "-f", str(cluster.conf), "-N"]
     if not cluster.hosts:
         _popen(cluster, "slurmd", [*slurmd, cluster.node])
-    for host in cluster.hosts:  # in the host's network namespace, under its hostname
-        inside = f"hostname {host.hostname} && exec {shlex.join([*slurmd, host.hostname])}"
-        _popen(cluster, _slurmd(cluster, host.hostname),
-               ["nsenter", f"--net=/run/netns/{host.namespace}", "unshare", "--uts", "sh", "-c", inside])
+    hosts_file = cluster.hosts_file or Path("/etc/hosts")
+    for host in cluster.hosts:  # in the host's network namespace, under its names (NOTE [ Each host's names ])
+        _popen(cluster, _slurmd(cluster, host.hostname), ["nsenter", f"--net=/run/netns/{host.namespace}",
+                                                          *as_host(host, hosts_file, [*slurmd, host.hostname])])
     for node in cluster.node_names:
         _wait_until(cluster, f"node {node} idle", lambda node=node: cluster.node_state(node) == "idle")
 
@@ -433,7 +433,8 @@ def slurm_cluster_running(parent: Path | None = None, hosts: SshCluster | None =
     docstring)."""
     nodes = hosts.hosts if hosts else []
     cluster = SlurmCluster(make_root(parent), nodes[0].hostname if nodes else socket.gethostname().split(".")[0],
-                           os.cpu_count() or 2, hosts=list(nodes), client_env=hosts.client_env() if hosts else {})
+                           os.cpu_count() or 2, hosts=list(nodes), client_env=hosts.client_env() if hosts else {},
+                           hosts_file=hosts.hosts_file if hosts else None)
     try:
         write_munge_key(cluster.root)
         ctld_port, slurmd_port = free_ports(2)

@@ -21,7 +21,7 @@ from hvdtrain import records
 from hvdtrain.train import checkpoint, preempt
 from hvdtrain.train.metrics import MetricSums
 from hvdtrain.train.torchkit import rank_state, restore_rank_state
-from tests.support.harness import HOROVODRUN, REPO, STARTED_SESSIONS, kill_group
+from tests.support.harness import HVDRUN, REPO, STARTED_SESSIONS, kill_group
 
 
 @pytest.fixture
@@ -114,7 +114,7 @@ def test_a_rank_blocked_in_a_collective_still_dies_by_sigterm_after_the_grace(tm
     """The main thread waits in Horovod's C++ (an allreduce whose peer is busy for 60 s), where no Python handler
     runs: the watcher thread keeps SIGTERM's deadline all the same (NOTE [stop requests])."""
     pid_file = tmp_path / "pid"
-    job = subprocess.Popen([str(HOROVODRUN), "-np", "2", "-H", "localhost:2", "--gloo", sys.executable,
+    job = subprocess.Popen([str(HVDRUN), "-np", "2", "-H", "localhost:2", "--gloo", sys.executable,
                             str(REPO / "tests" / "scripts" / "blocked_in_allreduce.py"), str(pid_file), "1.0"],
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     STARTED_SESSIONS.add(job.pid)
