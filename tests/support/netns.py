@@ -224,6 +224,21 @@ def _teardown(tok: str, n: int, bridge: str, sshds: list[subprocess.Popen], host
     _run(["ip", "link", "del", bridge], check=False)
 
 
+def _free_token() -> str:
+    """The N of a new cluster's names (namespaces hvdt<N>h<I>, bridge hb<N>, veths hv<N><I>/hp<N><I>) that no
+    namespace or link here has: a test's own cluster beside a folder's shared one (tests/cluster/conftest.py, alive
+    while other tests run in any order), and two test sessions at once, never share a name. Sharing one made the
+    second cluster's setup fail, and its cleanup then removed the first's namespaces (a reverse-order run,
+    2026-12-02). scripts/fresh_state.sh matches these names: keep them in step."""
+    taken = _run(["ip", "netns", "list"], check=False).stdout + _run(["ip", "-o", "link", "show"], check=False).stdout
+    start = os.getpid() % 100000
+    for k in range(100000):
+        tok = str((start + k) % 100000)
+        if not any(name in taken for name in (f"hvdt{tok}h", f"hb{tok}", f"hv{tok}", f"hp{tok}")):
+            return tok
+    raise RuntimeError("no free name for the test hosts")
+
+
 def _free_subnet() -> str:
     """A 10.213.N/24 no interface here uses yet (two test sessions at once must not share a subnet).
     scripts/fresh_state.sh knows this range (N = 20..219, hosts .11, .12) and these names: keep them in step."""
@@ -239,7 +254,7 @@ def _free_subnet() -> str:
 @contextlib.contextmanager
 def ssh_cluster(tmp: Path, n: int = 2) -> Iterator[SshCluster]:
     """Start n namespace hosts with sshd; yield their addresses and the client key; tear everything down."""
-    tok = str(os.getpid() % 100000)
+    tok = _free_token()
     subnet = _free_subnet()
     bridge = f"hb{tok}"
     sshds: list[subprocess.Popen] = []
