@@ -1,11 +1,12 @@
-"""Import TensorFlow and check that tf.keras is a Keras 2 (tf_keras) Horovod can use; refuse Keras 3 with a clear
-error.
+"""Import TensorFlow and check that tf.keras is the Keras 2 (tf_keras) hvdtrain's Keras recipe is written for; refuse
+Keras 3 there with a clear error.
 
-Why: `horovod.tensorflow.keras` (0.28.1) was written for Keras 2. From TF 2.16 `tf.keras` is Keras 3 unless
-`TF_USE_LEGACY_KERAS=1` is set *before tensorflow is imported* and the `tf-keras` package (same minor version as
-TF) is installed. Under Keras 3, `BroadcastGlobalVariablesCallback` crashes (Horovod issue #4290) and, worse,
-`hvd.DistributedOptimizer` wraps without error but does not average gradients: Keras 3's `train_step` bypasses
-the hooks it overrides, so the ranks silently drift apart. hvdtrain never lets a run reach that path:
+Why: the Keras recipe and its helpers (hvdtrain/train/keras*.py) are written for Keras 2 and not yet ported to
+Keras 3 (the next part of the Keras 3 work). From TF 2.16 `tf.keras` is Keras 3 unless `TF_USE_LEGACY_KERAS=1` is
+set *before tensorflow is imported* and the `tf-keras` package (same minor version as TF) is installed. Horovod
+0.28.1 itself did not average under Keras 3 (Keras 3's `train_step` bypasses every hook DistributedOptimizer
+overrides, Horovod issue #4290); the Horovod that scripts/setup.sh builds does (its patch:
+horovod/_keras/keras3.py), so users' own Horovod scripts run on Keras 3 (docs/recipes.md). For the recipe:
 
 - The process's entry point selects Keras 2 itself, visibly, before anything imports TensorFlow:
   `os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")` (recipes/keras_train.py's main(), doctor's probe). This
@@ -13,10 +14,9 @@ the hooks it overrides, so the ranks silently drift apart. hvdtrain never lets a
 - `import_tensorflow()` imports TF and checks which Keras `tf.keras` is; Keras 3 raises `KerasVersionError` naming
   the fix (also when TensorFlow was imported before the variable was set: TF reads it once, at import).
 
-The Horovod that scripts/setup.sh builds guards itself too, for scripts that never import hvdtrain (its patch):
-every entry point of its Keras integration raises `UnsupportedKerasError` on a Keras 3 object, and its modules bind
-tf.keras's own backend (0.28.1 bound `from keras import backend`, Keras 3's even in legacy mode, which lacks
-`get_value`, so `LearningRateWarmupCallback` failed). tests/horovod/test_keras.py runs both paths.
+The Horovod that scripts/setup.sh builds binds tf.keras's own backend in its modules (0.28.1 bound `from keras import
+backend`, Keras 3's even in legacy mode, which lacks `get_value`, so `LearningRateWarmupCallback` failed), and
+refuses Keras 3 only on a backend other than TensorFlow (`UnsupportedKerasError`). tests/horovod/test_keras.py.
 
 `keras_verdict()` is the pure decision (no TensorFlow needed), shared with `hvdtrain doctor`.
 `startup_lines_filtered()` keeps TensorFlow's start-up lines off the console:
@@ -104,9 +104,9 @@ def keras_verdict(info: KerasInfo, env_value: str | None) -> str | None:
     """None if Horovod can use this Keras; else the error message (what was found, why it matters, the fix)."""
     if info.major == 2:
         return None
-    why = (f"tf.keras is {info.describe()}, but horovod.tensorflow.keras needs Keras 2: under Keras 3 "
-           "hvd.DistributedOptimizer silently does not average gradients (the ranks drift apart) and "
-           "BroadcastGlobalVariablesCallback fails (Horovod issue #4290)")
+    why = (f"tf.keras is {info.describe()}, but hvdtrain's Keras recipe is written for Keras 2 (tf_keras) and not "
+           "yet for Keras 3 (Horovod itself, as scripts/setup.sh builds it, averages under Keras 3: your own "
+           "Horovod scripts can use it, docs/recipes.md)")
     if env_value is not None and env_value not in LEGACY_VALUES:
         why += f"; {LEGACY_ENV}={env_value!r} is set in the environment, which selects Keras 3"
     return f"{why}. Fix: {fix_text(info.tf_version)}"

@@ -10,12 +10,13 @@ Other data:
     horovodrun -np 2 -H localhost:2 python recipes/keras_train.py --dataset synthetic --epochs 3
     horovodrun -np 4 -H host1:2,host2:2 python recipes/keras_train.py --dataset /data/shards --epochs 30
 
-Keras 2 only: `horovod.tensorflow.keras` does not work with Keras 3 (TF >= 2.16's default `tf.keras`): its
-DistributedOptimizer silently stops averaging gradients. main() sets `TF_USE_LEGACY_KERAS=1` (unless set) before
-TensorFlow is imported (so `tf.keras` is the `tf-keras` package, which must match TF's minor version) and stops with
-the fix if `tf.keras` is still Keras 3 (see hvdtrain/tfkeras.py). `--dataset`, resume and `--run-dir` work as in
-recipes/pytorch_train.py (a directory, an MDS dataset root or its URL: the same loader, sharding and node cache
-as the PyTorch recipes); re-running the same command resumes from the newest intact checkpoint. `--help` lists all.
+Keras 2 for now: this recipe is written for tf_keras, not yet for Keras 3 (TF >= 2.16's default `tf.keras`;
+Horovod as scripts/setup.sh builds it averages under Keras 3, for scripts of your own: docs/recipes.md). main()
+sets `TF_USE_LEGACY_KERAS=1` (unless set) before TensorFlow is imported (so `tf.keras` is the `tf-keras` package,
+which must match TF's minor version) and stops with the fix if `tf.keras` is still Keras 3 (hvdtrain/tfkeras.py).
+`--dataset`, resume and `--run-dir` work as in recipes/pytorch_train.py (a directory, an MDS dataset root or its
+URL: the same loader, sharding and node cache as the PyTorch recipes); re-running the same command resumes from
+the newest intact checkpoint. `--help` lists all.
 
 What each rank does, in order (Horovod's six Keras steps, plus resume):
  0. Select Keras 2 (TF_USE_LEGACY_KERAS=1 unless set), TensorFlow's log level (TF_CPP_MIN_LOG_LEVEL=1 unless
@@ -326,8 +327,8 @@ def finish(cfg: Config, run_dir: Path, splits: arrays.Splits, model: Any, lr: fl
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_config(Config, argv, description=__doc__.split("\n\n")[0])
-    # Horovod: horovod.tensorflow.keras needs Keras 2, and TF >= 2.16's tf.keras is Keras 3 (where DistributedOptimizer
-    # silently does not average gradients) unless TF_USE_LEGACY_KERAS=1 is set before TensorFlow is imported.
+    # Horovod: this recipe is written for Keras 2 (tf_keras), and TF >= 2.16's tf.keras is Keras 3 unless
+    # TF_USE_LEGACY_KERAS=1 is set before TensorFlow is imported.
     os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
     # TensorFlow's INFO lines (and its start-up lines: hvdtrain/tfkeras.py) stay off the console unless set.
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")

@@ -1,12 +1,13 @@
-"""Under Keras 3 (run with TF_USE_LEGACY_KERAS=0), call each entry point of horovod.tensorflow.keras that takes or
-builds a Keras object and print REFUSED or ACCEPTED NAME for each; one process, no collective runs."""
+"""Under Keras 3 on a backend other than TensorFlow (run with KERAS_BACKEND=torch), call each entry point of
+horovod.keras that takes or builds a Keras object and print REFUSED or ACCEPTED NAME for each; one process, no
+collective runs. Horovod's Keras integration is TensorFlow code: on another backend it must refuse, naming it."""
 
-import horovod.tensorflow.keras as hvd
-import tensorflow as tf
+import horovod.keras as hvd
+import keras
 from horovod.common.keras_version import UnsupportedKerasError
 
 hvd.init()
-model = tf.keras.Sequential([tf.keras.Input(shape=(2,)), tf.keras.layers.Dense(1)])
+model = keras.Sequential([keras.Input(shape=(2,)), keras.layers.Dense(1)])
 state = object()
 entry_points = {
     "BroadcastGlobalVariablesCallback": lambda: hvd.callbacks.BroadcastGlobalVariablesCallback(0),
@@ -18,12 +19,12 @@ entry_points = {
     "UpdateEpochStateCallback": lambda: hvd.elastic.UpdateEpochStateCallback(state),
     "KerasState": lambda: hvd.elastic.KerasState(model),
     "load_model": lambda: hvd.load_model("never-read.keras"),
-    "DistributedOptimizer": lambda: hvd.DistributedOptimizer(tf.keras.optimizers.SGD(0.1)),
+    "DistributedOptimizer": lambda: hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)),
 }
 for name, call in entry_points.items():
     try:
         call()
-    except UnsupportedKerasError:
-        print(f"REFUSED {name}", flush=True)
+    except UnsupportedKerasError as exc:
+        print(f"REFUSED {name}: {exc}", flush=True)
     else:
         print(f"ACCEPTED {name}", flush=True)

@@ -1,10 +1,12 @@
-"""Every Horovod Keras callback that Horovod's examples use, in one `fit` on tf_keras (TF_USE_LEGACY_KERAS=1).
+"""Every Horovod Keras callback that Horovod's examples use, in one `fit`, on tf_keras (TF_USE_LEGACY_KERAS=1) or
+Keras 3 (TF_USE_LEGACY_KERAS=0).
 
 Usage: keras_callbacks.py OUT_DIR. Each rank starts from its own random weights and fits its own data; the callbacks
 are BroadcastGlobalVariablesCallback, MetricAverageCallback, LearningRateWarmupCallback (2 epochs),
 LearningRateScheduleCallback (x1 for epochs 2-3, x0.1 from 4) and the elastic ones (KerasState,
 CommitStateCallback, UpdateBatchStateCallback, UpdateEpochStateCallback), with the legacy SGD with momentum so that
-the momentum correction runs. Then one epoch of warmup with Keras 2.11+'s SGD, whose momentum is a Python number:
+the momentum correction runs (Keras 3 has no optimizer whose momentum is a variable: its SGD, as below).
+Then one epoch of warmup with Keras 2.11+'s SGD, whose momentum is a Python number:
 Horovod 0.28.1 crashed there; the patched one warns that it skips the correction. Writes what each rank saw to
 OUT_DIR/result.<rank>.json; the test checks it.
 """
@@ -26,7 +28,9 @@ EPOCHS, STEPS, BATCH, LR = 6, 4, 4, 0.05 * size
 tf.keras.utils.set_random_seed(100 + rank)  # different initial weights on each rank: the broadcast must fix that
 model = tf.keras.Sequential([tf.keras.Input(shape=(3,)), tf.keras.layers.Dense(4, activation="tanh"),
                              tf.keras.layers.Dense(1)])
-opt = hvd.DistributedOptimizer(tf.keras.optimizers.legacy.SGD(LR, momentum=0.9))
+KERAS = type(model).__module__.split(".")[0]
+legacy = tf.keras.optimizers.legacy if KERAS == "tf_keras" else tf.keras.optimizers
+opt = hvd.DistributedOptimizer(legacy.SGD(LR, momentum=0.9))
 model.compile(loss="mse", optimizer=opt)
 rng = np.random.default_rng(rank)
 x = rng.normal(size=(STEPS * BATCH, 3)).astype(np.float32)
@@ -52,12 +56,12 @@ class Record(tf.keras.callbacks.Callback):
         self.epochs, self.batch_lr, self.batch_momentum = [], [], []
 
     def on_train_batch_begin(self, batch, logs=None):
-        self.batch_lr.append(float(tf.keras.backend.get_value(self.model.optimizer.learning_rate)))
-        self.batch_momentum.append(float(tf.keras.backend.get_value(self.model.optimizer.momentum)))
+        self.batch_lr.append(float(np.asarray(self.model.optimizer.learning_rate)))
+        self.batch_momentum.append(float(np.asarray(self.model.optimizer.momentum)))
 
     def on_epoch_end(self, epoch, logs=None):
         self.epochs.append({"epoch": epoch, "loss": float(logs["loss"]), "lr": float(logs["lr"]),
-                            "momentum": float(tf.keras.backend.get_value(self.model.optimizer.momentum)),
+                            "momentum": float(np.asarray(self.model.optimizer.momentum)),
                             "state_epoch": state.epoch, "state_batch": state.batch})
 
 
@@ -90,5 +94,5 @@ new_optimizer = {"warnings": [str(w.message) for w in caught if "momentum correc
 result = {"rank": rank, "size": size, "lr": LR, "steps": STEPS, "initial": initial,
           "final": digest(model.get_weights()), "epochs": record.epochs, "batch_lr": record.batch_lr,
           "batch_momentum": record.batch_momentum, "commits": len(commits),
-          "keras": type(model).__module__.split(".")[0], "new_optimizer": new_optimizer}
+          "keras": KERAS, "new_optimizer": new_optimizer}
 write_result(out_dir, rank, result)
