@@ -3,7 +3,8 @@
 Usage: keras_combined_batch.py OUT_DIR. Under horovodrun -np 2: every rank starts from the same weights and trains
 an MLP for 3 epochs on its own half of each batch (rank 0 the first half, rank 1 the second); in the same process
 it also trains a copy with the plain Keras optimizer on the whole batch (the reference: what averaged gradients
-must give). One run per way of getting gradients to the optimizer:
+must give). First Horovod's plain pattern (w = 0.3 on both ranks after one step), then one run per way of getting
+gradients to the optimizer:
 - fit: `model.fit` with hvd.DistributedOptimizer;
 - tape: Horovod's TF2 custom loop (hvd.DistributedGradientTape, optimizer.apply_gradients);
 - apply (Keras 3): a custom loop handing tape gradients to DistributedOptimizer.apply();
@@ -96,7 +97,19 @@ def compare(name, train, make_optimizer, wrap):
         model.get_weights()[0] - make_model().get_weights()[0])))}
 
 
+def plain_pattern():
+    """Horovod's plain Keras pattern, one step: rank r fits y = r + 1 from w = 0 with SGD(0.1); the averaged gradient
+    gives w = 0.3 on both ranks (each rank's own would give 0.2 and 0.4)."""
+    model = keras.Sequential([keras.Input(shape=(1,)),
+                              keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros")])
+    model.compile(loss="mse", optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)))
+    model.fit(np.ones((4, 1), np.float32), np.full((4, 1), rank + 1.0, np.float32), batch_size=4, epochs=1,
+              verbose=0, callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+    return {"w": float(model.get_weights()[0][0, 0])}
+
+
 runs = {
+    "plain": plain_pattern(),
     "fit": compare("fit", fit, lambda: keras.optimizers.SGD(LR), {}),
     "tape": compare("tape", lambda m, o, p: custom_loop(m, o, p, distributed_tape=p), lambda: keras.optimizers.SGD(LR),
                     None),
