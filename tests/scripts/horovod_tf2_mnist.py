@@ -10,12 +10,12 @@ this example died in hvd.DistributedGradientTape (`'Variable' object has no attr
 """
 
 import hashlib
-import json
 import os
 import sys
 
 import numpy as np
 import tensorflow as tf
+from rank_results import write_result
 
 import horovod.tensorflow as hvd
 
@@ -105,10 +105,9 @@ def train():
         checkpoint.save(checkpoint_dir)
     weights = b"".join(np.asarray(w, dtype=np.float32).tobytes() for w in mnist_model.get_weights())
     slots = b"".join(np.asarray(v, dtype=np.float32).tobytes() for v in opt.variables()[1:])
-    with open(os.path.join(out_dir, 'result.%d.json' % hvd.rank()), 'w') as f:
-        json.dump({"keras": tf.keras.Model.__module__.split(".")[0], "losses": losses,
-                   "weights": hashlib.sha256(weights).hexdigest()[:16],
-                   "optimizer_state": hashlib.sha256(slots).hexdigest()[:16]}, f)
+    write_result(out_dir, hvd.rank(), {"keras": tf.keras.Model.__module__.split(".")[0], "losses": losses,
+                                       "weights": hashlib.sha256(weights).hexdigest()[:16],
+                                       "optimizer_state": hashlib.sha256(slots).hexdigest()[:16]})
 
 
 if __name__ == '__main__':

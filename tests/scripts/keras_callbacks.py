@@ -29,8 +29,8 @@ tf.keras.utils.set_random_seed(100 + rank)  # different initial weights on each 
 model = tf.keras.Sequential([tf.keras.Input(shape=(3,)), tf.keras.layers.Dense(4, activation="tanh"),
                              tf.keras.layers.Dense(1)])
 KERAS = type(model).__module__.split(".")[0]
-legacy = tf.keras.optimizers.legacy if KERAS == "tf_keras" else tf.keras.optimizers
-opt = hvd.DistributedOptimizer(legacy.SGD(LR, momentum=0.9))
+optimizers = tf.keras.optimizers.legacy if KERAS == "tf_keras" else tf.keras.optimizers  # Keras 3 has no legacy ones
+opt = hvd.DistributedOptimizer(optimizers.SGD(LR, momentum=0.9))
 model.compile(loss="mse", optimizer=opt)
 rng = np.random.default_rng(rank)
 x = rng.normal(size=(STEPS * BATCH, 3)).astype(np.float32)

@@ -1,23 +1,18 @@
-"""The plain Horovod Keras pattern, as Horovod's own examples write it: no hvdtrain code on the way.
+"""The plain Horovod Keras pattern, as Horovod's keras examples write it (horovod.keras, `import keras`: Keras 3
+whatever TF_USE_LEGACY_KERAS says): no hvdtrain code on the way. tf.keras's plain pattern runs in
+keras_combined_batch.py.
 
-Usage: keras_plain.py OUT_DIR [standalone]. One step of SGD(0.1) on a 1-weight linear model whose targets
-depend on the rank (rank r fits y = r + 1), so averaged gradients give w = 0.3 on both ranks where each rank's own
-gradient would give 0.2 and 0.4. Writes OUT_DIR/result.<rank>.json. Whether tf.keras is Keras 2 (tf_keras) or
-Keras 3 is the caller's TF_USE_LEGACY_KERAS; `standalone` is horovod.keras with `import keras` (Keras 3), as
-Horovod's keras examples write it.
+Usage: keras_plain.py OUT_DIR. One step of SGD(0.1) on a 1-weight linear model whose targets depend on the rank
+(rank r fits y = r + 1), so averaged gradients give w = 0.3 on both ranks where each rank's own gradient would give
+0.2 and 0.4. Writes OUT_DIR/result.<rank>.json.
 """
 
 import sys
 
+import horovod.keras as hvd
+import keras
 import numpy as np
 from rank_results import write_result
-
-if sys.argv[2:] == ["standalone"]:
-    import horovod.keras as hvd
-    import keras
-else:
-    import horovod.tensorflow.keras as hvd
-    from tensorflow import keras
 
 out_dir = sys.argv[1]
 hvd.init()
