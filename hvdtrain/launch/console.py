@@ -13,7 +13,10 @@ log files (logs.dir) get every line. What the console leaves out:
     middlemen interrupts each of them too, and their tracebacks reach the pipe interleaved mid-line (CI, 2026-12-02:
     a `Traceback` line indented, a line of only `^`, one traceback's frames after the other's KeyboardInterrupt):
     after a forwarded signal a traceback is held through such fragments, and the fragments that follow a hidden
-    KeyboardInterrupt are hidden with it (`LauncherLines.feed`).
+    KeyboardInterrupt are hidden with it (`LauncherLines.feed`). A middleman interrupted while its interpreter
+    starts may die before its exception line (local run, 2026-12-02: `Fatal Python error: init_import_site`, two
+    tracebacks' frames interleaved, then `Process 1 exit with status code 1.`): after a forwarded signal such a
+    traceback, cut off by a rank's exit line or the end of the output, is hidden too.
     Chained tracebacks after a hidden one are decided the same way, each on its own exception line.
   - the shell's `Terminated`/`Killed` line for a rank that was stopped because the job was ending.
 Lines from several writers can arrive as one. horovodrun's threads share its sys.stdout: `print()` writes its
@@ -61,7 +64,14 @@ STOPPED = ("KeyboardInterrupt", "SystemExit")
 MESSAGE_TAIL = re.compile(r"^\s*(?:Process name:.*|Exit code:.*)?$")  # the rest of JOB_ENDED's message
 CHAINED = ("During handling of the above exception", "The above exception was the direct cause")
 IGNORED = "Exception ignored in"  # Python's report of an exception at interpreter exit (a KeyboardInterrupt)
+FATAL = ("Fatal Python error:", "Python runtime state:")  # an interpreter interrupted as it started
 SHELL_NOTICES = ("Terminated", "Killed")
+
+
+def _interrupted_part(line: str) -> bool:
+    """After a forwarded signal: a line of an interpreter stopped as it started, or a frame another writer's text
+    came before (NOTE [console])."""
+    return TRACEBACK in line or line.startswith(FATAL) or '  File "' in line
 
 
 def _frame_part(line: str) -> bool:
@@ -86,9 +96,12 @@ class LauncherLines:
 
     def feed(self, line: str) -> list[str]:
         if self.held:
-            if _frame_part(line) or (self.stopping and TRACEBACK in line):
+            if _frame_part(line) or (self.stopping and _interrupted_part(line)):
                 self.held.append(line)
                 return []
+            if self.stopping and EXIT_LINE.match(line):  # cut off by its process's end (NOTE [console])
+                self.held, self.hiding = [], False
+                return [line]
             held, self.held = [*self.held, line], []
             self.hiding = line.startswith(EXPLAINED) or (self.stopping and line.startswith(STOPPED))
             if self.hiding:
@@ -102,15 +115,16 @@ class LauncherLines:
             self.hiding = not line.startswith(IGNORED)  # an interrupted process's rest (NOTE [console])
             return []
         self.hiding = False
-        if line == TRACEBACK or (self.stopping and TRACEBACK in line):
+        if line == TRACEBACK or (self.stopping and (TRACEBACK in line or line.startswith(FATAL))):
             self.held = [line]
             return []
         return [line]
 
     def flush(self) -> list[str]:
-        """At the end of the output: a traceback cut off before its exception line is shown as it is."""
+        """At the end of the output: a traceback cut off before its exception line is shown as it is, unless hvdtrain
+        had stopped the job (an interrupted process's rest: NOTE [console])."""
         held, self.held = self.held, []
-        return held
+        return [] if self.stopping else held
 
 
 def launcher_account(launcher: str, returncode: int, said: list[str], check_hosts: list[str]) -> list[str]:

@@ -84,6 +84,33 @@ SPAWNED_AND_INTERRUPTED = [  # CI, 2026-12-02: SIGINT as horovodrun spawned its 
     '  File "<frozen importlib._bootstrap_external>", line 729, in _compile_bytecode',
     'KeyboardInterrupt',
 ]
+STARTED_AND_INTERRUPTED = [  # a local run, 2026-12-02: a middleman's interpreter stopped in its site import
+    'Traceback (most recent call last):',
+    '  File "<string>", line 1, in <module>',
+    '  File "/root/.pyenv/versions/3.11.7/lib/python3.11/multiprocessing/__init__.py", line 16, in <module>',
+    'Fatal Python error: init_import_site: Failed to import the site module',
+    'Python runtime state: initialized',
+    'Traceback (most recent call last):',
+    '  File "<frozen importlib._bootstrap>", line 1176, in _find_and_load',
+    '  File "<frozen importlib._bootstrap>", line 1147, in _find_and_load_unlocked',
+    '  File "<frozen importlib._bootstrap>", line 690, in _load_unlocked',
+    '  File "<frozen importlib._bootstrap>", line 980, in exec_module',
+    '  File "<frozen site>", line 616, in <module>',
+    '  File "<frozen site>", line 599, in main',
+    '  File "<frozen site>", line 531, in venv',
+    '  File "<frozen site>", line 384, in addsitepackages',
+    '  File "<frozen site>", line 226, in addsitedir',
+    '  File "<frozen site>", line 186, in addpackage',
+    '  File "<string>", line 1, in <module>',
+    '  File "/work/main/.venv/lib/python3.11/site-packages/__editable___hvdtrain_0_9_0_finder.py", line 7, '
+    'in <module>',
+    '        from pathlib import Path',
+    'from . import context  File "/root/.pyenv/versions/3.11.7/lib/python3.11/pathlib.py", line 14, in <module>',
+    '',
+    '  File "<frozen importlib._bootstrap>", line 1176, in _find_and_load',
+    '  File "<frozen importlib._bootstrap>", line 1147, in _find_and_load_unlocked',
+    '  File "<frozen importlib._bootstrap>", line 701, in _load_unlocked',
+]
 OTHER_ERROR = [*FRAMES[:3], "RuntimeError: could not find a common interface"]
 
 
@@ -129,6 +156,20 @@ def test_interleaved_tracebacks_of_middlemen_interrupted_as_they_started_are_hid
     assert out.splitlines() == [*exits, "still shown"]
     _, out, _ = route(SPAWNED_AND_INTERRUPTED, Logs())  # not stopped by hvdtrain: every line is shown
     assert out.splitlines() == SPAWNED_AND_INTERRUPTED
+
+
+def test_a_middleman_stopped_as_its_interpreter_started_shows_nothing_cut_off_by_its_exit_or_the_end():
+    exits = ["Process 1 exit with status code 1.", "Process 0 exit with status code -2."]
+    _, out, _ = route([*STARTED_AND_INTERRUPTED, *exits, "still shown"], Logs(), stopping=True)
+    assert out.splitlines() == [*exits, "still shown"]
+    _, out, _ = route(STARTED_AND_INTERRUPTED, Logs(), stopping=True)  # the output ended before any exit line
+    assert out.splitlines() == []
+    _, out, _ = route([*STARTED_AND_INTERRUPTED, *exits], Logs())  # not stopped by hvdtrain: every line is shown
+    assert out.splitlines() == [*STARTED_AND_INTERRUPTED, *exits]
+    # after a forwarded signal, frames that do reach an exception line other than an interruption are shown (the
+    # fragment before them too: interleaved writers cannot be told apart)
+    _, out, _ = route([*STARTED_AND_INTERRUPTED, *OTHER_ERROR], Logs(), stopping=True)
+    assert out.splitlines() == [*STARTED_AND_INTERRUPTED, *OTHER_ERROR]
 
 
 def test_horovodruns_hidden_account_is_printed_when_no_rank_failure_explains_the_end():
