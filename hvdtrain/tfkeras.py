@@ -1,18 +1,19 @@
-"""Import TensorFlow and check that tf.keras is the Keras 2 (tf_keras) hvdtrain's Keras recipe is written for; refuse
-Keras 3 there with a clear error.
+"""Import TensorFlow and check that tf.keras is a Keras hvdtrain's Keras recipe runs on: Keras 3 computing with
+TensorFlow (TF >= 2.16's default `tf.keras`), or Keras 2 (the `tf-keras` package, under TF_USE_LEGACY_KERAS=1);
+refuse anything else with a clear error.
 
-Why: the Keras recipe and its helpers (hvdtrain/train/keras*.py) are written for Keras 2 and not yet ported to
-Keras 3 (the next part of the Keras 3 work). From TF 2.16 `tf.keras` is Keras 3 unless `TF_USE_LEGACY_KERAS=1` is
-set *before tensorflow is imported* and the `tf-keras` package (same minor version as TF) is installed. Horovod
-0.28.1 itself did not average under Keras 3 (Keras 3's `train_step` bypasses every hook DistributedOptimizer
-overrides, Horovod issue #4290); the Horovod that scripts/setup.sh builds does (its patch:
-horovod/_keras/keras3.py), so users' own Horovod scripts run on Keras 3 (docs/recipes.md). For the recipe:
+Which Keras `tf.keras` is, TensorFlow decides once, at import: Keras 3 unless `TF_USE_LEGACY_KERAS=1` is set
+*before tensorflow is imported* and `tf-keras` (same minor version as TF) is installed. Horovod 0.28.1 did not
+average under Keras 3 (Keras 3's `train_step` bypasses every hook DistributedOptimizer overrides, Horovod issue
+#4290); the Horovod that scripts/setup.sh builds does (its patch: horovod/_keras/keras3.py), so the recipe and
+users' own Horovod scripts run on Keras 3 (docs/recipes.md). The choice is the user's:
 
-- The process's entry point selects Keras 2 itself, visibly, before anything imports TensorFlow:
-  `os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")` (recipes/keras_train.py's main(), doctor's probe). This
-  module never sets it: it is process-wide configuration, the entry point's to make.
-- `import_tensorflow()` imports TF and checks which Keras `tf.keras` is; Keras 3 raises `KerasVersionError` naming
-  the fix (also when TensorFlow was imported before the variable was set: TF reads it once, at import).
+- hvdtrain sets nothing: TF_USE_LEGACY_KERAS is process-wide configuration, read by TensorFlow from the
+  environment the job was started with (`env:` in a job spec, or the shell's).
+- `import_tensorflow()` imports TF and checks which Keras `tf.keras` is: Keras 3 on another backend
+  (KERAS_BACKEND=jax or torch: Horovod's Keras integration runs TensorFlow ops), TF_USE_LEGACY_KERAS=1 set after
+  TensorFlow was imported (asked for tf_keras, got Keras 3), tf_keras asked for but not installed, and any other
+  major version raise `KerasVersionError` naming the fix.
 
 The Horovod that scripts/setup.sh builds binds tf.keras's own backend in its modules (0.28.1 bound `from keras import
 backend`, Keras 3's even in legacy mode, which lacks `get_value`, so `LearningRateWarmupCallback` failed), and
@@ -64,26 +65,29 @@ LEGACY_VALUES = ("1", "true", "True")  # what TensorFlow reads as "use tf_keras"
 
 
 class KerasVersionError(RuntimeError):
-    """tf.keras is not a Keras 2 that Horovod supports; the message says how to fix it."""
+    """tf.keras is not a Keras hvdtrain's recipe runs on; the message says how to fix it."""
 
 
 @dataclass(frozen=True)
 class KerasInfo:
-    """Which Keras `tf.keras` resolved to: the implementing package, its version, and TF's version."""
+    """Which Keras `tf.keras` resolved to: the implementing package, its version, TF's version, and (Keras 3) the
+    backend it computes with."""
 
-    package: str  # "tf_keras", "keras" or "tensorflow" (TF < 2.6 bundled it)
+    package: str  # "keras" (Keras 3, TF >= 2.16's default), "tf_keras", or "tensorflow" (TF < 2.6 bundled it)
     version: str
     tf_version: str
+    backend: str = "tensorflow"  # Keras 3's KERAS_BACKEND; Keras 2 has only TensorFlow
 
     @property
     def major(self) -> int:
-        return _major(self.version)
+        return major_version(self.version)
 
     def describe(self) -> str:
-        return f"{self.package} {self.version} (tf.keras of TensorFlow {self.tf_version})"
+        backend = f", {self.backend} backend" if self.backend != "tensorflow" else ""
+        return f"{self.package} {self.version} (tf.keras of TensorFlow {self.tf_version}{backend})"
 
 
-def _major(version: str) -> int:
+def major_version(version: str) -> int:
     head = version.split(".", 1)[0]
     return int(head) if head.isdigit() else -1
 
@@ -96,24 +100,34 @@ def tf_keras_pin(tf_version: str) -> str:
 
 
 def fix_text(tf_version: str) -> str:
-    return (f'pip install "{tf_keras_pin(tf_version)}" and set {LEGACY_ENV}=1 before tensorflow is imported '
-            f"(hvdtrain's recipe sets it itself; do not set {LEGACY_ENV}=0)")
+    """How to get tf_keras (Keras 2) as tf.keras."""
+    return (f'pip install "{tf_keras_pin(tf_version)}" and set {LEGACY_ENV}=1 before tensorflow is imported, or '
+            f"unset {LEGACY_ENV} to train on Keras 3")
 
 
 def keras_verdict(info: KerasInfo, env_value: str | None) -> str | None:
-    """None if Horovod can use this Keras; else the error message (what was found, why it matters, the fix)."""
+    """None if the Keras recipe can run on this Keras (Keras 3 on TensorFlow, TF >= 2.16's default; or Keras 2,
+    tf_keras, under TF_USE_LEGACY_KERAS=1); else the error message (what was found, why it matters, the fix)."""
+    found = f"tf.keras is {info.describe()}"
     if info.major == 2:
         return None
-    why = (f"tf.keras is {info.describe()}, but hvdtrain's Keras recipe is written for Keras 2 (tf_keras) and not "
-           "yet for Keras 3 (Horovod itself, as scripts/setup.sh builds it, averages under Keras 3: your own "
-           "Horovod scripts can use it, docs/recipes.md)")
-    if env_value is not None and env_value not in LEGACY_VALUES:
-        why += f"; {LEGACY_ENV}={env_value!r} is set in the environment, which selects Keras 3"
-    return f"{why}. Fix: {fix_text(info.tf_version)}"
+    if info.major == 3 and env_value in LEGACY_VALUES:  # TensorFlow reads the variable once, at import
+        return (f"{LEGACY_ENV}={env_value} asks for tf_keras (Keras 2), but {found}: TensorFlow was imported before "
+                f"it was set (TensorFlow reads it once, at import). Fix: set {LEGACY_ENV}=1 before anything imports "
+                f"tensorflow, or unset it to train on Keras 3")
+    if info.major == 3 and info.backend != "tensorflow":
+        return (f"{found}: Horovod's Keras integration (and hvdtrain's Keras recipe) runs TensorFlow ops, so Keras 3 "
+                f"must compute with TensorFlow. Fix: unset KERAS_BACKEND (or set KERAS_BACKEND=tensorflow); for "
+                f"{info.backend}, train with the PyTorch recipe or your own script")
+    if info.major == 3:
+        return None
+    return (f"{found}, but hvdtrain's Keras recipe runs on Keras 3 (tf.keras of TensorFlow >= 2.16) or Keras 2 "
+            f"(tf_keras). Fix: pip install \"tensorflow>=2.16\" (its tf.keras is Keras 3), or "
+            f"{fix_text(info.tf_version)}")
 
 
 def keras_info(tf: ModuleType) -> KerasInfo:
-    """Inspect an imported TensorFlow: which package implements `tf.keras`, and its version."""
+    """Inspect an imported TensorFlow: which package implements `tf.keras`, its version, and its backend."""
     try:
         module = tf.keras.Model.__module__
     except (ImportError, AttributeError) as exc:  # TF >= 2.16 with TF_USE_LEGACY_KERAS=1 but no tf_keras
@@ -122,8 +136,12 @@ def keras_info(tf: ModuleType) -> KerasInfo:
     package = module.split(".", 1)[0]
     if package == "tensorflow":
         return KerasInfo(package, tf.__version__, tf.__version__)
-    version = getattr(sys.modules.get(package), "__version__", None) or _dist_version(package)
-    return KerasInfo(package, version, tf.__version__)
+    imported = sys.modules.get(package)
+    version = getattr(imported, "__version__", None) or _dist_version(package)
+    backend = "tensorflow"
+    if package == "keras" and major_version(version) >= 3 and imported is not None:
+        backend = imported.backend.backend()
+    return KerasInfo(package, version, tf.__version__, backend)
 
 
 def _dist_version(package: str) -> str:
@@ -136,23 +154,20 @@ def _dist_version(package: str) -> str:
 
 
 def import_tensorflow() -> Any:
-    """`import tensorflow`, checked: tf.keras must be Keras 2, else KerasVersionError with the fix. Selecting
-    Keras 2 (TF_USE_LEGACY_KERAS=1 before TensorFlow is imported) is the caller's entry point's job, as is
-    TF_CPP_MIN_LOG_LEVEL: its start-up lines are filtered by that level (`startup_lines_filtered`)."""
+    """`import tensorflow`, checked: tf.keras must be Keras 3 computing with TensorFlow, or Keras 2 (tf_keras), else
+    KerasVersionError with the fix. Which of the two is the process's TF_USE_LEGACY_KERAS, read by TensorFlow at
+    import (the user's choice: hvdtrain sets nothing), as is TF_CPP_MIN_LOG_LEVEL: its start-up lines are filtered
+    by that level (`startup_lines_filtered`)."""
     if importlib.util.find_spec("tensorflow") is None:
-        raise KerasVersionError("TensorFlow is not installed; fix: pip install tensorflow-cpu (or tensorflow) "
-                                "and the matching tf-keras, then rebuild Horovod with scripts/setup.sh")
+        raise KerasVersionError("TensorFlow is not installed; fix: pip install tensorflow-cpu (or tensorflow), "
+                                "then rebuild Horovod with scripts/setup.sh")
     imported_before = "tensorflow" in sys.modules
     with contextlib.nullcontext() if imported_before else startup_lines_filtered():  # NOTE [TensorFlow start-up lines]
         import tensorflow as tf
 
         tf.config.list_physical_devices("GPU")  # where a machine without NVIDIA's driver logs its cuInit error
 
-    value = os.environ.get(LEGACY_ENV)
-    verdict = keras_verdict(keras_info(tf), value)
-    if verdict and imported_before and value in LEGACY_VALUES:
-        raise KerasVersionError(f"TensorFlow was imported before {LEGACY_ENV}=1 was set (TensorFlow reads it once, "
-                                f"at import): {verdict} — set it before anything imports tensorflow")
+    verdict = keras_verdict(keras_info(tf), os.environ.get(LEGACY_ENV))
     if verdict:
         raise KerasVersionError(verdict)
     return tf

@@ -10,17 +10,21 @@ Other data:
     horovodrun -np 2 -H localhost:2 python recipes/keras_train.py --dataset synthetic --epochs 3
     horovodrun -np 4 -H host1:2,host2:2 python recipes/keras_train.py --dataset /data/shards --epochs 30
 
-Keras 2 for now: this recipe is written for tf_keras, not yet for Keras 3 (TF >= 2.16's default `tf.keras`;
-Horovod as scripts/setup.sh builds it averages under Keras 3, for scripts of your own: docs/recipes.md). main()
-sets `TF_USE_LEGACY_KERAS=1` (unless set) before TensorFlow is imported (so `tf.keras` is the `tf-keras` package,
-which must match TF's minor version) and stops with the fix if `tf.keras` is still Keras 3 (hvdtrain/tfkeras.py).
+Keras 3 (TF >= 2.16's `tf.keras`) by default; Keras 2 (the `tf-keras` package, matching TF's minor version) when
+the job's environment sets TF_USE_LEGACY_KERAS=1 (`env:` in a job spec; TensorFlow reads it at import):
+
+    TF_USE_LEGACY_KERAS=1 horovodrun -np 2 -H localhost:2 python recipes/keras_train.py
+
+The same code runs on both (the Horovod that scripts/setup.sh builds averages under Keras 3); Keras 3 on another
+backend than TensorFlow (KERAS_BACKEND) stops with the fix (hvdtrain/tfkeras.py). A checkpoint resumes under the
+Keras that wrote it (their optimizer states differ).
 `--dataset`, resume and `--run-dir` work as in recipes/pytorch_train.py (a directory, an MDS dataset root or its
 URL: the same loader, sharding and node cache as the PyTorch recipes); re-running the same command resumes from
 the newest intact checkpoint. `--help` lists all.
 
 What each rank does, in order (Horovod's six Keras steps, plus resume):
- 0. Select Keras 2 (TF_USE_LEGACY_KERAS=1 unless set), TensorFlow's log level (TF_CPP_MIN_LOG_LEVEL=1 unless
-    set: no INFO lines), import TensorFlow and horovod.tensorflow.keras.
+ 0. TensorFlow's log level (TF_CPP_MIN_LOG_LEVEL=1 unless set: no INFO lines), import TensorFlow (its tf.keras
+    checked: Keras 3 on TensorFlow, or tf_keras) and horovod.tensorflow.keras.
  1. hvd.init(); pin one GPU per process (visible device = local rank, memory growth), or on CPU split the
     cores between the local ranks (tf.config.threading); rank 0 locks the run directory (a second job on it
     stops with exit 2, naming the holder).
@@ -98,7 +102,8 @@ class Config(RecipeConfig):
 
 
 def import_tensorflow() -> Any:
-    """TensorFlow, its tf.keras checked to be Keras 2 (tf_keras); else stop with the fix (exit 1)."""
+    """TensorFlow, its tf.keras checked to be Keras 3 on TensorFlow or Keras 2 (tf_keras); else stop with the fix
+    (exit 1)."""
     try:
         return tfkeras.import_tensorflow()
     except tfkeras.KerasVersionError as exc:
@@ -144,7 +149,7 @@ def lr_callback(hvd: Any, schedule: LRSchedule, leg: Leg) -> Any:
         momentum_correction=False)
 
 
-# The helpers below run inside main(), after it imported TensorFlow with Keras 2 selected: they import keraskit
+# The helpers below run inside main(), after it imported TensorFlow: they import keraskit
 # (which imports TensorFlow) there, not at the top of this file: importing the recipe, or --help, imports no
 # TensorFlow.
 
@@ -268,6 +273,7 @@ def fit(cfg: Config, model: Any, splits: arrays.Splits, rank: int, size: int, fi
             model.fit(keraskit.train_input(leg.data, channels_last_shape(splits.train.sample_shape)),
                       steps_per_epoch=leg.steps, epochs=leg.data.epochs, initial_epoch=leg.data.first,
                       validation_data=keraskit.val_input(splits.val, rank, size), callbacks=callbacks(leg),
+                      shuffle=False,  # the loader shuffles (Keras 3 warns that it cannot shuffle a tf.data input)
                       verbose=cfg.verbose if rank == 0 else 0)  # Horovod: output on rank 0 only
             if model.stop_training or i + 1 == len(todo):  # --stop-after-epoch (every rank alike), or the last leg
                 return
@@ -308,7 +314,7 @@ def finish(cfg: Config, run_dir: Path, splits: arrays.Splits, model: Any, lr: fl
     elif rank == 0:
         # Horovod: rank 0 writes the summary, with what the run was; its world: hvd.size() ranks, hvd.local_size()
         # on this host, on hvd.cross_size() hosts (the ranks whose local rank is 0, as this one's).
-        keras = tfkeras.keras_info(tf)  # tf_keras (Keras 2), its version
+        keras = tfkeras.keras_info(tf)  # keras (3) or tf_keras (2), its version
         config = run_config(cfg, splits, model=keraskit.model_info(model, cfg.width), epochs=epochs, peak_lr=lr,
                             world={"size": size, "local_size": hvd.local_size(), "hosts": hvd.cross_size()},
                             versions=versions(tensorflow=tf.__version__, **{keras.package: keras.version}))
@@ -327,12 +333,9 @@ def finish(cfg: Config, run_dir: Path, splits: arrays.Splits, model: Any, lr: fl
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_config(Config, argv, description=__doc__.split("\n\n")[0])
-    # Horovod: this recipe is written for Keras 2 (tf_keras), and TF >= 2.16's tf.keras is Keras 3 unless
-    # TF_USE_LEGACY_KERAS=1 is set before TensorFlow is imported.
-    os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
     # TensorFlow's INFO lines (and its start-up lines: hvdtrain/tfkeras.py) stay off the console unless set.
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
-    tf = import_tensorflow()  # checks that tf.keras is Keras 2 (tf_keras); else stops with the fix
+    tf = import_tensorflow()  # Keras 3 on TensorFlow, or tf_keras under TF_USE_LEGACY_KERAS=1; else stops with the fix
     import horovod.tensorflow as hvd_tf  # broadcast_object / allgather_object
     import horovod.tensorflow.keras as hvd
 
@@ -372,8 +375,8 @@ def main(argv: list[str] | None = None) -> int:
     history = History(hvd_tf.broadcast_object(rows, root_rank=0, name="resume.history"))
     position = hvd_tf.broadcast_object(position, root_rank=0, name="resume.position")
     if first or position is not None:
-        hvd_tf.broadcast_variables(model.variables + list(model.optimizer.variables)
-                                   + keraskit.loss_scale_variables(model.optimizer), root_rank=0)  # fp16's scale
+        hvd_tf.broadcast_variables(model.variables + keraskit.optimizer_state(model.optimizer),
+                                   root_rank=0)  # fp16's scale too
     log(rank, start_line(cfg, size, where, splits, first, epochs, steps, lr))
     # ---- 4. callbacks in Horovod's order, then fit on this rank's shard
     samples = math.ceil(len(splits.train) / size) * size  # per epoch, over all ranks

@@ -76,10 +76,9 @@ def no_process_outlives_its_test(nothing_left_behind: harness.OrphanReaper) -> I
 
 @pytest.fixture(autouse=True)
 def legacy_keras_variable_restored() -> Iterator[None]:
-    """hvdtrain never sets TF_USE_LEGACY_KERAS (entry points do: tests/horovod/test_tfkeras_guard.py checks both),
-    but a test that imports TensorFlow in this process sets it first, and every later test's subprocess would
-    inherit it (tests/horovod/test_tfkeras_guard.py checks what happens without it). Each test leaves the variable
-    as it found it."""
+    """hvdtrain never sets TF_USE_LEGACY_KERAS (tests/horovod/test_tfkeras_guard.py checks it), but a test may, and
+    every later test's subprocess would inherit it (and run on tf_keras instead of Keras 3). Each test leaves the
+    variable as it found it."""
     name = "TF_USE_LEGACY_KERAS"
     saved = os.environ.get(name)
     yield

@@ -38,8 +38,9 @@ def to_tf_dataset(loader: Any, output_signature: Any = None, *, example: Any = N
     would be read here, not in a producer). Each pass over the returned dataset is one `iter(loader)`: call
     `loader.set_epoch(epoch)` before each pass. Keras `fit` with `steps_per_epoch` makes one pass for all its
     epochs (tf_keras re-creates its iterator per epoch only when the dataset's cardinality equals steps_per_epoch,
-    and then before `on_epoch_begin`): give it an iterable that sets each epoch and iterates the loader, as
-    `hvdtrain.train.keraskit.LoaderEpochs` does for the Keras recipe.
+    and then before `on_epoch_begin`; Keras 3 only when it knows the length and has read it all): give it an
+    iterable that sets each epoch and iterates the loader, as `hvdtrain.train.keraskit.LoaderEpochs` does for the
+    Keras recipe.
     Each batch is copied out of its shared-memory slot before it is handed to TF (one memcpy per batch): TF may
     wrap numpy memory without copying, and tf.data asks for the next element — releasing the slot — before the
     model has read the current one, so a zero-copy batch could be overwritten while in use. Lists are yielded as

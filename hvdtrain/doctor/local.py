@@ -92,15 +92,15 @@ def torch_checks() -> list[Check]:
     return checks
 
 
-# Runs in a child interpreter the way the Keras recipe imports TensorFlow: the probe, a process entry point, selects
-# Keras 2 itself (TF_USE_LEGACY_KERAS=1 unless the user set it), as the Keras recipe's main() does; it prints which
-# Keras tf.keras is and hvdtrain's verdict on it.
+# Runs in a child interpreter the way the Keras recipe imports TensorFlow, in the environment doctor was started
+# with (TF_USE_LEGACY_KERAS=1 there selects tf_keras, as in a job's; unset: Keras 3): it prints which Keras tf.keras
+# is and hvdtrain's verdict on it.
 _KERAS_PROBE = r"""
 import importlib.util, json, os
 out = {"tensorflow": importlib.util.find_spec("tensorflow") is not None}
 if out["tensorflow"]:
-    os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
     from hvdtrain import tfkeras
+    out["legacy"] = os.environ.get(tfkeras.LEGACY_ENV)
     try:
         tf = tfkeras.import_tensorflow()
         out["keras"] = tfkeras.keras_info(tf).describe()
@@ -111,11 +111,13 @@ print(json.dumps(out))
 
 
 def keras_check(probe: dict[str, Any], require: Set[str]) -> Check:
-    """Keras as horovod.tensorflow.keras needs it: Keras 2 (tf_keras); Keras 3 fails with the fix."""
+    """Keras as the Keras recipe needs it: Keras 3 on TensorFlow, or tf_keras under TF_USE_LEGACY_KERAS=1; anything
+    else fails with the fix."""
     if not probe.get("tensorflow"):
         return Check("Keras", False, "TensorFlow not installed", TF_FIX, required="tensorflow" in require)
     if "keras" in probe:
-        return Check("Keras", True, f"{probe['keras']}, selected by TF_USE_LEGACY_KERAS=1")
+        chosen = f", selected by TF_USE_LEGACY_KERAS={probe['legacy']}" if probe.get("legacy") else ""
+        return Check("Keras", True, f"{probe['keras']}{chosen}")
     error = probe.get("error", "probe failed")
     detail, _, fix = error.partition(" Fix: ")
     return Check("Keras", False, detail, fix or TF_FIX)

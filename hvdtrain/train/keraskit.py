@@ -3,9 +3,10 @@ its input (training batches from an ShmLoader's producer processes through `tf.d
 both N×H×W×C), the model, checkpoints in .npz, its callbacks (atomic checkpoints, the per-epoch record, the NaN/Inf
 stop), and bad data met inside `tf.data` re-raised as itself (exit 2 with its message).
 
-Importing this module imports TensorFlow and checks that tf.keras is Keras 2 (hvdtrain.tfkeras: KerasVersionError
-otherwise); it sets nothing. The process selects Keras 2 first (TF_USE_LEGACY_KERAS=1 before TensorFlow is
-imported): the recipe does, at the top of main(), and imports this module after that. The loader's `fetch`
+Importing this module imports TensorFlow and checks that tf.keras is Keras 3 on TensorFlow or Keras 2 (tf_keras,
+under TF_USE_LEGACY_KERAS=1) (hvdtrain.tfkeras: KerasVersionError otherwise); it sets nothing. Both run the same
+code; where the two Kerases differ (the loss scale's variables, building the metrics before the first step) the
+helpers below say so (`KERAS3`). The loader's `fetch`
 (`take_channels_last`) lives in hvdtrain/train/channels_last.py, which does not import TensorFlow: the producer
 processes import only that.
 
@@ -18,19 +19,24 @@ NOTE [Keras loss scaling with Horovod]
 fp16 gradients can overflow or vanish, so a LossScaleOptimizer multiplies the loss by a scale before the gradients
 and divides them back after, and with a dynamic scale skips every step whose gradients are not finite (halving the
 scale; doubling it after 2000 finite steps in a row). It wraps Horovod's DistributedOptimizer, never the other way
-round:
+round (and Keras 3's compile() wraps it so itself under mixed_float16):
     opt = hvd.DistributedOptimizer(tf.keras.optimizers.SGD(...))
     opt = tf.keras.mixed_precision.LossScaleOptimizer(opt)
-In fit, LossScaleOptimizer.compute_gradients scales the loss and asks the inner optimizer for the gradients; that
-is Horovod's compute_gradients, which allreduces them (the *scaled* gradients, the same scale on every rank); then
-the averages are unscaled, and apply_gradients decides from them whether to step and how to move the scale. An
-overflow on any rank makes the average inf/NaN on every rank, so every rank skips the same step and keeps the same
-scale: the weights stay identical. Wrapped the other way (hvd.DistributedOptimizer(LossScaleOptimizer(...))) Horovod
-rebuilds the optimizer from its class and config, which a LossScaleOptimizer does not survive (horovod/horovod
-#2989, #3807), and each rank would decide from its own gradients. The scale and its counter are not optimizer
-variables (`optimizer.variables` are the inner one's): the checkpoint keeps them as their own part, and they are
-broadcast from rank 0 with the rest on resume (`loss_scale_variables`). TensorFlow's CPU kernels compute float16
-(without AVX-512, slower than float32): fp16 runs on CPU, for testing; bf16 is the CPU's 16-bit format.
+Every rank must skip the same steps and keep the same scale, or the weights part:
+- tf_keras: in fit, LossScaleOptimizer.compute_gradients scales the loss and asks the inner optimizer for the
+  gradients; that is Horovod's compute_gradients, which allreduces them (the *scaled* gradients, the same scale on
+  every rank); the averages are unscaled, and apply_gradients decides from them whether to step. An overflow on any
+  rank makes the average inf/NaN on every rank, so every rank skips the same step. Wrapped the other way
+  (hvd.DistributedOptimizer(LossScaleOptimizer(...))) Horovod rebuilds the optimizer from its class and config,
+  which a LossScaleOptimizer does not survive (horovod/horovod #2989, #3807).
+- Keras 3: LossScaleOptimizer.apply unscales each rank's own gradients and checks them before the inner apply (where
+  Horovod's DistributedOptimizer averages): the Horovod that scripts/setup.sh builds makes that check an all-rank
+  decision (an allreduce of "finite" before the step; horovod/_keras/keras3.py), so an overflow on one rank skips
+  the step on every rank (tests/recipes/test_keras_precision.py: rank 1 overflows, both ranks skip).
+The scale and its count of finite steps are checkpointed as their own part and broadcast from rank 0 with the rest
+on resume (`loss_scale_variables`; tf_keras keeps them outside `optimizer.variables`, Keras 3 among them).
+TensorFlow's CPU kernels compute float16 (without AVX-512, slower than float32): fp16 runs on CPU, for testing;
+bf16 is the CPU's 16-bit format.
 """
 
 from __future__ import annotations
@@ -58,6 +64,8 @@ from hvdtrain.train.metrics import History
 from hvdtrain.train.report import log, lr_text
 
 tf = tfkeras.import_tensorflow()
+KERAS = tfkeras.keras_info(tf)
+KERAS3 = KERAS.major >= 3  # else tf_keras (Keras 2)
 T = TypeVar("T")
 
 
@@ -97,11 +105,21 @@ def loss_scaled(optimizer: Any, precision: str) -> Any:
 
 
 def loss_scale_variables(optimizer: Any) -> list[Any]:
-    """A dynamic LossScaleOptimizer's scale and its counter of finite steps (not among `optimizer.variables`);
-    [] for any other optimizer."""
-    if not isinstance(optimizer, tf.keras.mixed_precision.LossScaleOptimizer) or not optimizer.dynamic:
+    """A dynamic LossScaleOptimizer's scale and its count of finite steps, once built (tf_keras: not among
+    `optimizer.variables`; Keras 3, whose loss scale is always dynamic: among them); [] for any other optimizer."""
+    if not isinstance(optimizer, tf.keras.mixed_precision.LossScaleOptimizer):
         return []
-    return [optimizer._loss_scale.current_loss_scale, optimizer.dynamic_counter]
+    if KERAS3:
+        return [optimizer.dynamic_scale, optimizer.step_counter] if optimizer.built else []
+    return [optimizer._loss_scale.current_loss_scale, optimizer.dynamic_counter] if optimizer.dynamic else []
+
+
+def optimizer_state(optimizer: Any) -> list[Any]:
+    """Every variable of the optimizer's state, each once: `optimizer.variables` (a LossScaleOptimizer's: tf_keras
+    lists the inner optimizer's, Keras 3 its own and then the inner one's) and the loss scale's
+    (`loss_scale_variables`): what rank 0 broadcasts on resume."""
+    variables = list(optimizer.variables)
+    return variables + [v for v in loss_scale_variables(optimizer) if all(v is not w for w in variables)]
 
 
 def build_model(sample_shape: tuple[int, ...], num_classes: int, width: int) -> Any:
@@ -163,14 +181,15 @@ def load_latest(ckpt_dir: Path, model: Any) -> tuple[int, list[dict[str, Any]], 
                                    warn=lambda msg: print(f"WARNING: {msg}", flush=True))
     if found is None:
         return 0, [], None
+    written = found.state.get("keras", "tf_keras 2")  # checkpoints from before Keras 3 were tf_keras's
+    if tfkeras.major_version(written.split()[-1]) != KERAS.major:
+        raise checkpoint.CheckpointMismatch(
+            f"{found.path} was written under {written}, this run is on {KERAS.package} {KERAS.version}: their "
+            f"optimizer states differ; resume under the Keras that wrote it ({tfkeras.LEGACY_ENV}=1 selects tf_keras, "
+            "unset it for Keras 3), or train in a new --run-dir, or pass --no-resume")
     try:
         model.set_weights(found.state["model"])
-        # a LossScaleOptimizer builds (and holds the variables of) the optimizer it wraps, not itself: set them there
-        inner = getattr(model.optimizer, "inner_optimizer", model.optimizer)
-        if len(found.state["optimizer"]) != len(inner.variables):  # set_weights would load a part without a word
-            raise ValueError(f"the optimizer has {len(inner.variables)} variables, the checkpoint "
-                             f"{len(found.state['optimizer'])}")
-        inner.set_weights(found.state["optimizer"])
+        assign_all(list(model.optimizer.variables), found.state["optimizer"], "optimizer")
     except ValueError as e:
         what = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
         raise checkpoint.CheckpointMismatch(
@@ -187,9 +206,21 @@ def load_latest(ckpt_dir: Path, model: Any) -> tuple[int, list[dict[str, Any]], 
     return found.epoch, list(found.state["history"]), position
 
 
+def assign_all(variables: list[Any], values: list[Any], what: str) -> None:
+    """Each variable its value, in order; ValueError (before any is assigned) if the counts or a shape differ."""
+    if len(values) != len(variables):
+        raise ValueError(f"the {what} has {len(variables)} variables, the checkpoint {len(values)}")
+    for i, (variable, value) in enumerate(zip(variables, values, strict=True)):
+        if tuple(variable.shape) != tuple(np.shape(value)):
+            raise ValueError(f"{what} variable {i} has shape {tuple(variable.shape)}, the checkpoint's "
+                             f"{tuple(np.shape(value))}")
+    for variable, value in zip(variables, values, strict=True):
+        variable.assign(value)
+
+
 def checkpoint_state(model: Any, history: History) -> dict[str, Any]:
-    """What a checkpoint holds: weights, optimizer state, fp16's loss scale, history."""
-    return {"model": model.get_weights(), "history": history.epochs,
+    """What a checkpoint holds: weights, optimizer state, fp16's loss scale, history, and which Keras wrote it."""
+    return {"model": model.get_weights(), "history": history.epochs, "keras": f"{KERAS.package} {KERAS.version}",
             "optimizer": [np.asarray(v.numpy()) for v in model.optimizer.variables],
             "loss_scale": [np.asarray(v.numpy()) for v in loss_scale_variables(model.optimizer)]}
 
@@ -333,10 +364,11 @@ def train_input(epochs: LoaderEpochs, sample_shape: tuple[int, ...]) -> Any:
     steps_per_epoch=len(loader), initial_epoch=epochs.first, epochs=epochs.epochs)` (the rest of a stopped epoch:
     its own fit, `steps_per_epoch` = the batches left).
 
-    One dataset spans the epochs, not one `iter(loader)` per Keras epoch: tf_keras keeps a single iterator over a
-    dataset of unknown length for the whole of `fit` (it re-creates one per epoch only when the dataset's
-    cardinality equals steps_per_epoch, and then creates it before `on_epoch_begin`, so a `set_epoch` there could
-    come after tf.data has asked for the epoch's first batch). Every loader epoch has exactly `len(loader)` batches
+    One dataset spans the epochs, not one `iter(loader)` per Keras epoch: given steps_per_epoch, both Kerases keep a
+    single iterator over a dataset of unknown length for the whole of `fit` (tf_keras re-creates one per epoch only
+    when the dataset's cardinality equals steps_per_epoch, and then before `on_epoch_begin`, so a `set_epoch` there
+    could come after tf.data has asked for the epoch's first batch; Keras 3's EpochIterator re-creates it only when
+    it knows the dataset's length and has read it all). Every loader epoch has exactly `len(loader)` batches
     on every rank (the sampler pads), so Keras epoch e consumes loader epoch e, whole and only it; the producers
     start on epoch e+1 (`set_epoch` here, and an MDS split's fetch ahead) while Keras finishes or validates epoch e.
     """
@@ -356,7 +388,9 @@ def val_input(ds: Any, rank: int, size: int, batch_size: int = 256) -> Any:
             yield np.ascontiguousarray(x), y
 
     signature = batch_signature(channels_last_shape(ds.sample_shape))
-    return tf.data.Dataset.from_generator(lambda: _watched(batches()), output_signature=signature).prefetch(1)
+    data = tf.data.Dataset.from_generator(lambda: _watched(batches()), output_signature=signature)
+    # Its length, told: Keras 3 warns "Your input ran out of data" at the end of a dataset of unknown length.
+    return data.apply(tf.data.experimental.assert_cardinality(math.ceil(len(idx) / batch_size))).prefetch(1)
 
 
 # ---- bad data met inside tf.data -------------------------------------------------------------------------------

@@ -3,7 +3,7 @@ after the same step, rank 0 checkpoints there (mid-epoch: the loader's position 
 ends with `Preempted` and the recipe exits 75; the same command run again resumes at that step.
 
 NOTE [Keras stops mid-epoch]
-- An exception ends fit, not `model.stop_training`: told to stop, tf_keras's fit still validates and calls every
+- An exception ends fit, not `model.stop_training`: told to stop, fit (either Keras) still validates and calls every
   `on_epoch_end` for the broken epoch (rank 0's epoch checkpoint would then claim the whole epoch, after a
   validation SIGTERM's grace may not cover). `StopAtBoundary.on_train_batch_end` writes the checkpoint (the
   recipe's `save`: collectives on every rank) and raises `Preempted`: nothing validates, and leaving the loader's
@@ -18,7 +18,7 @@ NOTE [Keras stops mid-epoch]
   advanced by the steps this fit trained in the epoch (`advanced`, on a copy of the sampler, never the live one).
 - Each rank's own state is its metric accumulators (the loss's and accuracy's total and count, float32), which
   MetricAverageCallback averages only at the epoch's end: put back as they were, they accumulate on as they would
-  have, so the resumed epoch's metrics are the uninterrupted run's bit for bit. tf_keras creates them at the first
+  have, so the resumed epoch's metrics are the uninterrupted run's bit for bit. Both Kerases create them at the first
   train step; `restore_metrics` creates them (`build_metrics`) when the resumed epoch begins, after fit's
   `reset_metrics`, in `on_epoch_begin`. The model has no dropout: no RNG state to keep.
 - Resume: the rest of the stopped epoch is one fit of its own (`steps_per_epoch` = the batches left; the LR, the
@@ -36,7 +36,7 @@ from typing import Any
 from hvdtrain.data import ShardSampler
 from hvdtrain.train import preempt
 from hvdtrain.train.checkpoint import CheckpointMismatch
-from hvdtrain.train.keraskit import Callback, tf
+from hvdtrain.train.keraskit import KERAS3, Callback, tf
 
 
 class Preempted(Exception):  # not an error: the ranks agreed to stop and checkpointed
@@ -57,11 +57,21 @@ def advanced(sampler: ShardSampler, start: dict[str, Any], batches: int) -> dict
 
 
 def build_metrics(model: Any) -> None:
-    """Create the compiled loss's and metrics' accumulators now (tf_keras makes them at the first train step), the
-    same on every rank, so that a resumed epoch can put back each rank's."""
+    """Create the compiled loss's and metrics' accumulators now (both Kerases make them at the first train step),
+    the same on every rank, so that a resumed epoch can put back each rank's."""
+    y_true = tf.zeros((1,), tf.int64)
+    if KERAS3:  # what Keras 3's fit does before its first step when it has the data: shapes only, no step
+        model._symbolic_build(data_batch=(tf.zeros((1, *model.input_shape[1:]), tf.float32), y_true))
+        return
     y_pred = tf.zeros((1, *model.output_shape[1:]), tf.float32)
     model.compiled_loss.build(y_pred)
-    model.compiled_metrics.build(y_pred, tf.zeros((1,), tf.int64))
+    model.compiled_metrics.build(y_pred, y_true)
+
+
+def metrics_built(model: Any) -> bool:
+    """Whether every metric's accumulators exist (tf_keras: no metrics yet; Keras 3: the loss's tracker exists from
+    compile(), the compiled metrics are not built)."""
+    return bool(model.metrics) and all(getattr(metric, "built", True) for metric in model.metrics)
 
 
 def metric_state(model: Any) -> list[float]:
@@ -71,7 +81,7 @@ def metric_state(model: Any) -> list[float]:
 
 def restore_metrics(model: Any, values: list[float]) -> None:
     """Put back what `metric_state` returned (the metrics built first if fit has not yet)."""
-    if not model.metrics:
+    if not metrics_built(model):
         build_metrics(model)
     variables = [v for metric in model.metrics for v in metric.variables]
     if len(variables) != len(values):

@@ -1,5 +1,6 @@
-"""hvdtrain.tfkeras's Keras-3 guard and doctor's Keras check: pure decisions in-process, the real thing in
-fresh interpreters (TensorFlow reads TF_USE_LEGACY_KERAS once, at import)."""
+"""hvdtrain.tfkeras's Keras check (the Keras recipe runs on Keras 3 on TensorFlow, or on tf_keras under
+TF_USE_LEGACY_KERAS=1) and doctor's Keras check: pure decisions in-process, the real thing in fresh interpreters
+(TensorFlow reads TF_USE_LEGACY_KERAS once, at import)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ GUARD = REPO / "tests" / "scripts" / "keras3_guard.py"
 HAS_TF = importlib.util.find_spec("tensorflow") is not None
 needs_tf = pytest.mark.skipif(not HAS_TF, reason="TensorFlow is not installed in this venv")
 QUIET = {"TF_CPP_MIN_LOG_LEVEL": "2"}
+KERAS3 = KerasInfo("keras", "3.15.1", "2.21.0")
 
 
 def env_without_legacy(**extra: str) -> dict[str, str]:
@@ -34,14 +36,25 @@ def test_keras_2_is_accepted(info):
     assert keras_verdict(info, None) is None
 
 
-def test_keras_3_is_refused_naming_what_was_found_why_and_the_fix():
-    msg = keras_verdict(KerasInfo("keras", "3.15.1", "2.21.0"), "0")
-    assert msg is not None
-    assert "keras 3.15.1" in msg and "TensorFlow 2.21.0" in msg
-    assert "hvdtrain's Keras recipe is written for Keras 2 (tf_keras) and not yet for Keras 3" in msg
-    assert "TF_USE_LEGACY_KERAS='0' is set" in msg
-    assert 'pip install "tf-keras==2.21.*"' in msg and "TF_USE_LEGACY_KERAS=1 before tensorflow is imported" in msg
-    assert "is set in the environment" not in keras_verdict(KerasInfo("keras", "3.0.0", "2.16.1"), None)
+@pytest.mark.parametrize("value", [None, "0", "false"])
+def test_keras_3_on_tensorflow_is_accepted_unless_tf_keras_was_asked_for(value):
+    assert keras_verdict(KERAS3, value) is None
+
+
+def test_keras_3_where_tf_keras_was_asked_for_says_tensorflow_was_imported_first():
+    msg = keras_verdict(KERAS3, "1")
+    assert msg is not None and "TF_USE_LEGACY_KERAS=1 asks for tf_keras (Keras 2), but tf.keras is keras 3.15.1" in msg
+    assert "TensorFlow was imported before it was set" in msg
+    assert "Fix: set TF_USE_LEGACY_KERAS=1 before anything imports tensorflow, or unset it" in msg
+
+
+def test_keras_3_on_another_backend_and_other_majors_are_refused_naming_them_and_the_fix():
+    msg = keras_verdict(KerasInfo("keras", "3.15.1", "2.21.0", backend="jax"), None)
+    assert msg is not None and "keras 3.15.1 (tf.keras of TensorFlow 2.21.0, jax backend)" in msg
+    assert "runs TensorFlow ops" in msg and "unset KERAS_BACKEND (or set KERAS_BACKEND=tensorflow)" in msg
+    old = keras_verdict(KerasInfo("keras", "1.2.0", "1.15.0"), None)
+    assert old is not None and "runs on Keras 3 (tf.keras of TensorFlow >= 2.16) or Keras 2 (tf_keras)" in old
+    assert 'pip install "tensorflow>=2.16"' in old and 'pip install "tf-keras==1.15.*"' in old
 
 
 def test_tf_keras_pin_follows_the_tensorflow_minor_version():
@@ -50,12 +63,15 @@ def test_tf_keras_pin_follows_the_tensorflow_minor_version():
 
 
 def test_doctor_keras_check_ok_fail_and_missing():
-    ok = keras_check({"tensorflow": True, "keras": "tf_keras 2.21.0 (tf.keras of TensorFlow 2.21.0)"}, set())
-    assert ok.ok and "tf_keras 2.21.0" in ok.detail
-    bad = keras_check({"tensorflow": True, "error": keras_verdict(KerasInfo("keras", "3.15.1", "2.21.0"), None)},
-                      set())
-    assert not bad.ok and bad.required and "keras 3.15.1" in bad.detail
-    assert bad.fix.startswith('pip install "tf-keras==2.21.*"')
+    ok = keras_check({"tensorflow": True, "keras": "keras 3.15.1 (tf.keras of TensorFlow 2.21.0)"}, set())
+    assert ok.ok and ok.detail == "keras 3.15.1 (tf.keras of TensorFlow 2.21.0)"
+    legacy = keras_check({"tensorflow": True, "keras": "tf_keras 2.21.0 (tf.keras of TensorFlow 2.21.0)",
+                          "legacy": "1"}, set())
+    assert legacy.ok and legacy.detail.endswith(", selected by TF_USE_LEGACY_KERAS=1")
+    jax = KerasInfo("keras", "3.15.1", "2.21.0", backend="jax")
+    bad = keras_check({"tensorflow": True, "error": keras_verdict(jax, None)}, set())
+    assert not bad.ok and bad.required and "jax backend" in bad.detail
+    assert bad.fix.startswith("unset KERAS_BACKEND")
     missing = keras_check({"tensorflow": False}, set())
     assert not missing.ok and not missing.required
     assert keras_check({"tensorflow": False}, {"tensorflow"}).required
@@ -77,12 +93,12 @@ def environ_writes(path) -> list[str]:
 
 
 def test_the_library_checks_the_keras_switch_but_never_sets_it():
-    """Selecting Keras 2 is process-wide configuration: the entry point does it (the recipe's main(), doctor's
-    probe), visibly; hvdtrain.tfkeras and the training helpers only read the environment."""
+    """Which Keras tf.keras is, is process-wide configuration: the job's environment says it (TF_USE_LEGACY_KERAS=1
+    for tf_keras); hvdtrain.tfkeras, the training helpers, the recipe and doctor's probe only read it."""
     modules = [REPO / "hvdtrain" / "tfkeras.py", *sorted((REPO / "hvdtrain" / "train").glob("*.py"))]
     assert [w for m in modules for w in environ_writes(m)] == []
-    recipe = (REPO / "recipes" / "keras_train.py").read_text()
-    assert 'os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")' in recipe
+    for path in (REPO / "recipes" / "keras_train.py", REPO / "hvdtrain" / "doctor" / "local.py"):
+        assert "TF_USE_LEGACY_KERAS\", \"1" not in path.read_text(), path
 
 
 # ---- the real guard and doctor, in fresh interpreters -------------------------------------------------------
@@ -90,15 +106,15 @@ def test_the_library_checks_the_keras_switch_but_never_sets_it():
 @needs_tf
 @pytest.mark.slow
 @pytest.mark.parametrize("mode,code,expected,absent", [
-    # the entry point did not select Keras 2: refused, with the pip line that installs tf-keras
-    ("no-set", 1, ["KerasVersionError: tf.keras is keras 3.", 'pip install "tf-keras=='], ["OK "]),
-    # TensorFlow imported before the variable was set: refused, saying so
-    ("import-first", 1, ["TensorFlow was imported before TF_USE_LEGACY_KERAS=1 was set", "tf.keras is keras 3.",
-                         "set it before anything imports tensorflow"], ["OK "]),
-    # the entry point selected it: accepted
-    ("default", 0, ["OK tf_keras 2."], []),
+    # nothing set: Keras 3, the recipe's default
+    ("default", 0, ["OK keras 3."], []),
+    # TensorFlow imported before TF_USE_LEGACY_KERAS=1 was set: asked for tf_keras, got Keras 3: refused, saying so
+    ("import-first", 1, ["KerasVersionError: TF_USE_LEGACY_KERAS=1 asks for tf_keras (Keras 2), but tf.keras is "
+                         "keras 3.", "set TF_USE_LEGACY_KERAS=1 before anything imports tensorflow"], ["OK "]),
+    # set before the import: tf_keras
+    ("legacy", 0, ["OK tf_keras 2."], []),
 ])
-def test_the_guard_accepts_only_keras_2_selected_by_the_entry_point(mode, code, expected, absent):
+def test_the_guard_accepts_keras_3_and_tf_keras_asked_for_in_time(mode, code, expected, absent):
     result = run_bounded([str(BIN / "python"), str(GUARD), mode], timeout=180, env=env_without_legacy(), cwd=REPO)
     assert result.returncode == code, result.describe()
     assert all(e in result.output for e in expected), result.describe()
@@ -107,12 +123,13 @@ def test_the_guard_accepts_only_keras_2_selected_by_the_entry_point(mode, code, 
 
 @needs_tf
 @pytest.mark.slow
-def test_doctor_lists_tensorflow_ops_and_fails_keras_3_with_the_fix():
-    result = run_bounded([str(BIN / "hvdtrain"), "doctor"], timeout=240, env=env_without_legacy(**{LEGACY_ENV: "0"}))
+def test_doctor_lists_tensorflow_ops_and_fails_keras_3_on_the_torch_backend_with_the_fix():
+    result = run_bounded([str(BIN / "hvdtrain"), "doctor"], timeout=240,
+                         env=env_without_legacy(KERAS_BACKEND="torch"))
     lines = {line.split("]", 1)[1].strip().split("  ")[0]: line for line in result.output.splitlines()
              if line.startswith("[")}
     assert lines["TensorFlow ops"].startswith("[ok  ]"), result.output
     assert lines["PyTorch ops"].startswith("[ok  ]"), result.output
     assert lines["Keras"].startswith("[FAIL]") and "keras 3." in lines["Keras"], result.output
-    assert 'fix: pip install "tf-keras==' in result.output
+    assert "torch backend" in lines["Keras"] and "fix: unset KERAS_BACKEND" in result.output
     assert "doctor: FAILED: Keras" in result.output and result.returncode == 1

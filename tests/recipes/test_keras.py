@@ -23,7 +23,6 @@ import pytest
 
 from hvdtrain.train import checkpoint
 from tests.support import recipes
-from tests.support.harness import horovodrun
 from tests.support.recipes import Run, epoch_lines
 
 pytestmark = [pytest.mark.slow,
@@ -74,7 +73,7 @@ def test_gloo_two_ranks_learn_and_end_with_identical_weights(fresh):
     assert digests[0] == checkpoint_digest(fresh, 3), "the last checkpoint does not hold the ranks' final weights"
     assert summary["epochs_completed"] == 3 and summary["world_size"] == 2 and summary["resumed_from_epoch"] == 0
     assert summary["val_accuracy"] > 0.5 and summary["samples_per_sec"] > 0, summary
-    assert summary["keras"].startswith("tf_keras 2."), summary["keras"]
+    assert summary["keras"].startswith("keras 3."), summary["keras"]
     assert epoch_lines(fresh.output) == [1, 2, 3]
     # the epoch line: the first step's LR → the last's during the warmup (23 steps of 2 × 32 samples), then one value
     assert [row["lr_first"] for row in summary["history"]] == pytest.approx([0.05 + 0.05 / 23, 0.1, 0.01])
@@ -86,7 +85,7 @@ def test_gloo_two_ranks_learn_and_end_with_identical_weights(fresh):
     assert config["lr"]["peak"] == pytest.approx(0.1) and config["lr"]["milestones"] == [2]
     assert (config["epochs"], config["precision"], config["seed"]) == (3, "fp32", 42)
     assert config["world"] == {"size": 2, "local_size": 2, "hosts": 1}
-    assert set(config["versions"]) == {"hvdtrain", "horovod", "tensorflow", "tf_keras", "python"}
+    assert set(config["versions"]) == {"hvdtrain", "horovod", "tensorflow", "keras", "python"}
     assert "weights identical on all 2 ranks" in fresh.output
 
 
@@ -231,18 +230,38 @@ def test_fp16_checkpoints_its_loss_scale_and_resumes_with_it(tmp_path):
     assert summary["val_accuracy"] > 0.7, summary
 
 
-def test_recipe_stops_with_the_fix_on_keras_3_and_trains_nothing(tmp_path):
-    result = horovodrun(RECIPE, "--run-dir", str(tmp_path / "run"), *ARGS, controller="gloo", timeout=recipes.TIMEOUT_S,
-                        env={"TF_USE_LEGACY_KERAS": "0"})
-    assert result.returncode != 0, result.describe()
-    assert "keras_train.py: error: tf.keras is keras 3." in result.output, result.describe()
-    assert "is written for Keras 2 (tf_keras) and not yet for Keras 3" in result.output
-    assert 'pip install "tf-keras==' in result.output and "TF_USE_LEGACY_KERAS=1" in result.output
-    assert epoch_lines(result.output) == [] and not (tmp_path / "run").exists()
+def test_tf_keras_behind_the_legacy_switch_stops_mid_epoch_in_fp16_and_resumes_but_not_under_keras_3(tmp_path):
+    """TF_USE_LEGACY_KERAS=1 in the job's environment: the same recipe on tf_keras (Keras 2), fp16 (its loss scale
+    outside the optimizer's variables, its metrics built otherwise than Keras 3's): SIGTERM to rank 1 after its 10th
+    step, a checkpoint there, resumed to the end with both ranks identical and the loss scale's count going on; that
+    checkpoint under Keras 3 (TF_USE_LEGACY_KERAS=0) is refused with exit 2 naming both Kerases. Over 30 s: three
+    2-rank Keras runs, two of them in float16 on CPU."""
+    run_dir, ckpts, legacy = tmp_path / "run", tmp_path / "run" / "checkpoints", {"TF_USE_LEGACY_KERAS": "1"}
+    first = run_recipe(tmp_path, run_dir, *ARGS, "--precision", "fp16", "--sigterm-grace", "60", controller="gloo",
+                       exit_code=1, env={**legacy, "HVDTRAIN_TEST_SIGNAL": "1:10:SIGTERM"})
+    names = first.checkpoints()
+    assert len(names) == 1 and re.fullmatch(r"ckpt-epoch0000-step0000(09|10|11)\.pt", names[0]), first.output
+    assert "tf_keras 2." in first.output and epoch_lines(first.output) == []
+    second = run_recipe(tmp_path, run_dir, *ARGS, "--precision", "fp16", controller="gloo", env=legacy)
+    step = int(names[0][-9:-3])
+    assert f"resuming from {ckpts / names[0]} (epoch 0 done, then {step} steps of epoch 1)" in second.output
+    summary = second.summary()
+    assert summary["keras"].startswith("tf_keras 2.") and set(summary["config"]["versions"]) >= {"tf_keras"}
+    assert summary["weights_sha256_by_rank"][0] == summary["weights_sha256_by_rank"][1] == checkpoint_digest(second, 2)
+    assert [float(v) for v in checkpoint_parts(second, 2)["loss_scale"]] == [2.0 ** 15, 46]  # 23 steps an epoch
+    assert summary["epochs_completed"] == 2 and summary["val_accuracy"] > 0.7, summary
+
+    third = run_recipe(tmp_path, run_dir, "--epochs", "3", *ARGS[2:], "--precision", "fp16", controller="gloo",
+                       exit_code=1, env={"TF_USE_LEGACY_KERAS": "0"})
+    assert f"{ckpts / 'ckpt-epoch0002.pt'} was written under tf_keras 2." in third.output, third.output
+    assert "this run is on keras 3." in third.output and "TF_USE_LEGACY_KERAS=1 selects tf_keras" in third.output
+    # rank 0 (the one that reads checkpoints) says it in one line; rank 1, waiting in its broadcast, sees Horovod shut
+    assert "[0]<stderr>:Traceback" not in third.output and epoch_lines(third.output) == []
+    assert "Process 0 exit with status code 2." in third.output
 
 
 def test_importing_the_recipe_or_asking_for_help_imports_no_tensorflow():
-    """The recipe sets up Keras 2 (TF_USE_LEGACY_KERAS) and imports TensorFlow inside main(), not at import."""
+    """The recipe imports TensorFlow inside main(), not at import, and sets no TF_USE_LEGACY_KERAS (the user's)."""
     probe = (f"import os, sys; sys.path.insert(0, {str(RECIPE.parent)!r}); import keras_train; "
              "print('tensorflow' in sys.modules, os.environ.get('TF_USE_LEGACY_KERAS'))")
     env = {k: v for k, v in os.environ.items() if k != "TF_USE_LEGACY_KERAS"}

@@ -60,11 +60,9 @@ class Encoded:
 
 
 @pytest.fixture
-def keraskit(monkeypatch: pytest.MonkeyPatch) -> Any:
-    """hvdtrain.train.keraskit (TensorFlow with it), imported as the recipe's main() imports it: after selecting Keras 2
-    (TF_USE_LEGACY_KERAS=1 unless set; keraskit only checks it). monkeypatch restores the variable after the test."""
-    if "TF_USE_LEGACY_KERAS" not in os.environ:
-        monkeypatch.setenv("TF_USE_LEGACY_KERAS", "1")
+def keraskit() -> Any:
+    """hvdtrain.train.keraskit (TensorFlow with it), imported as the recipe's main() imports it (Keras 3 unless this
+    process's environment sets TF_USE_LEGACY_KERAS=1)."""
     from hvdtrain.train import keraskit
 
     return keraskit
@@ -132,7 +130,7 @@ def test_each_keras_epoch_consumes_exactly_one_loader_epoch(keraskit: Any, rank:
         with keraskit.data_errors_reraised():
             model.fit(keraskit.train_input(keraskit.LoaderEpochs(loader, first, epochs), shape), steps_per_epoch=3,
                       epochs=epochs, initial_epoch=first, validation_data=keraskit.val_input(ds, rank, size, 4),
-                      callbacks=[marks], verbose=0)
+                      callbacks=[marks], verbose=0, shuffle=False)
     assert [e for e, _, _ in marks.ends] == list(range(first, epochs))
     train_ends = [0, *(t for _, t, _ in marks.ends)]
     val_ends = [0, *(v for _, _, v in marks.ends)]
@@ -156,7 +154,7 @@ def test_bad_data_in_a_producer_ends_fit_as_the_producers_error(keraskit: Any) -
         model = recording_model(tf)
         with pytest.raises(WorkerError) as info, keraskit.data_errors_reraised():
             model.fit(keraskit.train_input(keraskit.LoaderEpochs(loader, 0, 2), channels_last_shape(SHAPE)),
-                      steps_per_epoch=len(loader), epochs=2, verbose=0)
+                      steps_per_epoch=len(loader), epochs=2, verbose=0, shuffle=False)
     assert info.value.bad_data and info.value.message == "shard.00000.mds sample 33: label 12 is out of range"
     assert len(model.seen["train"]) < 10  # stopped in the first epoch, at the batch holding sample 33
 

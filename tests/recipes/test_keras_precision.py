@@ -1,5 +1,7 @@
-"""The Keras recipe's --precision bf16/fp16 averages gradients over the ranks (the Keras 3 trap: an optimizer Horovod
-does not wrap trains each rank alone, silently), and fp16's loss scale skips an overflowing step on every rank alike.
+"""The Keras recipe's --precision bf16/fp16 averages gradients over the ranks (the trap: an optimizer Horovod does not
+wrap trains each rank alone, silently), and fp16's loss scale skips an overflowing step on every rank alike: on
+Keras 3 (the recipe's default) and on tf_keras (TF_USE_LEGACY_KERAS=1), whose loss scaling decides otherwise
+(NOTE [Keras loss scaling with Horovod] in hvdtrain/train/keraskit.py).
 
 Two real ranks (horovodrun -np 2 --gloo) run tests/scripts/keras_precision_step.py: one SGD step of the recipe's model
 and optimizer (hvdtrain.train.keraskit: set_precision, build_model, loss_scaled around hvd.DistributedOptimizer) with
@@ -23,7 +25,8 @@ from tests.support.harness import REPO, expect_ok, horovodrun
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None, reason="TensorFlow not installed")]
 SCRIPT = REPO / "tests" / "scripts" / "keras_precision_step.py"
-ENV = {"TF_CPP_MIN_LOG_LEVEL": "2", "TF_USE_LEGACY_KERAS": "1"}
+KERASES = {"keras3": "0", "tf_keras": "1"}  # TF_USE_LEGACY_KERAS: the recipe's default, and Keras 2 behind the switch
+LOSS_SCALER = {"keras3": "LossScaleOptimizer", "tf_keras": "LossScaleOptimizerV3"}
 # |horovod - reference| / |reference - w0|, from the arithmetic: the two steps differ only by rounding (one batch of 32
 # against two batches of 16, averaged), and each gradient element goes through about 8 roundings to the 16-bit type
 # (forward and backward through the model's layers, the loss), each off by at most the unit roundoff u (2^-8 for
@@ -35,29 +38,30 @@ TOLERANCE = {"bf16": ROUNDINGS * 2.0**-8, "fp16": ROUNDINGS * 2.0**-11}
 
 
 @pytest.fixture(scope="module")
-def step_results(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], list[dict[str, Any]]]:
-    """Each rank's result for a precision (the job runs once per precision in this module)."""
-    done: dict[str, list[dict[str, Any]]] = {}
+def step_results(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, str], list[dict[str, Any]]]:
+    """Each rank's result for a Keras and a precision (the job runs once per pair in this module)."""
+    done: dict[tuple[str, str], list[dict[str, Any]]] = {}
 
-    def run(precision: str) -> list[dict[str, Any]]:
-        if precision not in done:
-            out = tmp_path_factory.mktemp(f"keras-{precision}")
-            job = expect_ok(horovodrun(SCRIPT, str(out), precision, controller="gloo", env=ENV, timeout=180))
+    def run(keras: str, precision: str) -> list[dict[str, Any]]:
+        if (keras, precision) not in done:
+            out = tmp_path_factory.mktemp(f"{keras}-{precision}")
+            env = {"TF_CPP_MIN_LOG_LEVEL": "2", "TF_USE_LEGACY_KERAS": KERASES[keras]}
+            job = expect_ok(horovodrun(SCRIPT, str(out), precision, controller="gloo", env=env, timeout=180))
             found = sorted(out.glob("result.*.json"))
             assert [p.name for p in found] == ["result.0.json", "result.1.json"], job.describe()
-            done[precision] = [{k: np.array(v) if isinstance(v, list) and k != "variable_dtypes" else v
+            done[keras, precision] = [{k: np.array(v) if isinstance(v, list) and k != "variable_dtypes" else v
                                 for k, v in json.loads(p.read_text()).items()} for p in found]
-        return done[precision]
+        return done[keras, precision]
     return run
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_one_step_applies_the_averaged_gradient_on_every_rank(step_results: Any, precision: str) -> None:
-    r0, r1 = step_results(precision)
+@pytest.mark.parametrize("keras,precision", [("keras3", "bf16"), ("keras3", "fp16"), ("tf_keras", "fp16")])
+def test_one_step_applies_the_averaged_gradient_on_every_rank(step_results: Any, keras: str, precision: str) -> None:
+    r0, r1 = step_results(keras, precision)
     # the mixed policy: 16-bit layers, float32 weights and output (the loss in float32); fp16 scales the loss
     assert (r0["compute_dtype"], r0["output_dtype"]) == ({"bf16": "bfloat16", "fp16": "float16"}[precision], "float32")
     assert r0["variable_dtypes"] == ["float32"]
-    assert r0["optimizer"] == ("LossScaleOptimizerV3" if precision == "fp16" else "SGD")
+    assert r0["optimizer"] == (LOSS_SCALER[keras] if precision == "fp16" else "SGD")
     assert r0["w0"].tobytes() == r1["w0"].tobytes(), "the ranks started from different weights"
     update = np.abs(r0["reference"] - r0["w0"]).max()
     assert update > 1e-3, "the reference step moved nothing: the comparison would prove nothing"
@@ -75,11 +79,12 @@ def test_one_step_applies_the_averaged_gradient_on_every_rank(step_results: Any,
         assert r0["scale_before"] == r0["scale_after"] == r1["scale_after"] == 2.0 ** 15
 
 
-def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(step_results: Any) -> None:
+@pytest.mark.parametrize("keras", ["keras3", "tf_keras"])
+def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(step_results: Any, keras: str) -> None:
     """Rank 1's batch overflows float16, rank 0's does not: the averaged gradient is non-finite on both, so both skip
     the step and halve the scale (NOTE [Keras loss scaling with Horovod]); alone, rank 0 would step and keep its
     scale while rank 1 skips: the weights and scales would part."""
-    r0, r1 = step_results("fp16")
+    r0, r1 = step_results(keras, "fp16")
     for r in (r0, r1):
         assert r["horovod_overflow"].tobytes() == r["horovod"].tobytes(), f"rank {r['rank']} stepped on an overflow"
         assert r["scale_after_overflow"] == 2.0 ** 14

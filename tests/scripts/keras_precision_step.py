@@ -12,16 +12,13 @@ fp16 then takes a second step of the "horovod" and "alone" models where rank 1's
 Writes OUT_DIR/result.<rank>.json (weights flattened); the test does the arithmetic.
 """
 
-import os
 import sys
-
-os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 
 import horovod.tensorflow.keras as hvd
 import numpy as np
 from rank_results import write_result
 
-from hvdtrain.train import keraskit  # imports TensorFlow, checked to be Keras 2
+from hvdtrain.train import keraskit  # imports TensorFlow: Keras 3, or tf_keras under the caller's TF_USE_LEGACY_KERAS=1
 
 tf = keraskit.tf
 LR = 0.5
@@ -65,7 +62,7 @@ reference = model_with(keraskit.loss_scaled(tf.keras.optimizers.SGD(LR), precisi
 alone = model_with(keraskit.loss_scaled(tf.keras.optimizers.SGD(LR), precision), w0)
 result = {"rank": rank, "precision": precision, "lr": LR, "w0": flat(horovod),
           "compute_dtype": horovod.layers[0].compute_dtype, "output_dtype": horovod.layers[-1].compute_dtype,
-          "variable_dtypes": sorted({v.dtype.name for v in horovod.variables}),
+          "variable_dtypes": sorted({getattr(v.dtype, "name", v.dtype) for v in horovod.variables}),  # Keras 3: str
           "optimizer": type(horovod.optimizer).__name__, "scale_before": scale_of(horovod)}
 horovod.train_on_batch(x, y)
 reference.train_on_batch(np.concatenate([b[0] for b in both]), np.concatenate([b[1] for b in both]))

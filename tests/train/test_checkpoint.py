@@ -234,9 +234,7 @@ def test_a_position_of_other_data_is_one_error_line_and_exit_2(tmp_path: Path, c
 @pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None, reason="TensorFlow is not installed in this venv")
 def test_a_keras_checkpoint_of_another_model_is_one_error_line_and_exit_2(tmp_path: Path, capsys, monkeypatch) -> None:
     """The Keras recipe's load_latest into another model said ValueError with a traceback (exit 1); now as the PyTorch
-    recipe's: exit 2 naming the checkpoint and the ways out. (Keras 2 selected as the recipe selects it.)"""
-    if "TF_USE_LEGACY_KERAS" not in os.environ:
-        monkeypatch.setenv("TF_USE_LEGACY_KERAS", "1")
+    recipe's: exit 2 naming the checkpoint and the ways out (on the Keras this process's environment selects)."""
     from hvdtrain.train import keraskit
     from hvdtrain.train.entry import exit_with
     from hvdtrain.train.metrics import History
