@@ -1,12 +1,13 @@
 """B11: the Keras recipe's steady training speed on Keras 3 (its default) vs tf_keras (TF_USE_LEGACY_KERAS=1), the
 same job otherwise (not a test).
 
-Each side is the recipe itself under `horovodrun -np 2 -H localhost:2 --gloo` (`--dataset synthetic`: 4096 random
-3x32x32 samples, the recipe's CNN at width 32; fp32 unless `--precision`), `--epochs` epochs; its summary.json
-records each epoch's training samples/s (over all ranks, the training part of the epoch, validation excluded). Epoch
-1 traces the step and fills the producers: left out. A side's speed is the median of its other epochs. Runs
-alternate (Keras 3 first, then tf_keras first, ...) so that machine load hits both alike; the ratio is taken per
-pair (Keras 3 / tf_keras) and its median printed, with each side's median. Goal (issue 56 item 7): >= 0.95x.
+Each side is the recipe itself under `horovodrun -np N -H localhost:N --gloo` (`--np`, 2 by default) (`--dataset
+synthetic`: 4096 random 3x32x32 samples, the recipe's CNN at width 32; fp32 unless `--precision`), `--epochs`
+epochs; its summary.json records each epoch's training samples/s (over all ranks, the training part of the epoch,
+validation excluded). Epoch 1 traces the step and fills the producers: left out. A side's speed is the median of its
+other epochs. Runs alternate (Keras 3 first, then tf_keras first, ...) so that machine load hits both alike; the
+ratio is taken per pair (Keras 3 / tf_keras) and its median printed, with each side's median. Goal (issue 56 item
+7): >= 0.95x.
 
     .venv/bin/python bench/keras3_vs_tf_keras.py [--pairs 3] [--epochs 4] [--precision fp32|bf16|fp16]
 
@@ -20,13 +21,14 @@ import statistics
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from _common import OUT, REPO, watch_run, write_json
 
 SIDES = {"keras3": "0", "tf_keras": "1"}  # TF_USE_LEGACY_KERAS
 
 
-def run_side(keras: str, args: argparse.Namespace, run_dir: Path) -> dict[str, object]:
+def run_side(keras: str, args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
     """One recipe run under `keras`; its per-epoch samples/s and the Keras it ran on (from summary.json)."""
     argv = ["env", f"TF_USE_LEGACY_KERAS={SIDES[keras]}", "TF_CPP_MIN_LOG_LEVEL=2",
             str(Path(sys.executable).parent / "horovodrun"), "-np", str(args.np), "-H", f"localhost:{args.np}",
@@ -55,7 +57,7 @@ def main() -> int:
     args = p.parse_args()
     if args.epochs < 2 or args.pairs < 1:
         p.error("--epochs must be >= 2 (the first is left out) and --pairs >= 1")
-    runs: dict[str, list[dict[str, object]]] = {side: [] for side in SIDES}
+    runs: dict[str, list[dict[str, Any]]] = {side: [] for side in SIDES}
     ratios = []
     with tempfile.TemporaryDirectory(prefix="b11-") as tmp:
         for i in range(args.pairs):
@@ -64,10 +66,10 @@ def main() -> int:
                 runs[side].append(run_side(side, args, Path(tmp) / f"{side}-{i}"))
                 print(f"pair {i + 1} {side}: {runs[side][-1]['median']:.0f} samples/s ({runs[side][-1]['keras']})",
                       flush=True)
-            ratios.append(float(runs["keras3"][-1]["median"]) / float(runs["tf_keras"][-1]["median"]))  # type: ignore[arg-type]
-    medians = {side: statistics.median(float(r["median"]) for r in rs) for side, rs in runs.items()}  # type: ignore[arg-type]
+            ratios.append(float(runs["keras3"][-1]["median"]) / float(runs["tf_keras"][-1]["median"]))
+    medians = {side: statistics.median(float(r["median"]) for r in rs) for side, rs in runs.items()}
     ratio = statistics.median(ratios)
-    print(f"Keras 3 {medians['keras3']:.0f} vs tf_keras {medians['tf_keras']:.0f} samples/s (2 ranks, "
+    print(f"Keras 3 {medians['keras3']:.0f} vs tf_keras {medians['tf_keras']:.0f} samples/s ({args.np} ranks, "
           f"{args.precision}, {args.dataset}): {ratio:.3f}x median of paired ratios "
           f"({', '.join(f'{r:.3f}' for r in ratios)}); goal >= 0.95x: {'met' if ratio >= 0.95 else 'NOT met'}")
     path = write_json(OUT / "keras3_vs_tf_keras.json", {"args": vars(args), "runs": runs, "ratios": ratios,

@@ -33,8 +33,9 @@ Every rank must skip the same steps and keep the same scale, or the weights part
   Horovod's DistributedOptimizer averages): the Horovod that scripts/setup.sh builds makes that check an all-rank
   decision (an allreduce of "finite" before the step; horovod/_keras/keras3.py), so an overflow on one rank skips
   the step on every rank (tests/recipes/test_keras_precision.py: rank 1 overflows, both ranks skip).
-The scale and its count of finite steps are checkpointed as their own part and broadcast from rank 0 with the rest
-on resume (`loss_scale_variables`; tf_keras keeps them outside `optimizer.variables`, Keras 3 among them).
+The scale and its count of finite steps are checkpointed as their own part (a checkpoint resumes across
+--precision) and broadcast from rank 0 with the rest on resume (`loss_scale_variables`; tf_keras keeps them outside
+`optimizer.variables`, Keras 3 among them: `optimizer_variables`).
 TensorFlow's CPU kernels compute float16 (without AVX-512, slower than float32): fp16 runs on CPU, for testing;
 bf16 is the CPU's 16-bit format.
 """
@@ -114,6 +115,14 @@ def loss_scale_variables(optimizer: Any) -> list[Any]:
     return [optimizer._loss_scale.current_loss_scale, optimizer.dynamic_counter] if optimizer.dynamic else []
 
 
+def optimizer_variables(optimizer: Any) -> list[Any]:
+    """The optimizer's state but a LossScaleOptimizer's own, on both Kerases: the inner optimizer's variables. What a
+    checkpoint holds as "optimizer", so that it resumes across --precision (the loss scale is its own part). tf_keras
+    lists only these for a LossScaleOptimizer too; Keras 3 lists its own first: the scale and its count, and an
+    iteration count and learning rate it never updates (its `iterations` and `learning_rate` are the inner's)."""
+    return list(getattr(optimizer, "inner_optimizer", optimizer).variables)
+
+
 def optimizer_state(optimizer: Any) -> list[Any]:
     """Every variable of the optimizer's state, each once: `optimizer.variables` (a LossScaleOptimizer's: tf_keras
     lists the inner optimizer's, Keras 3 its own and then the inner one's) and the loss scale's
@@ -189,7 +198,7 @@ def load_latest(ckpt_dir: Path, model: Any) -> tuple[int, list[dict[str, Any]], 
             "unset it for Keras 3), or train in a new --run-dir, or pass --no-resume")
     try:
         model.set_weights(found.state["model"])
-        assign_all(list(model.optimizer.variables), found.state["optimizer"], "optimizer")
+        assign_all(optimizer_variables(model.optimizer), found.state["optimizer"], "optimizer")
     except ValueError as e:
         what = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
         raise checkpoint.CheckpointMismatch(
@@ -221,7 +230,7 @@ def assign_all(variables: list[Any], values: list[Any], what: str) -> None:
 def checkpoint_state(model: Any, history: History) -> dict[str, Any]:
     """What a checkpoint holds: weights, optimizer state, fp16's loss scale, history, and which Keras wrote it."""
     return {"model": model.get_weights(), "history": history.epochs, "keras": f"{KERAS.package} {KERAS.version}",
-            "optimizer": [np.asarray(v.numpy()) for v in model.optimizer.variables],
+            "optimizer": [np.asarray(v.numpy()) for v in optimizer_variables(model.optimizer)],
             "loss_scale": [np.asarray(v.numpy()) for v in loss_scale_variables(model.optimizer)]}
 
 

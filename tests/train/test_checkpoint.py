@@ -259,3 +259,46 @@ def test_a_keras_checkpoint_of_another_model_is_one_error_line_and_exit_2(tmp_pa
     with pytest.raises(ckpt.CheckpointMismatch, match=r"\(the optimizer has \d+ variables, the checkpoint \d+\)"):
         keraskit.load_latest(tmp_path, built(2, adam=True))
     assert keraskit.load_latest(tmp_path, built(2))[0] == 1  # the same model still resumes
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None, reason="TensorFlow is not installed in this venv")
+def test_a_keras_checkpoint_resumes_across_precision_with_its_optimizer_state(tmp_path: Path) -> None:
+    """--precision fp32 <-> fp16 between runs: the optimizer's state (momenta) is the inner optimizer's either way and
+    the loss scale a part of its own (Keras 3 lists the scale among a LossScaleOptimizer's variables: a checkpoint
+    holding them there did not fit the other precision's optimizer). On the Keras this process's environment selects."""
+    import numpy as np
+
+    from hvdtrain.train import keraskit
+    from hvdtrain.train.metrics import History
+
+    def built(scaled: bool):
+        model = keraskit.build_model((4,), 3, 2)
+        sgd = keraskit.tf.keras.optimizers.SGD(0.1, momentum=0.9)
+        model.compile(optimizer=keraskit.tf.keras.mixed_precision.LossScaleOptimizer(sgd) if scaled else sgd,
+                      loss="mse")
+        model.optimizer.build(model.trainable_variables)
+        return model
+
+    def momenta(model) -> list:
+        return [v.numpy().tolist() for v in keraskit.optimizer_variables(model.optimizer) if len(v.shape)]
+
+    fp32 = built(False)
+    for i, v in enumerate(keraskit.optimizer_variables(fp32.optimizer)):
+        v.assign(np.full(v.shape, i + 1, v.dtype.name if hasattr(v.dtype, "name") else v.dtype))
+    keraskit.save_checkpoint(tmp_path / "a", 1, fp32, History([{"epoch": 1}]), 1)
+    fp16 = built(True)
+    initial = [float(v.numpy()) for v in keraskit.loss_scale_variables(fp16.optimizer)]
+    assert keraskit.load_latest(tmp_path / "a", fp16)[0] == 1
+    assert momenta(fp16) == momenta(fp32) and any(momenta(fp32))
+    assert [float(v.numpy()) for v in keraskit.loss_scale_variables(fp16.optimizer)] == initial  # the initial scale
+
+    scale, count = keraskit.loss_scale_variables(fp16.optimizer)
+    scale.assign(1024.0)
+    count.assign(7)
+    keraskit.save_checkpoint(tmp_path / "b", 1, fp16, History([{"epoch": 1}]), 1)
+    again = built(True)
+    assert keraskit.load_latest(tmp_path / "b", again)[0] == 1
+    assert [float(v.numpy()) for v in keraskit.loss_scale_variables(again.optimizer)] == [1024.0, 7.0]
+    back = built(False)
+    assert keraskit.load_latest(tmp_path / "b", back)[0] == 1 and momenta(back) == momenta(fp32)
