@@ -130,9 +130,14 @@ def keras_info(tf: ModuleType) -> KerasInfo:
     """Inspect an imported TensorFlow: which package implements `tf.keras`, its version, and its backend."""
     try:
         module = tf.keras.Model.__module__
-    except (ImportError, AttributeError) as exc:  # TF >= 2.16 with TF_USE_LEGACY_KERAS=1 but no tf_keras
-        raise KerasVersionError(f"tf.keras cannot be imported ({type(exc).__name__}: {exc}); "
-                                f"fix: {fix_text(tf.__version__)}") from None
+    except (ImportError, AttributeError) as exc:  # no tf_keras under TF_USE_LEGACY_KERAS=1, or a backend TF refuses
+        found = f"tf.keras cannot be imported ({type(exc).__name__}: {exc})"
+        backend = os.environ.get("KERAS_BACKEND", "tensorflow")
+        if backend != "tensorflow" and os.environ.get(LEGACY_ENV) not in LEGACY_VALUES:
+            raise KerasVersionError(f"{found}: KERAS_BACKEND={backend!r} is set, and TensorFlow's tf.keras is Keras 3 "
+                                    "computing with TensorFlow. Fix: unset KERAS_BACKEND (or set "
+                                    "KERAS_BACKEND=tensorflow)") from None
+        raise KerasVersionError(f"{found}; fix: {fix_text(tf.__version__)}") from None
     package = module.split(".", 1)[0]
     if package == "tensorflow":
         return KerasInfo(package, tf.__version__, tf.__version__)

@@ -140,3 +140,32 @@ def test_doctor_lists_tensorflow_ops_and_fails_keras_3_on_the_torch_backend_with
     assert lines["Keras"].startswith("[FAIL]") and "keras 3." in lines["Keras"], result.output
     assert "torch backend" in lines["Keras"] and "fix: unset KERAS_BACKEND" in result.output
     assert "doctor: FAILED: Keras" in result.output and result.returncode == 1
+
+
+class _NoKeras:
+    """A TensorFlow whose tf.keras cannot be imported (what TensorFlow 2.21 does under KERAS_BACKEND=numpy, or under
+    TF_USE_LEGACY_KERAS=1 without tf_keras)."""
+
+    __version__ = "2.21.0"
+
+    @property
+    def keras(self):
+        raise ImportError("Keras cannot be imported. Check that it is installed.")
+
+
+@pytest.mark.parametrize("env,says", [
+    ({"KERAS_BACKEND": "numpy"}, "KERAS_BACKEND='numpy' is set, and TensorFlow's tf.keras is Keras 3 computing with "
+                                 "TensorFlow. Fix: unset KERAS_BACKEND"),
+    ({LEGACY_ENV: "1"}, 'fix: pip install "tf-keras==2.21.*" and set TF_USE_LEGACY_KERAS=1'),
+])
+def test_a_tf_keras_that_cannot_be_imported_names_the_cause(monkeypatch, env, says):
+    from hvdtrain.tfkeras import KerasVersionError, keras_info
+
+    for name in ("KERAS_BACKEND", LEGACY_ENV):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(KerasVersionError) as refused:
+        keras_info(_NoKeras())  # type: ignore[arg-type]
+    assert str(refused.value).startswith("tf.keras cannot be imported (ImportError: Keras cannot be imported.")
+    assert says in str(refused.value)

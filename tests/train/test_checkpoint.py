@@ -302,3 +302,35 @@ def test_a_keras_checkpoint_resumes_across_precision_with_its_optimizer_state(tm
     assert [float(v.numpy()) for v in keraskit.loss_scale_variables(again.optimizer)] == [1024.0, 7.0]
     back = built(False)
     assert keraskit.load_latest(tmp_path / "b", back)[0] == 1 and momenta(back) == momenta(fp32)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None, reason="TensorFlow is not installed in this venv")
+def test_a_keras_checkpoint_of_the_other_keras_is_refused_naming_both(tmp_path: Path) -> None:
+    """tf_keras and Keras 3 keep other optimizer variables: a checkpoint records the Keras that wrote it, and the other
+    one stops with CheckpointMismatch (exit 2) naming both and how to resume; one without the record (written before
+    the recipe ran on Keras 3) is tf_keras's."""
+    from hvdtrain.train import keraskit
+    from hvdtrain.train.metrics import History
+
+    model = keraskit.build_model((4,), 3, 2)
+    model.compile(optimizer=keraskit.tf.keras.optimizers.SGD(0.1, momentum=0.9), loss="mse")
+    model.optimizer.build(model.trainable_variables)
+    this = f"{keraskit.KERAS.package} {keraskit.KERAS.version}"
+    other = "tf_keras 2.21.0" if keraskit.KERAS3 else "keras 3.15.1"
+    state = keraskit.checkpoint_state(model, History([{"epoch": 1}]))
+    assert state["keras"] == this
+    ckpt.save(tmp_path / "other", 1, state | {"keras": other}, keraskit.write_npz, keep=1)
+    with pytest.raises(ckpt.CheckpointMismatch) as refused:
+        keraskit.load_latest(tmp_path / "other", model)
+    assert f"ckpt-epoch0001.pt was written under {other}, this run is on {this}: their optimizer states differ" \
+        in str(refused.value)
+    assert "TF_USE_LEGACY_KERAS=1 selects tf_keras, unset it for Keras 3" in str(refused.value)
+    ckpt.save(tmp_path / "unmarked", 1, {k: v for k, v in state.items() if k != "keras"}, keraskit.write_npz, keep=1)
+    if keraskit.KERAS3:
+        with pytest.raises(ckpt.CheckpointMismatch, match="was written under tf_keras 2, this run is on keras 3"):
+            keraskit.load_latest(tmp_path / "unmarked", model)
+    else:
+        assert keraskit.load_latest(tmp_path / "unmarked", model)[0] == 1
+    ckpt.save(tmp_path / "same", 1, state, keraskit.write_npz, keep=1)
+    assert keraskit.load_latest(tmp_path / "same", model)[0] == 1
