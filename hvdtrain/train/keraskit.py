@@ -124,11 +124,9 @@ def optimizer_variables(optimizer: Any) -> list[Any]:
 
 
 def optimizer_state(optimizer: Any) -> list[Any]:
-    """Every variable of the optimizer's state, each once: `optimizer.variables` (a LossScaleOptimizer's: tf_keras
-    lists the inner optimizer's, Keras 3 its own and then the inner one's) and the loss scale's
-    (`loss_scale_variables`): what rank 0 broadcasts on resume."""
-    variables = list(optimizer.variables)
-    return variables + [v for v in loss_scale_variables(optimizer) if all(v is not w for w in variables)]
+    """What rank 0 broadcasts of the optimizer on resume: what a checkpoint holds of it, the inner optimizer's
+    variables (`optimizer_variables`) and the loss scale's (`loss_scale_variables`), on both Kerases."""
+    return optimizer_variables(optimizer) + loss_scale_variables(optimizer)
 
 
 def build_model(sample_shape: tuple[int, ...], num_classes: int, width: int) -> Any:
