@@ -6,6 +6,8 @@
 #
 # Removes only what hvdtrain or its tests create:
 #   - hvdtrain's cache directory ($HVDTRAIN_CACHE_DIR, else ${XDG_CACHE_HOME:-~/.cache}/hvdtrain);
+#   - the patched horovodrun's build-probe answers ($HOROVOD_BUILD_CACHE_DIR, else ~/.horovod: build-flags-*.json;
+#     the rest of ~/.horovod is horovodrun's own);
 #   - the node cache of streamed datasets ($HVDTRAIN_DATA_CACHE, else ${TMPDIR:-/tmp}/hvdtrain-data-UID);
 #   - /run/sshd, if it is empty and no sshd runs (older test runs made it for their namespace hosts);
 #   - ~/.ssh/known_hosts entries for the test hosts' addresses (10.213.20-219.11-12; older test runs recorded them);
@@ -31,6 +33,13 @@ if [[ -d "$cache" ]]; then
   say "removing hvdtrain's cache $cache"
   rm -rf -- "$cache"
 fi
+
+probe_answers="${HOROVOD_BUILD_CACHE_DIR:-$HOME/.horovod}"
+for answers in "$probe_answers"/build-flags-*.json; do
+  [[ -f "$answers" ]] || continue
+  say "removing horovodrun's build-probe answers $answers"
+  rm -f -- "$answers"
+done
 
 data_cache="${HVDTRAIN_DATA_CACHE:-${TMPDIR:-/tmp}/hvdtrain-data-$(id -u)}"
 if [[ -d "$data_cache" ]]; then

@@ -3,8 +3,9 @@
 Keras 3 (tf.keras of TensorFlow >= 2.16, and `import keras`) on the TensorFlow backend averages as tf_keras
 (TF_USE_LEGACY_KERAS=1) does: the plain pattern (w = 0.3), an MLP against one process on the combined batch (fit,
 Horovod's tape, apply(), gradient accumulation, clipping, groups, mixed_float16's loss scale), Horovod's TF2 MNIST
-example, every callback of its Keras examples. Keras 3 on another backend is refused, naming it. Two real ranks each
-(horovodrun -np 2); the ranks write what they saw, the checks are here.
+example, every callback of its Keras examples, and Horovod's own v0.28.1 Keras tests ported to Keras 3 (Gloo and
+MPI). Keras 3 on another backend is refused, naming it. Two real ranks each (horovodrun -np 2); the ranks write what
+they saw, the checks are here.
 """
 
 from __future__ import annotations
@@ -31,17 +32,6 @@ def results(out_dir: Path, job: JobResult) -> dict[int, dict]:
     found = {int(p.name.split(".")[1]): json.loads(p.read_text()) for p in out_dir.glob("result.*.json")}
     assert sorted(found) == [0, 1], f"expected a result file from each rank\n{job.describe()}"
     return found
-
-
-def test_plain_horovod_keras_pattern_averages_with_import_keras(tmp_path):
-    """horovod.keras with `import keras` (Keras 3 whatever TF_USE_LEGACY_KERAS says), as Horovod's keras examples
-    write it; tf.keras's plain pattern runs in the next test. One controller: TensorFlow's collectives run under
-    both in test_conformance.py."""
-    job = expect_ok(horovodrun(SCRIPTS / "keras_plain.py", str(tmp_path), controller="gloo", env=KERAS3))
-    found = results(tmp_path, job)
-    assert {r["keras"] for r in found.values()} == {"keras"}
-    # Rank r fits y = r + 1 from w = 0 with SGD(0.1): the averaged gradient gives 0.3; rank 0's own 0.2, rank 1's 0.4.
-    assert [found[r]["w"] for r in (0, 1)] == [pytest.approx(0.3, abs=1e-6)] * 2, found
 
 
 @pytest.mark.parametrize("keras", ["tf_keras", "keras3"])
@@ -96,13 +86,32 @@ def test_keras_3_on_another_backend_is_refused_naming_it():
     lines = [line for line in job.output.splitlines() if line.startswith(("REFUSED ", "ACCEPTED "))]
     names = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback", "LearningRateWarmupCallback",
              "LearningRateScheduleCallback", "CommitStateCallback", "UpdateBatchStateCallback",
-             "UpdateEpochStateCallback", "KerasState", "load_model", "DistributedOptimizer"]
+             "UpdateEpochStateCallback", "KerasState", "SyncBatchNormalization", "load_model", "DistributedOptimizer"]
     assert [line.split(":")[0] for line in lines] == [f"REFUSED {name}" for name in names], job.describe()
     assert lines[-1] == (
         "REFUSED DistributedOptimizer: DistributedOptimizer: Keras 3 runs on the 'torch' backend here (KERAS_BACKEND), "
         "but Horovod's Keras integration runs on Keras 3's TensorFlow backend only: its allreduce is a TensorFlow op, "
         "which cannot run in the torch backend's train step. Fix: set KERAS_BACKEND=tensorflow before keras is "
         "imported (or, for a torch model, use horovod.torch)."), lines[-1]
+
+
+def test_horovod_tensorflow_imports_under_a_keras_backend_tf_keras_refuses():
+    """KERAS_BACKEND=numpy (jax alike): TensorFlow cannot import its tf.keras; plain TensorFlow code with Horovod
+    still works (0.28.1's `import horovod.tensorflow` imported tf.keras and failed), and the one Keras layer in
+    horovod.tensorflow says why it cannot be had."""
+    code = ("import horovod.tensorflow as hvd, tensorflow as tf\n"
+            "hvd.init()\n"
+            "print('SUM', hvd.allreduce(tf.constant([1.0, 2.0]), op=hvd.Sum).numpy().tolist())\n"
+            "try:\n"
+            "    hvd.SyncBatchNormalization\n"
+            "except Exception as exc:\n"
+            "    print('REFUSED', type(exc).__name__, exc)\n")
+    job = run_bounded([str(BIN / "python"), "-c", code], timeout=120,
+                      env={**os.environ, **KERAS3, "KERAS_BACKEND": "numpy"})
+    assert job.returncode == 0 and "SUM [1.0, 2.0]" in job.output, job.describe()
+    assert ("REFUSED UnsupportedKerasError hvd.SyncBatchNormalization is a tf.keras layer, and tf.keras cannot be "
+            "imported with KERAS_BACKEND=numpy") in job.output and "Fix: set KERAS_BACKEND=tensorflow" in job.output, \
+        job.describe()
 
 
 @pytest.mark.parametrize("keras", ["tf_keras", "keras3"])
@@ -150,3 +159,28 @@ def test_tf_keras_backend_is_bound_in_horovods_keras_modules():
     job = run_bounded([str(BIN / "python"), "-c", code], timeout=120, env={**os.environ, **LEGACY})
     assert job.returncode == 0 and "OK tf_keras" in job.output and job.output.rstrip().endswith("True"), \
         job.describe()
+
+
+# Horovod's own v0.28.1 Keras tests, ported to Keras 3 (tests/scripts/keras3_upstream.py; each port listed in
+# docs/recipes.md), the plain pattern with `import keras` (w = 0.3 on both ranks), and what upstream tested only on
+# Keras 2: the op, compression and SyncBatchNormalization.
+UPSTREAM = {"tf2keras.train_model_lr_schedule", "tf2keras.sparse_as_dense", "keras.sparse_as_dense",
+            "tf2keras.sparse_as_dense_with_grad_aggregation", "tf2keras.grad_aggregation_with_inf_grad",
+            "tf2keras.from_config", "tf2keras.elastic_state", "keras.from_config", "keras.elastic_state",
+            *(f"tf2keras.gradient_aggregation{local}[average={average}]"
+              for local in ("", "_with_local_vars") for average in (True, False)),
+            "tf2keras.partial_distributed_optimizer", "tf2keras.broadcast_global_variables_callback_with_local_vars",
+            "process_sets.process_set_optimizer", "keras.load_model", "keras.load_model_custom_optimizers",
+            "keras.load_model_custom_objects", "keras.load_model_broadcast", "keras.plain_pattern",
+            "keras3.op_sum_and_fp16_compression", "keras3.sync_batch_normalization"}
+
+
+@pytest.mark.parametrize("controller", ["gloo", "mpi"])
+def test_horovods_own_keras_tests_pass_on_keras_3(tmp_path, controller):
+    job = expect_ok(horovodrun(SCRIPTS / "keras3_upstream.py", str(tmp_path), controller=controller, env=KERAS3,
+                               timeout=240))
+    for rank, result in results(tmp_path, job).items():
+        assert result["keras"] == "keras", result
+        assert set(result["cases"]) == UPSTREAM, sorted(set(result["cases"]) ^ UPSTREAM)
+        failed = {name: outcome for name, outcome in result["cases"].items() if outcome != "ok"}
+        assert not failed, f"rank {rank}: {json.dumps(failed, indent=1)}"

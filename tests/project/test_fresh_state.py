@@ -1,7 +1,8 @@
-"""scripts/fresh_state.sh removes what earlier runs left (hvdtrain's cache, an empty privsep dir, the test hosts'
-known_hosts lines, segments of dead processes, a killed test run's namespaces and bridge, a killed test run's Slurm
-cluster) and nothing else: not a live test run's. Run with HOME and every path pointed at tmp_path (TMPDIR, where
-the Slurm clusters are, included); only the namespace test lets it touch the machine's namespaces."""
+"""scripts/fresh_state.sh removes what earlier runs left (hvdtrain's cache, horovodrun's build-probe answers, an
+empty privsep dir, the test hosts' known_hosts lines, segments of dead processes, a killed test run's namespaces and
+bridge, a killed test run's Slurm cluster) and nothing else: not a live test run's. Run with HOME and every path
+pointed at tmp_path (TMPDIR, where the Slurm clusters are, included); only the namespace test lets it touch the
+machine's namespaces."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def dead_pid() -> int:
 
 def run(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
     base = {k: v for k, v in os.environ.items()
-            if k not in ("HVDTRAIN_CACHE_DIR", "HVDTRAIN_DATA_CACHE", "XDG_CACHE_HOME")}
+            if k not in ("HVDTRAIN_CACHE_DIR", "HVDTRAIN_DATA_CACHE", "XDG_CACHE_HOME", "HOROVOD_BUILD_CACHE_DIR")}
     full = {**base, "HOME": str(tmp_path / "home"), "TMPDIR": str(tmp_path / "tmp"),
             "HVDTRAIN_PRIVSEP_DIR": str(tmp_path / "sshd"),
             "HVDTRAIN_SHM_DIR": str(tmp_path / "shm"), "HVDTRAIN_SKIP_NETNS": "1", **env}
@@ -46,6 +47,9 @@ def test_removes_what_earlier_runs_left_and_nothing_else(tmp_path):
     (home / ".cache" / "hvdtrain").mkdir(parents=True)
     (home / ".cache" / "hvdtrain" / "controllers.json").write_text("{}")
     (home / ".cache" / "other").mkdir()
+    (home / ".horovod").mkdir()
+    for name in ("build-flags-0123456789abcdef.json", "cache.bin"):  # the probe's answers; horovodrun's own cache
+        (home / ".horovod" / name).write_text("{}")
     (home / ".ssh").mkdir()
     known = home / ".ssh" / "known_hosts"
     known.write_text(f"10.213.57.11 {KEY}\nserver1 {KEY}\n10.213.57.12 {KEY}\n10.0.0.7 {KEY}\n")
@@ -60,6 +64,7 @@ def test_removes_what_earlier_runs_left_and_nothing_else(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert not (home / ".cache" / "hvdtrain").exists(), proc.stdout
     assert (home / ".cache" / "other").is_dir()
+    assert [p.name for p in (home / ".horovod").iterdir()] == ["cache.bin"], proc.stdout
     kept = [line.split()[0] for line in known.read_text().splitlines()]
     assert kept == ["server1", "10.0.0.7"], proc.stdout
     assert not (home / ".ssh" / "known_hosts.old").exists()

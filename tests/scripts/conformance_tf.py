@@ -1,7 +1,7 @@
 """Horovod's public TensorFlow API on this build, case by case; writes OUT_DIR/result.<rank>.json.
 
 Usage: conformance_tf.py OUT_DIR (run with TF_USE_LEGACY_KERAS=1: Horovod's SyncBatchNormalization subclasses
-tf.keras's BatchNormalization and is checked on tf_keras only, not yet under Keras 3). Same rules as
+tf.keras's BatchNormalization; it is checked here on tf_keras, and under Keras 3 in keras3_upstream.py). Same rules as
 conformance_torch.py: every rank runs the same cases in the same order, expected values come from the rank and the
 size alone, and each case records "ok" or its first error.
 """

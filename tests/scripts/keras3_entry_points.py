@@ -3,6 +3,7 @@ horovod.keras that takes or builds a Keras object and print REFUSED or ACCEPTED 
 collective runs. Horovod's Keras integration is TensorFlow code: on another backend it must refuse, naming it."""
 
 import horovod.keras as hvd
+import horovod.tensorflow as hvd_tf
 import keras
 from horovod.common.keras_version import UnsupportedKerasError
 
@@ -18,6 +19,7 @@ entry_points = {
     "UpdateBatchStateCallback": lambda: hvd.elastic.UpdateBatchStateCallback(state),
     "UpdateEpochStateCallback": lambda: hvd.elastic.UpdateEpochStateCallback(state),
     "KerasState": lambda: hvd.elastic.KerasState(model),
+    "SyncBatchNormalization": lambda: hvd_tf.SyncBatchNormalization(),
     "load_model": lambda: hvd.load_model("never-read.keras"),
     "DistributedOptimizer": lambda: hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)),
 }
