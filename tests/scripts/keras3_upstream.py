@@ -429,6 +429,28 @@ def _():
         np.testing.assert_allclose(w.numpy(), [want, 0.5 * (size if op == hvd.Sum else 1)])
 
 
+@case("keras3.two_optimizers_in_one_step")
+def _():
+    # Allreduces are named by position ("DistributedSGD_grad_0"), not from the graph: two Horovod optimizers of
+    # one class applied in one tf.function step reuse those names, one after the other (TensorFlow orders the
+    # stateful ops in program order), with different shapes; each must still get its own average.
+    a, b = tf.Variable([0.0, 0.0]), tf.Variable([0.0, 0.0, 0.0])
+    opt_a, opt_b = (hvd.DistributedOptimizer(tf.keras.optimizers.SGD(1.0)) for _ in range(2))
+    opt_a.build([a])
+    opt_b.build([b])
+
+    @tf.function
+    def step():
+        opt_a.apply_gradients([(tf.fill([2], rank + 1.0), a)])
+        opt_b.apply_gradients([(tf.fill([3], 10.0 * (rank + 1)), b)])
+
+    for _step in range(3):
+        step()
+    mean = (size + 1) / 2
+    np.testing.assert_allclose(a.numpy(), [-3 * mean] * 2)
+    np.testing.assert_allclose(b.numpy(), [-30 * mean] * 3)
+
+
 @case("keras3.sync_batch_normalization")
 def _():
     # Rank r holds r + 1 samples: the statistics are the combined batch's (weighted by each rank's count).
