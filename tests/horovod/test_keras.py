@@ -172,8 +172,8 @@ UPSTREAM = {"tf2keras.train_model_lr_schedule", "tf2keras.sparse_as_dense", "ker
             "tf2keras.partial_distributed_optimizer", "tf2keras.broadcast_global_variables_callback_with_local_vars",
             "process_sets.process_set_optimizer", "keras.load_model", "keras.load_model_custom_optimizers",
             "keras.load_model_custom_objects", "keras.load_model_broadcast", "keras.plain_pattern",
-            "keras3.op_sum_and_fp16_compression", "keras3.two_optimizers_in_one_step",
-            "keras3.sync_batch_normalization"}
+            "keras3.load_model_adamw_loss_scale_and_plain", "keras3.op_sum_and_fp16_compression",
+            "keras3.two_optimizers_in_one_step", "keras3.sync_batch_normalization"}
 
 
 @pytest.mark.parametrize("controller", ["gloo", "mpi"])
