@@ -13,7 +13,8 @@ main commands:
 example:
   hvdtrain data convert ./images ./mds --image-size 64x64 --val-fraction 0.1
   hvdtrain data verify ./mds
-  hvdtrain run jobs/digits.yaml
+  hvdtrain run jobs/quickstart.yaml --dry-run   # from the repository root: the horovodrun command it runs
+  hvdtrain run jobs/quickstart.yaml
 
 `hvdtrain COMMAND --help` describes each command; the README and its docs/ pages have the rest.
 """
@@ -136,7 +137,7 @@ def _cmd_data_convert(args: argparse.Namespace) -> int:
     try:
         summary = convert(args.src, args.dst, shard_bytes=args.shard_size, compression=args.compression,
                           image_size=args.image_size, val_fraction=args.val_fraction, progress=args.progress,
-                          shuffle=args.shuffle, seed=args.seed, encoded=args.encoded)
+                          shuffle=args.shuffle, seed=args.seed, encoded=args.encoded, skip_bad=args.skip_bad)
     except DataError as exc:
         print(f"hvdtrain data convert: error: {exc}", file=sys.stderr)
         return exitcodes.INVALID_INPUT
@@ -212,8 +213,9 @@ def _add_data_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     p = cmds.add_parser("convert", help="write an array shard directory or an image folder as an MDS dataset",
                         description="Write SRC as an MDS dataset in DST (train/ and val/, one index.json each); "
                                     "see hvdtrain/stream/convert.py for the layouts read.")
-    p.add_argument("src", type=Path, metavar="SRC", help="*.npz / NAME_x.npy+NAME_y.npy shards, or CLASS/*.jpg|png "
-                   "images; with train/ and val/ subdirectories those are the splits")
+    p.add_argument("src", type=Path, metavar="SRC", help="*.npz / NAME_x.npy+NAME_y.npy shards, or CLASS/**/*.jpg|png "
+                   "images (any depth below each class directory); with train/ and val/ subdirectories those are "
+                   "the splits")
     p.add_argument("dst", type=Path, metavar="DST", help="new (or empty) directory; gets train/ and val/")
     p.add_argument("--shard-size", type=_convert_arg("parse_size"), default="64MiB", metavar="SIZE",
                    help="bytes per shard before compression, e.g. 64MiB (default), 1GB, 1000000")
@@ -225,7 +227,11 @@ def _add_data_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     p.add_argument("--encoded", action="store_true",
                    help="images: keep each JPEG/PNG file as it is (a jpeg column, any sizes; typically 5-10x smaller "
                         "than pixels), decoded and augmented per batch by the loader's producers at the training's "
-                        "--image-size; default: decoded pixels")
+                        "--image-size (default there: the first training image's shorter side, at most 224 px; "
+                        "on a CPU pass e.g. --image-size 64); default: decoded pixels")
+    p.add_argument("--skip-bad", action="store_true",
+                   help="images: leave out files that do not decode, counted in the summary and recorded in the "
+                        "index (default: list every bad file and write nothing)")
     p.add_argument("--val-fraction", type=_fraction, default=0.0, metavar="F",
                    help="for a SRC without train/ and val/: hold out this fraction, evenly spaced, as val/")
     p.add_argument("--seed", type=int, default=0, metavar="N",

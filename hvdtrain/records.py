@@ -89,6 +89,21 @@ def launched_at(env: Mapping[str, str] = os.environ) -> float | None:
     return value if math.isfinite(value) else None
 
 
+EXEC_GAP_S = 2.0  # hvdtrain imported this long after its process started: the process ran something else first
+
+
+def launcher_started() -> float:
+    """When this `hvdtrain` began, for the ranks' first-step line: its process's start, unless hvdtrain was imported
+    more than EXEC_GAP_S later, when a script ran in the process first and exec'd hvdtrain (scripts/quickstart.sh
+    sets up for minutes, then `exec hvdtrain run`): then the import (Python's own start, tens of ms, not counted)."""
+    import hvdtrain
+
+    started = process_started()
+    if started is None or hvdtrain.IMPORTED_AT - started > EXEC_GAP_S:
+        return hvdtrain.IMPORTED_AT
+    return started
+
+
 def process_started(pid: int | None = None) -> float | None:
     """When process `pid` (default: this one) started, on time.time()'s clock: its start tick in /proc against
     CLOCK_BOOTTIME, exact to a clock tick (psutil's create_time() can be up to a second off: it adds whole-second

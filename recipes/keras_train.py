@@ -66,7 +66,7 @@ from hvdtrain.train.config import RecipeConfig, parse_config
 from hvdtrain.train.entry import exit_with
 from hvdtrain.train.lr import LRSchedule, scaled_epochs
 from hvdtrain.train.metrics import History, build_summary, write_summary
-from hvdtrain.train.report import log, nothing_to_train, run_config, same_weights, versions
+from hvdtrain.train.report import images_note, log, nothing_to_train, run_config, same_weights, versions
 
 
 @dataclass(frozen=True)
@@ -196,7 +196,8 @@ def start_line(cfg: Config, size: int, where: str, splits: arrays.Splits, first:
 
     return (f"{size} ranks on {where}  dataset {splits.name}: {len(splits.train)} train / {len(splits.val)} val  "
             f"{tfkeras.keras_info(keraskit.tf).describe()}  epochs {first + 1}..{epochs}  batch {cfg.batch_size}×"
-            f"{size} ranks  {steps} steps/epoch  peak lr {lr:g}  {cfg.precision}")
+            f"{size} ranks  {steps} steps/epoch  peak lr {lr:g}  {cfg.precision}"
+            f"{images_note(splits, cpu=not where.startswith('GPU'))}")
 
 
 def rank_0_callbacks(cfg: Config, run_dir: Path, history: History) -> list[Any]:

@@ -64,7 +64,7 @@ from hvdtrain.train.lr import LRSchedule, scaled_epochs
 from hvdtrain.train.metrics import History, MetricSums, build_summary, combine_stall
 from hvdtrain.train.precision import Precision, prepare_model
 from hvdtrain.train.progress import progress_bar
-from hvdtrain.train.report import log, nothing_to_train, run_config, same_weights, versions
+from hvdtrain.train.report import images_note, log, nothing_to_train, run_config, same_weights, versions
 from hvdtrain.train.startup import StartupClock
 from hvdtrain.train.stepflags import LateReads
 from hvdtrain.train.torchkit import (
@@ -261,7 +261,8 @@ def start_line(cfg: Config, where: str, splits: arrays.Splits, model: nn.Module,
     return (f"{hvd.size()} ranks on {where}  dataset {splits.name}: {len(splits.train)} train / {len(splits.val)} "
             f"val  model {type(model).__name__}  epochs {f'{first + 1}..{epochs}' if first < epochs else 'all done'}"
             f"  batch {cfg.batch_size}×{hvd.size()} ranks  peak lr {lr:g}  {cfg.precision}"
-            f"{'  channels-last' if cfg.channels_last else ''}{'  compiled' if cfg.compile else ''}")
+            f"{'  channels-last' if cfg.channels_last else ''}{'  compiled' if cfg.compile else ''}"
+            f"{images_note(splits, cpu=where.startswith('cpu'))}")
 
 
 def stop_asked(cfg: Config, done: int, epochs: int) -> bool:

@@ -1,11 +1,15 @@
 """Writes a small image folder to try `hvdtrain data convert` on: 4 classes of shapes, as most image datasets
 arrive (one folder per class, sorted by class, nothing downloaded).
 
-    .venv/bin/python scripts/make_shapes.py /tmp/shapes [--per-class 250] [--size 32] [--seed 0]
+    .venv/bin/python scripts/make_shapes.py /tmp/shapes [--per-class 250] [--size 32] [--seed 0] [--messy]
 
 DST/{circle,cross,square,triangle}/NNNN.png: one shape per image, in a random colour, size and place, on a noisy
 background of another random colour, so the class is the shape and not the colour. The same seed gives the same
 files. Refuses a DST that exists and is not empty.
+
+--messy: a folder as they arrive: a third of each class's images in CLASS/2024/batch0/ and a third as JPEGs in
+CLASS/2024/batch1/, plus a truncated JPEG (circle/2024/broken.jpg), a web page saved as square/thumb.jpg, a
+stray triangle/notes.txt and a .DS_Store.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ def main() -> int:
     parser.add_argument("--per-class", type=int, default=250, help="images per class")
     parser.add_argument("--size", type=int, default=32, help="image side in pixels")
     parser.add_argument("--seed", type=int, default=0, help="random seed")
+    parser.add_argument("--messy", action="store_true", help="sub-folders, JPEGs, two bad files and a stray one")
     args = parser.parse_args()
     if args.per_class < 1 or args.size < 8:
         parser.error(f"--per-class {args.per_class} --size {args.size}: use --per-class >= 1 and --size >= 8")
@@ -61,9 +66,28 @@ def main() -> int:
         folder = args.dst / kind
         folder.mkdir(parents=True, exist_ok=True)
         for i in range(args.per_class):
-            draw(kind, args.size, rng).save(folder / f"{i:04d}.png")
-    print(f"{args.dst}: {len(CLASSES)} classes x {args.per_class} images, {args.size}x{args.size} PNG")
+            image = draw(kind, args.size, rng)
+            if not args.messy or i % 3 == 2:
+                image.save(folder / f"{i:04d}.png")
+            else:
+                (folder / "2024" / f"batch{i % 3}").mkdir(parents=True, exist_ok=True)
+                image.save(folder / "2024" / f"batch{i % 3}" / f"{i:04d}.{'png' if i % 3 == 0 else 'jpg'}")
+    if args.messy:
+        mess(args.dst, args.size, rng)
+    print(f"{args.dst}: {len(CLASSES)} classes x {args.per_class} images, {args.size}x{args.size} "
+          f"{'PNG and JPEG in sub-folders, 2 bad files, 2 stray ones' if args.messy else 'PNG'}")
     return 0
+
+
+def mess(dst: Path, size: int, rng: np.random.Generator) -> None:
+    """The bad and stray files of --messy (the module docstring)."""
+    (dst / "circle" / "2024").mkdir(parents=True, exist_ok=True)
+    draw("circle", size * 4, rng).save(dst / "circle" / "2024" / "broken.jpg")
+    whole = (dst / "circle" / "2024" / "broken.jpg").read_bytes()
+    (dst / "circle" / "2024" / "broken.jpg").write_bytes(whole[:len(whole) // 2])  # a copy cut off half-way
+    (dst / "square" / "thumb.jpg").write_text("<html><body>404 Not Found</body></html>\n")
+    (dst / "triangle" / "notes.txt").write_text("labelled by hand, 2024\n")
+    (dst / "cross" / ".DS_Store").write_bytes(bytes(64))
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from hvdtrain.datasets.arrays import DatasetError
 UNREADABLE = (ValueError, OSError, EOFError, zipfile.BadZipFile, zlib.error, NotImplementedError)
 
 ShardSrc = Path | tuple[Path, Path]  # a .npz file or (NAME_x.npy, NAME_y.npy)
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")  # Pillow decodes them
 
 
 def shard_files(directory: Path) -> list[tuple[str, ShardSrc]]:
@@ -40,8 +41,24 @@ def shard_files(directory: Path) -> list[tuple[str, ShardSrc]]:
             raise DatasetError(f"{p}: missing its labels file {y_path.name}")
         found.append((str(p), (p, y_path)))
     if not found:
-        raise DatasetError(f"{directory}: no .npz or NAME_x.npy/NAME_y.npy shards found")
+        hint = _image_folder_hint(directory)
+        raise DatasetError(f"{directory}: no .npz or NAME_x.npy/NAME_y.npy shards found{hint}")
     return sorted(found, key=lambda item: item[0])
+
+
+def _image_folder_hint(directory: Path) -> str:
+    """What to do when `directory` looks like an image folder (an image in a class directory, or one level below;
+    the recipes read MDS datasets and shards, not image files): '' otherwise."""
+    split = directory.name in ("train", "val")
+    root = directory.parent if split else directory
+    for pattern in ("*/*", "*/*/*"):
+        for p in directory.glob(pattern):
+            if p.suffix.lower() in IMAGE_SUFFIXES and not p.name.startswith("."):
+                return (f"; it is an image folder ({p.relative_to(directory)}): convert it to a dataset first, e.g. "
+                        f"`hvdtrain data convert {root} {root}-mds{'' if split else ' --val-fraction 0.1'}` "
+                        "(--encoded keeps the JPEGs; "
+                        f"docs/streaming.md), then train with --dataset {root}-mds")
+    return ""
 
 
 def unreadable(name: str, e: BaseException) -> DatasetError:

@@ -16,9 +16,17 @@ log files (logs.dir) get every line. What the console leaves out:
     KeyboardInterrupt are hidden with it (`LauncherLines.feed`). A middleman interrupted while its interpreter
     starts may die before its exception line (local run, 2026-12-02: `Fatal Python error: init_import_site`, two
     tracebacks' frames interleaved, then `Process 1 exit with status code 1.`): after a forwarded signal such a
-    traceback, cut off by a rank's exit line or the end of the output, is hidden too.
+    traceback, cut off by a rank's exit line or the end of the output, is hidden too. Such a traceback is held
+    past the exit line (which is shown) until a line that is not a fragment, or the end, decides it: a Ctrl-C
+    reaches the middlemen as it reaches hvdtrain, and their fragments can reach the reader thread before hvdtrain's
+    handler has run (CI, 2026-12-02, a reverse-order run: a fragment after `Process 0 exit with status code 1.`
+    was shown); by the end of the output it has. An interpreter's `Fatal Python error:` is held the same way,
+    stop or no stop: only a signal makes a middleman die as it starts.
     Chained tracebacks after a hidden one are decided the same way, each on its own exception line.
   - the shell's `Terminated`/`Killed` line for a rank that was stopped because the job was ending.
+  - a second copy of an argparse usage block: every rank of a script given a bad argument prints the same usage
+    (85 lines for a recipe) then its `PROG: error: ...` line; the console shows the first rank's usage and every
+    rank's error line (`UsageBlocks`), and the verdict quotes the failing rank's error line (failures.py).
 Lines from several writers can arrive as one. horovodrun's threads share its sys.stdout: `print()` writes its
 text and the newline apart, while the threads forwarding the Gloo ranks write each rank's line whole, so a rank's
 line, or another thread's exit line, can land between them
@@ -44,7 +52,7 @@ from pathlib import Path
 from typing import IO
 
 from hvdtrain.job.model import Logs
-from hvdtrain.launch.failures import FailureTracker
+from hvdtrain.launch.failures import ARG_ERROR, USAGE, FailureTracker, usage_part
 
 # Gloo: `[0]<stdout>:text`; MPI (--tag-output): `[1,0]<stdout>:text`. Both become `[0]<stdout>:text`.
 RANK_LINE = re.compile(r"^\[(?:\d+,)?(\d+)\]<(stdout|stderr|stddiag)>:(.*)$", re.DOTALL)
@@ -80,6 +88,39 @@ def _frame_part(line: str) -> bool:
     return not line or line.startswith((" ", "\t")) or not line.strip("^~ ")
 
 
+class UsageBlocks:
+    """A rank's argparse usage block is held until its error line: shown whole the first time, only the error line
+    when another rank printed the same usage (NOTE [console]); anything else releases the held lines as they are."""
+
+    def __init__(self) -> None:
+        self.held: dict[tuple[int, str], list[str]] = {}
+        self.shown: set[tuple[str, ...]] = set()
+
+    def feed(self, key: tuple[int, str], body: str) -> list[str]:
+        """The rank's lines to echo now."""
+        held = self.held.get(key)
+        if held is None:
+            if body.startswith(USAGE):
+                self.held[key] = [body]
+                return []
+            return [body]
+        if usage_part(body):
+            held.append(body)
+            return []
+        del self.held[key]
+        if ARG_ERROR.match(body):
+            block = tuple(held)
+            if block in self.shown:
+                return [body]
+            self.shown.add(block)
+            return [*held, body]
+        return [*held, *self.feed(key, body)]
+
+    def flush(self) -> list[tuple[tuple[int, str], list[str]]]:
+        held, self.held = self.held, {}
+        return list(held.items())
+
+
 class LauncherLines:
     """Which of horovodrun's own lines reach the console (see NOTE [console]); `feed` returns the lines to echo now.
 
@@ -93,15 +134,19 @@ class LauncherLines:
         self.hiding = False  # after a hidden exception line: the rest of its message is hidden too
         self.hidden: list[str] = []  # hidden exception lines and their messages (horovodrun's own account)
         self.stopping = False  # hvdtrain forwarded a stop signal: an interrupted horovodrun is expected
+        self.cut = False  # a process's exit line came while a traceback was held: no exception line will end it
 
     def feed(self, line: str) -> list[str]:
         if self.held:
-            if _frame_part(line) or (self.stopping and _interrupted_part(line)):
+            if _frame_part(line) or _interrupted_part(line):
                 self.held.append(line)
                 return []
-            if self.stopping and EXIT_LINE.match(line):  # cut off by its process's end (NOTE [console])
-                self.held, self.hiding = [], False
+            if EXIT_LINE.match(line):  # cut off by its process's end: decided by what follows (NOTE [console])
+                self.cut = True
                 return [line]
+            if self.cut:  # no exception line will come: an interrupted process's rest, unless nobody stopped it
+                held, self.held, self.cut = self.held, [], False
+                return [*([] if self.stopping else held), *self.feed(line)]
             held, self.held = [*self.held, line], []
             self.hiding = line.startswith(EXPLAINED) or (self.stopping and line.startswith(STOPPED))
             if self.hiding:
@@ -115,7 +160,7 @@ class LauncherLines:
             self.hiding = not line.startswith(IGNORED)  # an interrupted process's rest (NOTE [console])
             return []
         self.hiding = False
-        if line == TRACEBACK or (self.stopping and (TRACEBACK in line or line.startswith(FATAL))):
+        if line == TRACEBACK or line.startswith(FATAL) or (self.stopping and TRACEBACK in line):
             self.held = [line]
             return []
         return [line]
@@ -123,7 +168,7 @@ class LauncherLines:
     def flush(self) -> list[str]:
         """At the end of the output: a traceback cut off before its exception line is shown as it is, unless hvdtrain
         had stopped the job (an interrupted process's rest: NOTE [console])."""
-        held, self.held = self.held, []
+        held, self.held, self.cut = self.held, [], False
         return [] if self.stopping else held
 
 
@@ -152,6 +197,7 @@ class OutputRouter:
         self.files: dict[str, IO[str]] = {}
         self.failures = failures or FailureTracker()  # the first failing rank, from the launcher's lines
         self.launcher = LauncherLines()
+        self.usage = UsageBlocks()  # one copy of the ranks' argparse usage on the console (NOTE [console])
         self.console_ok = True  # False once the console is gone (e.g. `| head`): keep draining, stop echoing
         self.partial: dict[tuple[int, str], str] = {}  # MPI: a rank's line so far, before its last chunk came
         self._lock = threading.RLock()  # the reader thread's lines, the main thread's notes and close()
@@ -202,22 +248,30 @@ class OutputRouter:
             self.partial[key] = so_far
 
     def end_of_output(self) -> None:
-        """horovodrun's output ended: a rank's unfinished MPI line is shown as it is (NOTE [console])."""
+        """horovodrun's output ended: a rank's unfinished MPI line is shown as it is, and a usage block no error line
+        followed (NOTE [console])."""
         with self._lock:
             for (rank, stream), body in list(self.partial.items()):
                 self._rank_line(rank, stream, body)
             self.partial.clear()
+            for key, lines in self.usage.flush():
+                for body in lines:
+                    self._echo(*key, body)
 
     def _rank_line(self, rank: int, stream: str, body: str) -> None:
         stream = "stdout" if stream == "stdout" else "stderr"
         self.failures.rank_line(rank, body)
+        self._emit(None, self._file(f"rank.{rank}.log"), "", self._stamp() + body)
+        for shown in self.usage.feed((rank, stream), body):
+            self._echo(rank, stream, shown)
+
+    def _echo(self, rank: int, stream: str, body: str) -> None:
         echo = self.logs.console_ranks is None or rank in self.logs.console_ranks
         ending = self.launcher.stopping or self.failures.first is not None
         if ending and body.strip() in SHELL_NOTICES:
             echo = False
         console = (self.stderr if stream == "stderr" else self.stdout) if echo else None
-        stamp = self._stamp()
-        self._emit(console, self._file(f"rank.{rank}.log"), f"{stamp}[{rank}]<{stream}>:{body}", stamp + body)
+        self._emit(console, None, f"{self._stamp()}[{rank}]<{stream}>:{body}", "")
 
     def _emit(self, console: IO[str] | None, file: IO[str] | None, console_text: str, file_text: str) -> None:
         if console is not None and self.console_ok:

@@ -42,6 +42,14 @@ GLOO_TIMEOUT = "Timed out waiting"
 GLOO_TIMEOUT_MESSAGE = re.compile(r"\.cc:\d+\] Timed out waiting \d+ms for \w+ operation")
 VICTIM = ("HorovodInternalError", "HostsUpdatedInterrupt", "Horovod has been shut down", GLOO_TIMEOUT)
 TAIL_LINES = 15
+# argparse's exit on a bad command line (exit 2): `usage: PROG ...` (wrapped lines indented), then `PROG: error: ...`.
+USAGE = "usage: "
+ARG_ERROR = re.compile(r"^\S+: error: \S")
+
+
+def usage_part(line: str) -> bool:
+    """A wrapped line of an argparse usage block (indented, not its error line)."""
+    return line.startswith((" ", "\t")) and bool(line.strip())
 TEARDOWN_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # how horovodrun and mpirun stop the other ranks
 
 
@@ -109,10 +117,18 @@ class FailureTracker:
         self.unreachable: dict[str, str] = {}  # filled by the launcher after a timeout: host -> why
         self.records: list[RankRecord] = []  # the ranks' records, oldest first, once the job has ended
         self.peer_timed_out = False  # a rank's Gloo operation timed out waiting for a peer (its log or exception)
+        self.arg_errors: dict[int, str] = {}  # a rank's argparse error line (it exited parsing its command line)
+        self._in_usage: set[int] = set()  # ranks whose last lines are an argparse usage block
 
     def rank_line(self, rank: int, text: str) -> None:
         """Remember the last lines each rank printed, and the first real exception any rank raised."""
         self.tails.setdefault(rank, deque(maxlen=TAIL_LINES)).append(text)
+        if rank in self._in_usage and ARG_ERROR.match(text):
+            self.arg_errors.setdefault(rank, text.strip())
+        if text.startswith(USAGE) or (rank in self._in_usage and usage_part(text)):
+            self._in_usage.add(rank)
+        else:
+            self._in_usage.discard(rank)
         self.peer_timed_out = self.peer_timed_out or bool(GLOO_TIMEOUT_MESSAGE.search(text))
         if self.cause is None and EXCEPTION.match(text) and not any(v in text for v in VICTIM):
             self.cause = (rank, text.strip())
@@ -227,6 +243,10 @@ class FailureTracker:
         return [line, *([] if cause.rank is None else self._output(cause.rank, log_dir))]
 
     def _output(self, rank: int, log_dir: str | None) -> list[str]:
+        if rank in self.arg_errors:  # its usage was shown once on the console (console.UsageBlocks): the error says it
+            where = f"; its output: {Path(log_dir) / f'rank.{rank}.log'}" if log_dir else ""
+            return [f"hvdtrain: its error, parsing its command line (the script's usage is above{where}): "
+                    f"{self.arg_errors[rank]}"]
         if log_dir:  # the rank's log file is made at its first line
             printed = bool(self.tails.get(rank))
             return [f"hvdtrain: its output: {Path(log_dir) / f'rank.{rank}.log'}" if printed else

@@ -365,9 +365,8 @@ def _supervise(plan: LaunchPlan, job: _Job, timeout_s: float | None, ssh: Ssh, w
                     "started")
         return exitcodes.SIGNALLED + job.signum
     router.line(f"hvdtrain: starting {shlex.join(plan.argv)}")
-    # The ranks' time to their first step counts from this process's start (hvdtrain.train.startup).
-    started = records.process_started()
-    launched = {} if started is None else {records.LAUNCHED_ENV: f"{started:.3f}"}
+    # The ranks' time to their first step counts from this hvdtrain's start (hvdtrain.train.startup).
+    launched = {records.LAUNCHED_ENV: f"{records.launcher_started():.3f}"}
     proc = job.start(plan, {records.ENV: str(where), **launched})
     reader = threading.Thread(target=pump, args=(proc.stdout, router), daemon=True)
     reader.start()

@@ -25,6 +25,8 @@ from hvdtrain.stream.splits import find_splits, human_bytes
 
 REFETCH = "copy or upload it again from a good copy (`hvdtrain data upload`), or re-convert the source " \
           "(`hvdtrain data convert`)"
+BAD_SOURCE = ("fix or remove that image in the source and re-convert it (`hvdtrain data convert` decodes every "
+              "image first and lists the bad ones; --skip-bad leaves them out)")
 RELABEL = "fix the labels at the source and re-convert it (`hvdtrain data convert`)"
 SHOWN = 20  # problems listed per split; the rest are counted
 
@@ -213,12 +215,17 @@ def _decode(reader: mds.ShardReader, shard: str, field_name: str, result: SplitC
     (ShardReader), so only the labels column is taken from such a shard."""
     if reader.stride is not None and mds.stacks(reader.info, [n for n, _ in reader.info.columns]):
         return labels.fast_column(reader, field_name) if result.label_note is None else None
+    images = {name: enc for name, enc in reader.info.columns if enc.text in encodings.IMAGE_FILES}
+    checked = bool(verify.computable(reader.info.remote_file))  # its bytes matched the checksum (open_shard)
     values = []
     for i in range(reader.info.samples):
         try:
-            sample = reader.sample(i)
+            sample = reader.sample(i, raw=images)
         except DataError as e:
             result.problems.append(Problem(result.name, shard, i, str(e), REFETCH))
+            return None
+        if images and (bad := _bad_image(images, sample, result, shard, i, checked)) is not None:
+            result.problems.append(bad)
             return None
         for column, value in sample.items():
             if column != field_name and (what := shapes.problem(column, value, shard, i)):
@@ -227,6 +234,25 @@ def _decode(reader: mds.ShardReader, shard: str, field_name: str, result: SplitC
                 return None
         values.append(sample.get(field_name))
     return labels.as_array(values) if result.label_note is None else None
+
+
+def _bad_image(images: dict[str, encodings.Encoding], sample: dict[str, Any], result: SplitCheck, shard: str,
+               row: int, checked: bool) -> Problem | None:
+    """A Problem when an image file column of `sample` (its stored bytes) does not decode. When `checked`, the
+    shard's checksum matched (else it was not decoded), so the bytes are those the writer stored: the source image
+    was bad, and copying the shard again cannot help; without a checksum either may be to blame."""
+    for name, enc in images.items():
+        try:
+            encodings.decode(enc, sample[name])
+        except (encodings.EncodingError, ValueError, OSError, SyntaxError) as e:
+            if checked:
+                return Problem(result.name, shard, row, f"column {name!r} ({enc.text}): the stored bytes match the "
+                               f"shard's checksum but do not decode as an image ({type(e).__name__}: {e}): the "
+                               "source image was bad when it was converted", BAD_SOURCE)
+            return Problem(result.name, shard, row, f"column {name!r} ({enc.text}): does not decode as an image "
+                           f"({type(e).__name__}: {e}); the index has no checksum to tell a damaged shard from a "
+                           "bad source image", f"{BAD_SOURCE}; or {REFETCH}")
+    return None
 
 
 def _finish_labels(result: SplitCheck, per_shard: list[np.ndarray], index: mds.Index, field_name: str) -> None:

@@ -4,8 +4,11 @@ Sources (a split layout when SRC has both `train/` and `val/`; else SRC is the o
 - arrays: `*.npz` files holding `x` (samples, N × ...) and `y` (integer labels, N), and/or `NAME_x.npy` +
   `NAME_y.npy` pairs (hvdtrain/datasets/npyshards.py's shard directory). `x` keeps its dtype; one file is in memory at a
   time.
-- images: `<class>/*.jpg|jpeg|png` (class directories directly under SRC or under each split). Classes are numbered
-  by their sorted directory names (over every split); images are decoded to RGB, resized to `image_size` (H, W)
+- images: `<class>/**/*.jpg|jpeg|png|...` (class directories directly under SRC or under each split, images at any
+  depth below them, as torchvision's ImageFolder finds them; hvdtrain/stream/imagefolder.py). Every image is
+  decoded once before anything is written; every bad one is listed (or left out and counted: `skip_bad`). Classes
+  are numbered by their sorted directory names (over every split); images are decoded to RGB, resized to
+  `image_size` (H, W)
   when given (else all must have one size), and stored channels first (uint8 3 × H × W); with `encoded`
   (`--encoded`) the JPEG/PNG files are stored as they are (a `jpeg` column, `png` if all are PNG), of any sizes,
   decoded and augmented per batch by the readers (hvdtrain/stream/images.py).
@@ -120,9 +123,10 @@ def parse_compression(text: str) -> str:
 
 def convert(src: Path, dst: Path, *, shard_bytes: int = DEFAULT_SHARD_BYTES, compression: str | None = None,
             image_size: tuple[int, int] | None = None, val_fraction: float = 0.0, progress: bool = True,
-            shuffle: bool = True, seed: int = 0, encoded: bool = False) -> Summary:
+            shuffle: bool = True, seed: int = 0, encoded: bool = False, skip_bad: bool = False) -> Summary:
     """Write `src` (see the module docstring) as an MDS dataset root in `dst`, which must not exist or be empty;
-    each split in a uniform shuffle drawn from `seed` unless `shuffle` is False. A DataError (StreamError,
+    each split in a uniform shuffle drawn from `seed` unless `shuffle` is False; `skip_bad`: images that do not
+    decode are left out and counted (else every one is listed in the error). A DataError (StreamError,
     DatasetError) naming the file and what is wrong for bad input, raised before anything is written where possible."""
     src, dst = Path(src), Path(dst)
     try:
@@ -137,7 +141,7 @@ def convert(src: Path, dst: Path, *, shard_bytes: int = DEFAULT_SHARD_BYTES, com
     if val_fraction and len(dirs) > 1:
         raise StreamError(f"{src} has train/ and val/ splits: --val-fraction applies only to a source without them")
     _check_dst(src, dst)
-    source = sources.scan(dirs, image_size, encoded)
+    source = sources.scan(dirs, image_size, encoded, skip_bad, progress)
     source.meta["source"] = str(src.resolve())
     source.meta["order"] = f"shuffled (seed {seed})" if shuffle else "source order"
     outputs = ["train", "val"] if val_fraction else list(dirs)

@@ -11,11 +11,9 @@ from typing import Any
 import numpy as np
 
 from hvdtrain.data.errors import DataError
-from hvdtrain.stream import encodings
+from hvdtrain.datasets.npyfiles import IMAGE_SUFFIXES
+from hvdtrain.stream import encodings, imagefolder
 from hvdtrain.stream.errors import StreamError
-
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")  # Pillow decodes them
-ENCODED_SUFFIXES = (".jpg", ".jpeg", ".png")  # kept as files by --encoded (a jpeg/png column; OpenCV decodes them)
 
 
 @dataclass
@@ -52,7 +50,8 @@ def samples(source: Source, items: list[Any], bar: Any) -> Iterator[tuple[np.nda
 ShardSrc = Path | tuple[Path, Path]  # a .npz file or (NAME_x.npy, NAME_y.npy), from npyfiles.shard_files
 
 
-def scan(dirs: dict[str, Path], image_size: tuple[int, int] | None, encoded: bool = False) -> Source:
+def scan(dirs: dict[str, Path], image_size: tuple[int, int] | None, encoded: bool = False, skip_bad: bool = False,
+         progress: bool = False) -> Source:
     if any(next(d.glob("*.np[yz]"), None) for d in dirs.values()):
         if image_size is not None or encoded:
             raise StreamError(f"{next(iter(dirs.values()))} holds array shards: "
@@ -61,7 +60,7 @@ def scan(dirs: dict[str, Path], image_size: tuple[int, int] | None, encoded: boo
     if encoded and image_size is not None:
         raise StreamError("--encoded keeps each image file as it is, so --image-size (which resizes decoded pixels) "
                           "does not apply: give one of them (training picks the size: the recipes' --image-size)")
-    return _scan_images(dirs, image_size, encoded)
+    return _scan_images(dirs, image_size, encoded, skip_bad, progress)
 
 
 def _scan_arrays(dirs: dict[str, Path]) -> Source:
@@ -183,61 +182,55 @@ def load_array(src: ShardSrc, key: str) -> np.ndarray:
 
 # ---- image folders ----------------------------------------------------------------------------------------
 
-def _scan_images(dirs: dict[str, Path], image_size: tuple[int, int] | None, encoded: bool = False) -> Source:
-    classes = sorted({d.name for root in dirs.values() for d in root.iterdir()
-                      if d.is_dir() and not d.name.startswith(".")})
-    items: dict[str, list[Any]] = {}
-    first: tuple[Path, tuple[int, int]] | None = None
-    skipped: dict[str, int] = {}
+def _scan_images(dirs: dict[str, Path], image_size: tuple[int, int] | None, encoded: bool = False,
+                 skip_bad: bool = False, progress: bool = False) -> Source:
+    """Every class directory's images found (at any depth) and decoded once (NOTE [every image checked first] in
+    hvdtrain/stream/imagefolder.py); StreamError listing every bad file, unless `skip_bad`."""
+    folder = imagefolder.Folder(dirs)
     for split, root in dirs.items():
-        items[split] = []
-        for label, name in enumerate(classes):
-            found = [p for p in (root / name).glob("*") if p.is_file() and not p.name.startswith(".")]
-            for suffix in (p.suffix.lower() or "(no suffix)" for p in found):
-                if suffix not in IMAGE_SUFFIXES:
-                    skipped[suffix] = skipped.get(suffix, 0) + 1
-            for path in sorted(p for p in found if p.suffix.lower() in IMAGE_SUFFIXES):
-                size = _image_size(path)
-                first = first or (path, size)
-                if encoded and path.suffix.lower() not in ENCODED_SUFFIXES:
-                    raise StreamError(f"{path}: --encoded keeps JPEG and PNG files only ({'/'.join(ENCODED_SUFFIXES)}"
-                                      "); convert this folder without --encoded, or convert the file to JPEG")
-                if image_size is None and not encoded and size != first[1]:
-                    raise StreamError(f"{path}: image is {size[0]}x{size[1]} (HxW) but {first[0]} is "
-                                      f"{first[1][0]}x{first[1][1]}; pass --image-size HxW to resize every image")
-                items[split].append((path, label))
-        if not items[split]:
-            raise StreamError(f"{root}: no .npz/.npy shards and no images found; expected array shards or "
-                              f"class directories of {'/'.join(IMAGE_SUFFIXES)} files ({root}/CLASS/*.png)")
-    hw = image_size or (first[1] if first is not None else None)
-    if hw is None:  # never: a split without images was refused above
-        raise StreamError(f"{', '.join(map(str, dirs.values()))}: no images found")
-    height, width = hw
+        if not folder.items[split]:
+            raise StreamError(f"{root}: no .npz/.npy shards and no images found; expected array shards or class "
+                              f"directories of {'/'.join(IMAGE_SUFFIXES)} files ({root}/CLASS/*.png, any depth)")
+    if folder.empty:
+        raise imagefolder.empty_classes_error(folder.empty)
+    every = [path for split in folder.items.values() for path, _ in split]
+    sizes, bad = imagefolder.check_images(every, encoded, progress)
+    if bad and not skip_bad:
+        raise imagefolder.bad_files_error(bad)
+    items = {split: [(p, label) for p, label in found if p not in bad] for split, found in folder.items.items()}
+    emptied = [dirs[split] / folder.classes[label] for split in dirs  # every image of the class was bad
+               for label in sorted({label for _, label in folder.items[split]} - {label for _, label in items[split]})]
+    if emptied:
+        raise imagefolder.empty_classes_error(emptied)
+    first = next((p, sizes[p]) for split in items.values() for p, _ in split)
+    if image_size is None and not encoded:
+        for path, size in ((p, sizes[p]) for split in items.values() for p, _ in split):
+            if size != first[1]:
+                raise StreamError(f"{path}: image is {size[0]}x{size[1]} (HxW) but {first[0]} is "
+                                  f"{first[1][0]}x{first[1][1]}; pass --image-size HxW to resize every image")
+    source = _image_source(items, folder.classes, image_size or first[1], image_size, encoded)
+    if folder.other:
+        kinds = ", ".join(f"{suffix}: {n}" for suffix, n in sorted(folder.other.items()))
+        source.notes.append(f"skipped {sum(folder.other.values())} files of the class directories that are not "
+                            f"images ({kinds}); images are {'/'.join(IMAGE_SUFFIXES)} files")
+    if bad:
+        source.meta["skipped_bad"] = imagefolder.skipped_record(bad, list(dirs.values()))
+        source.notes += [f"skipped bad image {path}: {why}" for path, why in sorted(bad.items())]
+        source.notes.append(f"skipped {len(bad)} bad image file{'s' * (len(bad) != 1)} (--skip-bad), recorded in "
+                            "each split's index.json (hvdtrain.skipped_bad)")
+    return source
+
+
+def _image_source(items: dict[str, list[Any]], classes: list[str], hw: tuple[int, int],
+                  image_size: tuple[int, int] | None, encoded: bool) -> Source:
     counts = {k: len(v) for k, v in items.items()}
     if encoded:  # decoded (and augmented) per batch by the readers: hvdtrain.stream.images
         jpeg = any(p.suffix.lower() != ".png" for split in items.values() for p, _ in split)
         meta = {"num_classes": len(classes), "classes": classes}
-        source = Source("images", items, counts, "jpeg" if jpeg else "png", meta, None, encoded=True)
-    else:
-        # x_scale: readers train on x * x_scale (pixels 0..255 -> 0..1); array datasets are trained on as stored.
-        meta = {"num_classes": len(classes), "x_shape": [3, height, width], "classes": classes, "x_scale": 1 / 255}
-        source = Source("images", items, counts, f"ndarray:uint8:3,{height},{width}", meta, image_size)
-    if skipped:
-        kinds = ", ".join(f"{suffix}: {n}" for suffix, n in sorted(skipped.items()))
-        source.notes.append(f"skipped {sum(skipped.values())} files of the class directories that are not images "
-                            f"({kinds}); images are {'/'.join(IMAGE_SUFFIXES)} files")
-    return source
-
-
-def _image_size(path: Path) -> tuple[int, int]:
-    """(H, W) from the image's header (its pixels are decoded only when written)."""
-    from PIL import Image
-
-    try:
-        with Image.open(path) as image:
-            return image.height, image.width
-    except (OSError, ValueError, Image.DecompressionBombError) as e:
-        raise StreamError(f"{path}: cannot read as an image ({e})") from None
+        return Source("images", items, counts, "jpeg" if jpeg else "png", meta, None, encoded=True)
+    # x_scale: readers train on x * x_scale (pixels 0..255 -> 0..1); array datasets are trained on as stored.
+    meta = {"num_classes": len(classes), "x_shape": [3, *hw], "classes": classes, "x_scale": 1 / 255}
+    return Source("images", items, counts, f"ndarray:uint8:3,{hw[0]},{hw[1]}", meta, image_size)
 
 
 def _read_file(path: Path) -> bytes:

@@ -1,5 +1,6 @@
 """What every recipe prints and records, framework-neutral: rank 0's log lines, an epoch's LR, the per-epoch
-data-wait share, "nothing to train", the verdict on the ranks' weight digests, and summary.json's "config"."""
+data-wait share, "nothing to train", the verdict on the ranks' weight digests, summary.json's "config", and the
+start-up line's words on image files."""
 
 from __future__ import annotations
 
@@ -97,3 +98,22 @@ def versions(**frameworks: str) -> dict[str, str]:
 
     return {"hvdtrain": hvdtrain.__version__, "horovod": horovod.__version__, **frameworks,
             "python": platform.python_version()}
+
+
+def images_note(splits: Any, cpu: bool) -> str:
+    """The recipes' start-up line's words on a dataset of image files ('' for others): the size and where it came
+    from, the crops, and on a CPU a smaller --image-size when the default picked a large one."""
+    train = splits.train
+    aug = getattr(train, "augment", None)  # a StreamSplit's (hvdtrain/train/streamed.py): imported by then
+    if aug is None:
+        return ""
+    from hvdtrain.train.streamed import CPU_IMAGE_SIZE, DEFAULT_IMAGE_SIZE
+
+    given = bool(getattr(train, "size_given", False))
+    how = "--image-size" if given else f"default: the first image's shorter side, at most {DEFAULT_IMAGE_SIZE}"
+    crops = "train random-resized-crop + flip" if aug.train else "train centre-cropped (--no-augment)"
+    note = f"  images {aug.size}x{aug.size} ({how}), {crops}, val centre-cropped"
+    if cpu and not given and aug.size > CPU_IMAGE_SIZE:
+        note += (f"  (a CPU step at {aug.size} px is slow: --image-size {CPU_IMAGE_SIZE} has "
+                 f"{(aug.size / CPU_IMAGE_SIZE) ** 2:.0f}x fewer pixels)")
+    return note

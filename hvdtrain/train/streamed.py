@@ -43,6 +43,7 @@ class StreamSplit:
     num_classes: int = 10
     check_finite: bool = True
     augment: ImageAugment | None = None
+    size_given: bool = False  # augment's size came from --image-size (else the default: `_image_size`)
     epoch_key: tuple[int, int] = field(default=(0, 0), compare=False)  # (seed, epoch) of `begin_epoch`
 
     def __len__(self) -> int:
@@ -158,10 +159,13 @@ def load_splits(root: str | Path, *, num_classes: int | None, x_field: str = "x"
     size = _image_size(train, image_size)
     if size is not None:
         train.augment, val.augment = ImageAugment(size, train=augment), ImageAugment(size, train=False)
+        train.size_given = val.size_given = image_size is not None
     return arrays.Splits(train=train, val=val, num_classes=classes, name=root)
 
 
 DEFAULT_IMAGE_SIZE = 224  # the largest size picked for a dataset of image files when --image-size is not given
+CPU_IMAGE_SIZE = 64  # the size the start-up line suggests on a CPU when the default picked a larger one
+
 
 
 def _image_size(train: StreamSplit, image_size: int | None) -> int | None:

@@ -90,6 +90,22 @@ def test_train_and_val_directories_are_the_split(tmp_path):
     assert_batch(take_all(splits.val, order), xv[order], yv[order])
 
 
+@pytest.mark.parametrize("split", [False, True])
+def test_an_image_folder_given_as_a_dataset_names_the_convert_command(tmp_path, split):
+    """Issue 59 item 9: the recipes read datasets, not image files; the error said only that no shards were found."""
+    from PIL import Image
+
+    src = tmp_path / "photos"
+    for part in ("train", "val") if split else ("",):
+        (src / part / "cat" / "2024").mkdir(parents=True)
+        Image.new("RGB", (8, 8)).save(src / part / "cat" / "2024" / "a.jpg")
+    with pytest.raises(DatasetError) as err:
+        load(str(src))
+    assert (f"no .npz or NAME_x.npy/NAME_y.npy shards found; it is an image folder (cat/2024/a.jpg): convert it to a "
+            f"dataset first, e.g. `hvdtrain data convert {src} {src}-mds{'' if split else ' --val-fraction 0.1'}` "
+            in str(err.value)) and str(err.value).endswith(f"then train with --dataset {src}-mds"), str(err.value)
+
+
 def test_a_split_pickles_without_its_data_and_reads_after_unpickling(tmp_path):
     x, y = mixed_dir(tmp_path / "data", n=(2000, 1000, 1000))
     splits = load(str(tmp_path / "data"))

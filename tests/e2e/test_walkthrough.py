@@ -31,7 +31,7 @@ def free_port() -> int:
 @pytest.mark.slow
 def test_the_walkthrough_trains_an_image_folder_from_a_directory_and_from_s3(tmp_path: Path) -> None:
     """Over 30 s: it runs the page's lines as written (convert, verify, two 2-rank trainings: from the folder and from
-    S3)."""
+    S3; a messy folder converted in both modes, issue 59)."""
     lines = walkthrough_lines((REPO / "docs" / "streaming.md").read_text())
     assert any("data convert" in line for line in lines) and any("s3://" in line for line in lines), lines
     port = str(free_port())
@@ -40,6 +40,13 @@ def test_the_walkthrough_trains_an_image_folder_from_a_directory_and_from_s3(tmp
     res = run_bounded(["bash", str(tmp_path / "walkthrough.sh")], timeout=600, cwd=REPO)
     assert res.returncode == 0, res.describe()
     assert len(re.findall(r"^OK: .*2 split\(s\), 13 shards, 1,000 samples$", res.output, flags=re.M)) == 2, (
+        res.describe())
+    messy = f"{tmp_path}/messy"  # every bad file in one run; both modes keep the 120 good images, nested ones too
+    assert (f"2 image files cannot be converted:\n  {messy}/circle/2024/broken.jpg: does not decode (image file is "
+            f"truncated" in res.output and f"\n  {messy}/square/thumb.jpg: not an image Pillow" in res.output), (
+        res.describe())
+    assert res.output.count("note: skipped 2 bad image files (--skip-bad)") == 2, res.describe()
+    assert re.search(r"^OK: .*messy-jpeg: 2 split\(s\), 2 shards, 120 samples$", res.output, flags=re.M), (
         res.describe())
     accuracies = [float(a) for a in re.findall(r"done: 10/10 epochs, validation accuracy ([\d.]+)%", res.output)]
     assert len(accuracies) == 2 and min(accuracies) >= 90, res.describe()

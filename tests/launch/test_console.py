@@ -127,6 +127,31 @@ def test_horovodrun_traceback_for_a_failed_rank_is_kept_off_the_console_and_in_t
     assert router.failures.report(None) == ["hvdtrain: rank 1 exited with code 3 (the first rank to fail)"]
 
 
+def usage(rank: int, prog: str = "train.py") -> list[str]:
+    """What argparse prints on a bad argument (wrapped usage lines indented), as rank `rank`'s stderr."""
+    return [f"[{rank}]<stderr>:usage: {prog} [-h] [--epochs EPOCHS]", f"[{rank}]<stderr>:{' ' * 16}[--batch-size N]",
+            f"[{rank}]<stderr>:{prog}: error: unrecognized arguments: --epcohs 1"]
+
+
+def test_a_usage_every_rank_prints_is_shown_once_with_every_ranks_error_line(tmp_path):
+    """Issue 59 item 4: a recipe given `--epcohs 1` printed its 43-line usage per rank and a verdict quoting 15
+    lines of it."""
+    lines = [*usage(1), *usage(0), "Process 1 exit with status code 2.", "[2]<stderr>:usage: other.py",
+             "[2]<stderr>:not an error line", "[3]<stdout>:usage: at the end"]
+    router, out, err = route(lines, Logs(dir=str(tmp_path)))
+    assert err.splitlines() == [*usage(1), usage(0)[-1], "[2]<stderr>:usage: other.py",
+                                "[2]<stderr>:not an error line"]
+    assert out.splitlines() == ["Process 1 exit with status code 2.", "[3]<stdout>:usage: at the end"]
+    assert (tmp_path / "rank.0.log").read_text().splitlines() == [line[12:] for line in usage(0)]  # every line
+    assert router.failures.report(None) == [
+        "hvdtrain: rank 1 exited with code 2 (the first rank to fail)",
+        "hvdtrain: its error, parsing its command line (the script's usage is above): train.py: error: "
+        "unrecognized arguments: --epcohs 1"]
+    assert router.failures.report(str(tmp_path))[1].endswith(
+        f"(the script's usage is above; its output: {tmp_path / 'rank.1.log'}): train.py: error: unrecognized "
+        "arguments: --epcohs 1")
+
+
 def test_an_interrupted_horovodrun_is_hidden_only_when_hvdtrain_stopped_it():
     _, out, _ = route(INTERRUPTED_START, Logs(), stopping=True)
     assert out == ""
@@ -165,7 +190,24 @@ def test_a_middleman_stopped_as_its_interpreter_started_shows_nothing_cut_off_by
     _, out, _ = route(STARTED_AND_INTERRUPTED, Logs(), stopping=True)  # the output ended before any exit line
     assert out.splitlines() == []
     _, out, _ = route([*STARTED_AND_INTERRUPTED, *exits], Logs())  # not stopped by hvdtrain: every line is shown
-    assert out.splitlines() == [*STARTED_AND_INTERRUPTED, *exits]
+    assert out.splitlines() == [*exits, *STARTED_AND_INTERRUPTED]  # the fragment once the output said what it was
+    _, out, _ = route([*STARTED_AND_INTERRUPTED, *exits, "next"], Logs())
+    assert out.splitlines() == [*exits, *STARTED_AND_INTERRUPTED, "next"]
+
+
+def test_fragments_that_reach_the_reader_before_hvdtrains_handler_ran_are_hidden_too():
+    """CI, 2026-12-02 (a reverse-order run): Ctrl-C reached the middlemen as it reached hvdtrain; their fragments,
+    the second one's rest after the first one's exit line, were read before hvdtrain's handler said it stopped."""
+    lines = [*STARTED_AND_INTERRUPTED, "Process 0 exit with status code 1.", "    import pickle",
+             '  File "/usr/lib/python3.11/pickle.py", line 37, in <module>', "    import _compat_pickle",
+             "Process 1 exit with status code -2."]
+    out, err = io.StringIO(), io.StringIO()
+    router = OutputRouter(Logs(), out, err)
+    for line in lines:
+        router.line(line)
+    router.launcher.stopping = True  # the handler ran now, before the output ended
+    router.close()
+    assert out.getvalue().splitlines() == ["Process 0 exit with status code 1.", "Process 1 exit with status code -2."]
     # after a forwarded signal, frames that do reach an exception line other than an interruption are shown (the
     # fragment before them too: interleaved writers cannot be told apart)
     _, out, _ = route([*STARTED_AND_INTERRUPTED, *OTHER_ERROR], Logs(), stopping=True)

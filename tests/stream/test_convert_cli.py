@@ -293,7 +293,7 @@ BAD = {  # case: (make the source in SRC, the error's words; "{src}" is the sour
     "only_train": (lambda s: (s / "train").mkdir(parents=True), r"{src} has train/ but no val/"),
     "unreadable_image": (lambda s: (_image(s / "a" / "0.png", 0, (4, 4)), (s / "b").mkdir(),
                                     (s / "b" / "1.jpg").write_bytes(b"not a jpeg")),
-                         r"{src}/b/1\.jpg: cannot read as an image"),
+                         r"1 image file cannot be converted:\n  {src}/b/1\.jpg: not an image Pillow can read"),
     "not_a_dir": (lambda s: s.write_text("x"), r"{src}: not a directory"),
 }
 

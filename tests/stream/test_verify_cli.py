@@ -6,6 +6,7 @@ hvdtrain/stream/labels.py). `hvdtrain --help` is written for users."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from hvdtrain.datasets import cachedir
 from hvdtrain.stream import MDSWriter, labels
 from hvdtrain.stream.convert import convert
 from hvdtrain.stream.inspect import describe
-from tests.support.harness import BIN, run_bounded
+from tests.support.harness import BIN, REPO, run_bounded
 from tests.support.stores import HttpStore
 
 HVDTRAIN = str(BIN / "hvdtrain")
@@ -216,6 +217,8 @@ def test_help_is_written_for_users() -> None:
     assert first.startswith("hvdtrain launches Horovod data-parallel training jobs"), first
     for words in ("run JOB.yaml", "data verify DATASET", "example:", "hvdtrain data convert ./images ./mds"):
         assert words in res.output, words
+    named = re.findall(r"\bjobs/[\w.-]+\.yaml", res.output)  # issue 59: it named jobs/digits.yaml, never shipped
+    assert named and all((REPO / job).is_file() for job in named), named
 
 
 def test_the_warning_says_when_a_sorted_split_spans_several_shuffle_blocks(tmp_path: Path) -> None:

@@ -72,6 +72,17 @@ def test_process_started_is_this_processs_start_on_time_times_clock() -> None:
     assert before - 0.02 <= started <= now  # a clock tick (10 ms) of rounding, at most
 
 
+def test_the_launcher_starts_when_hvdtrain_does_even_when_a_script_execs_it() -> None:
+    """scripts/quickstart.sh sets up (minutes on a fresh machine), then `exec hvdtrain run`: the process is the
+    script's, so its start made the quickstart's first-step line say "launcher 808.04 s" (issue 59 item 9)."""
+    code = "import time; from hvdtrain import records; print(time.time() - records.launcher_started())"
+    for prefix in ("", "sleep 2.5; "):
+        before = time.time()
+        out = subprocess.run(["bash", "-c", f'{prefix}exec "$0" -c "$1"', sys.executable, code], capture_output=True,
+                             text=True, timeout=60, check=True).stdout
+        assert 0 <= float(out) < min(1.5, time.time() - before), (prefix, out)
+
+
 def test_the_digits_are_scikit_learns_without_importing_it() -> None:
     """arrays.digits() reads scikit-learn's file itself (importing scikit-learn took ~2 s of a rank's start)."""
     code = ("import sys, numpy as np\nfrom hvdtrain.datasets import arrays\nimages, target = arrays._digits_file()\n"
