@@ -95,7 +95,9 @@ EXEC_GAP_S = 2.0  # hvdtrain imported this long after its process started: the p
 def launcher_started() -> float:
     """When this `hvdtrain` began, for the ranks' first-step line: its process's start, unless hvdtrain was imported
     more than EXEC_GAP_S later, when a script ran in the process first and exec'd hvdtrain (scripts/quickstart.sh
-    sets up for minutes, then `exec hvdtrain run`): then the import (Python's own start, tens of ms, not counted)."""
+    sets up for minutes, then `exec hvdtrain run`): then the import (Python's own start, tens of ms, not counted;
+    an interpreter that takes over EXEC_GAP_S to import hvdtrain, e.g. from a cold network filesystem, has that
+    time left out of the launcher's part too)."""
     import hvdtrain
 
     started = process_started()

@@ -17,11 +17,12 @@ log files (logs.dir) get every line. What the console leaves out:
     starts may die before its exception line (local run, 2026-12-02: `Fatal Python error: init_import_site`, two
     tracebacks' frames interleaved, then `Process 1 exit with status code 1.`): after a forwarded signal such a
     traceback, cut off by a rank's exit line or the end of the output, is hidden too. Such a traceback is held
-    past the exit line (which is shown) until a line that is not a fragment, or the end, decides it: a Ctrl-C
-    reaches the middlemen as it reaches hvdtrain, and their fragments can reach the reader thread before hvdtrain's
-    handler has run (CI, 2026-12-02, a reverse-order run: a fragment after `Process 0 exit with status code 1.`
-    was shown); by the end of the output it has. An interpreter's `Fatal Python error:` is held the same way,
-    stop or no stop: only a signal makes a middleman die as it starts.
+    past the exit line (which is shown) until a line that is not a fragment, the end of the output, or CUT_WAIT_S
+    without a stop (`OutputRouter.tick`, from the supervising loop) decides it: a Ctrl-C reaches the middlemen as
+    it reaches hvdtrain, and their fragments can reach the reader thread before hvdtrain's handler has run (CI,
+    2026-12-02, a reverse-order run: a fragment after `Process 0 exit with status code 1.` was shown). An
+    interpreter's `Fatal Python error:` is held the same way, stop or no stop: only a signal makes a middleman die
+    as it starts. Without a stop, such a traceback is shown within CUT_WAIT_S, and always before the verdict.
     Chained tracebacks after a hidden one are decided the same way, each on its own exception line.
   - the shell's `Terminated`/`Killed` line for a rank that was stopped because the job was ending.
   - a second copy of an argparse usage block: every rank of a script given a bad argument prints the same usage
@@ -74,6 +75,7 @@ CHAINED = ("During handling of the above exception", "The above exception was th
 IGNORED = "Exception ignored in"  # Python's report of an exception at interpreter exit (a KeyboardInterrupt)
 FATAL = ("Fatal Python error:", "Python runtime state:")  # an interpreter interrupted as it started
 SHELL_NOTICES = ("Terminated", "Killed")
+CUT_WAIT_S = 1.0  # how long a traceback cut off by an exit line waits for a stop before it is shown (NOTE [console])
 
 
 def _interrupted_part(line: str) -> bool:
@@ -96,8 +98,9 @@ class UsageBlocks:
         self.held: dict[tuple[int, str], list[str]] = {}
         self.shown: set[tuple[str, ...]] = set()
 
-    def feed(self, key: tuple[int, str], body: str) -> list[str]:
-        """The rank's lines to echo now."""
+    def feed(self, key: tuple[int, str], body: str, echoed: bool = True) -> list[str]:
+        """The rank's lines to echo now (`echoed`: the rank's lines reach the console, so its usage counts as
+        shown)."""
         held = self.held.get(key)
         if held is None:
             if body.startswith(USAGE):
@@ -112,11 +115,13 @@ class UsageBlocks:
             block = tuple(held)
             if block in self.shown:
                 return [body]
-            self.shown.add(block)
+            if echoed:
+                self.shown.add(block)
             return [*held, body]
-        return [*held, *self.feed(key, body)]
+        return [*held, *self.feed(key, body, echoed)]
 
     def flush(self) -> list[tuple[tuple[int, str], list[str]]]:
+        """Usage blocks no error line followed, per rank and stream (the output ended)."""
         held, self.held = self.held, {}
         return list(held.items())
 
@@ -134,7 +139,7 @@ class LauncherLines:
         self.hiding = False  # after a hidden exception line: the rest of its message is hidden too
         self.hidden: list[str] = []  # hidden exception lines and their messages (horovodrun's own account)
         self.stopping = False  # hvdtrain forwarded a stop signal: an interrupted horovodrun is expected
-        self.cut = False  # a process's exit line came while a traceback was held: no exception line will end it
+        self.cut_at = 0.0  # when a process's exit line came while a traceback was held (0: none came)
 
     def feed(self, line: str) -> list[str]:
         if self.held:
@@ -142,12 +147,12 @@ class LauncherLines:
                 self.held.append(line)
                 return []
             if EXIT_LINE.match(line):  # cut off by its process's end: decided by what follows (NOTE [console])
-                self.cut = True
+                self.cut_at = self.cut_at or time.monotonic()
                 return [line]
-            if self.cut:  # no exception line will come: an interrupted process's rest, unless nobody stopped it
-                held, self.held, self.cut = self.held, [], False
+            if self.cut_at and not (line.startswith(EXPLAINED) or (self.stopping and line.startswith(STOPPED))):
+                held, self.held, self.cut_at = self.held, [], 0.0  # no exception line will end it
                 return [*([] if self.stopping else held), *self.feed(line)]
-            held, self.held = [*self.held, line], []
+            held, self.held, self.cut_at = [*self.held, line], [], 0.0
             self.hiding = line.startswith(EXPLAINED) or (self.stopping and line.startswith(STOPPED))
             if self.hiding:
                 self.hidden.append(line)
@@ -168,8 +173,14 @@ class LauncherLines:
     def flush(self) -> list[str]:
         """At the end of the output: a traceback cut off before its exception line is shown as it is, unless hvdtrain
         had stopped the job (an interrupted process's rest: NOTE [console])."""
-        held, self.held, self.cut = self.held, [], False
+        held, self.held, self.cut_at = self.held, [], 0.0
         return [] if self.stopping else held
+
+    def due(self) -> list[str]:
+        """A traceback cut off by an exit line CUT_WAIT_S ago with no stop since: shown (NOTE [console])."""
+        if self.cut_at and not self.stopping and time.monotonic() - self.cut_at >= CUT_WAIT_S:
+            return self.flush()
+        return []
 
 
 def launcher_account(launcher: str, returncode: int, said: list[str], check_hosts: list[str]) -> list[str]:
@@ -257,16 +268,27 @@ class OutputRouter:
             for key, lines in self.usage.flush():
                 for body in lines:
                     self._echo(*key, body)
+            for shown in self.launcher.flush():  # before the verdict, which the launcher prints once this returns
+                self._emit(self.stdout, None, self._stamp() + shown, "")
+
+    def tick(self) -> None:
+        """From the supervising loop: a cut-off traceback whose wait for a stop is over (NOTE [console])."""
+        with self._lock:
+            for shown in self.launcher.due():
+                self._emit(self.stdout, None, self._stamp() + shown, "")
 
     def _rank_line(self, rank: int, stream: str, body: str) -> None:
         stream = "stdout" if stream == "stdout" else "stderr"
         self.failures.rank_line(rank, body)
         self._emit(None, self._file(f"rank.{rank}.log"), "", self._stamp() + body)
-        for shown in self.usage.feed((rank, stream), body):
+        for shown in self.usage.feed((rank, stream), body, self._echoed(rank)):
             self._echo(rank, stream, shown)
 
+    def _echoed(self, rank: int) -> bool:
+        return self.logs.console_ranks is None or rank in self.logs.console_ranks
+
     def _echo(self, rank: int, stream: str, body: str) -> None:
-        echo = self.logs.console_ranks is None or rank in self.logs.console_ranks
+        echo = self._echoed(rank)
         ending = self.launcher.stopping or self.failures.first is not None
         if ending and body.strip() in SHELL_NOTICES:
             echo = False

@@ -44,7 +44,7 @@ VICTIM = ("HorovodInternalError", "HostsUpdatedInterrupt", "Horovod has been shu
 TAIL_LINES = 15
 # argparse's exit on a bad command line (exit 2): `usage: PROG ...` (wrapped lines indented), then `PROG: error: ...`.
 USAGE = "usage: "
-ARG_ERROR = re.compile(r"^\S+: error: \S")
+ARG_ERROR = re.compile(r"^[^:\s][^:]*: error: \S")  # PROG may hold spaces: a subcommand's `prog sub: error:`
 
 
 def usage_part(line: str) -> bool:

@@ -380,6 +380,7 @@ def _supervise(plan: LaunchPlan, job: _Job, timeout_s: float | None, ssh: Ssh, w
                 job.on_signal(signal.SIGTERM, None)
             job.tell(timed_out, timeout_s)
             job.stops.tell(router)
+            router.tick()
             if job.kill_at is not None and time.monotonic() >= job.kill_at:
                 job.kill_all()
             with contextlib.suppress(subprocess.TimeoutExpired):

@@ -241,10 +241,13 @@ def _bad_image(images: dict[str, encodings.Encoding], sample: dict[str, Any], re
     """A Problem when an image file column of `sample` (its stored bytes) does not decode. When `checked`, the
     shard's checksum matched (else it was not decoded), so the bytes are those the writer stored: the source image
     was bad, and copying the shard again cannot help; without a checksum either may be to blame."""
+    from PIL import Image
+
     for name, enc in images.items():
         try:
             encodings.decode(enc, sample[name])
-        except (encodings.EncodingError, ValueError, OSError, SyntaxError) as e:
+        except (encodings.EncodingError, ValueError, OSError, SyntaxError, IndexError, ArithmeticError,
+                Image.DecompressionBombError) as e:
             if checked:
                 return Problem(result.name, shard, row, f"column {name!r} ({enc.text}): the stored bytes match the "
                                f"shard's checksum but do not decode as an image ({type(e).__name__}: {e}): the "

@@ -19,6 +19,7 @@ then the write), the check on every core.
 
 from __future__ import annotations
 
+import io
 import os
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -29,6 +30,8 @@ from hvdtrain.datasets.npyfiles import IMAGE_SUFFIXES
 from hvdtrain.stream.errors import StreamError
 
 ENCODED_SUFFIXES = (".jpg", ".jpeg", ".png")  # kept as files by --encoded (a jpeg/png column; OpenCV decodes them)
+CHECK_CHUNK = 4096  # images whose checks are queued at once
+NOTED = 50  # bad files named in the summary's notes under --skip-bad (the index records SKIPPED_LISTED)
 SKIPPED_LISTED = 1000  # bad files recorded by name in the index under --skip-bad (all are counted)
 SKIP_HINT = "fix or remove them, or pass --skip-bad to leave them out (counted in the summary and the index)"
 
@@ -68,8 +71,10 @@ class Folder:
 
 def class_files(top: Path) -> Iterator[Path]:
     """The files under the class directory `top` at any depth, sorted by path, hidden ones (and hidden
-    directories) left out, links followed, each real directory entered once (a link back up is not a loop)."""
+    directories) left out, links followed, each real directory entered once; a link to `top` or above it is not
+    followed (it would take other classes' images, or loop)."""
     seen: set[tuple[int, int]] = set()
+    above = {top.resolve(), *top.resolve().parents}
 
     def walk(directory: Path) -> Iterator[Path]:
         try:
@@ -84,7 +89,8 @@ def class_files(top: Path) -> Iterator[Path]:
             if entry.name.startswith("."):
                 continue
             if entry.is_dir():
-                yield from walk(Path(entry.path))
+                if not (entry.is_symlink() and Path(entry.path).resolve() in above):
+                    yield from walk(Path(entry.path))
             elif entry.is_file():
                 yield Path(entry.path)
 
@@ -99,15 +105,19 @@ def check_images(items: list[Path], encoded: bool, progress: bool) -> tuple[dict
 
     sizes: dict[Path, tuple[int, int]] = {}
     bad: dict[Path, str] = {}
-    workers = min(32, len(os.sched_getaffinity(0)) + 2)  # + 2: file reads overlap the decodes
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    workers = min(32, cores + 2)  # + 2: file reads overlap the decodes
     with ThreadPoolExecutor(workers, thread_name_prefix="check-image") as pool, \
             tqdm(total=len(items), desc="checking images", unit="image", disable=None if progress else True) as bar:
-        for path, (size, reason) in zip(items, pool.map(lambda p: image_problem(p, encoded), items), strict=True):
-            if reason is None and size is not None:
-                sizes[path] = size
-            else:
-                bad[path] = reason or "no size"
-            bar.update(1)
+        for start in range(0, len(items), CHECK_CHUNK):  # a chunk of futures at a time, not one per image at once
+            chunk = items[start:start + CHECK_CHUNK]
+            for path, (size, reason) in zip(chunk, pool.map(lambda p: image_problem(p, encoded), chunk),
+                                            strict=True):
+                if reason is None and size is not None:
+                    sizes[path] = size
+                else:
+                    bad[path] = reason or "no size"
+                bar.update(1)
     return sizes, bad
 
 
@@ -123,8 +133,6 @@ def image_problem(path: Path, encoded: bool) -> tuple[tuple[int, int] | None, st
     except OSError as e:
         return None, f"cannot read it ({e.strerror or e})"
     try:
-        import io
-
         with Image.open(io.BytesIO(data)) as image:
             image.load()  # the whole file: a truncated one fails here, not only its header
             size = (image.height, image.width)
@@ -157,21 +165,32 @@ def bad_files_error(bad: dict[Path, str]) -> StreamError:
                        + f"\n{SKIP_HINT}")
 
 
-def empty_classes_error(empty: list[Path]) -> StreamError:
+def empty_classes_error(empty: list[Path], skipped: bool = False) -> StreamError:
     names = ", ".join(str(p) for p in sorted(empty))
+    if skipped:
+        return StreamError(f"every image of class director{'ies' if len(empty) > 1 else 'y'} {names} is bad "
+                           "(--skip-bad left them all out); every class needs images (a class directory's name is "
+                           "its label): fix its images, or remove the directory")
     return StreamError(f"class director{'ies' if len(empty) > 1 else 'y'} with no image: {names}; every class "
                        "needs images (a class directory's name is its label): put its images in it (any depth) "
                        "or remove it")
 
 
-def skipped_record(bad: dict[Path, str], roots: list[Path]) -> dict[str, Any]:
+def skipped_record(bad: dict[Path, str], src: Path) -> dict[str, Any]:
     """What the index records of the files --skip-bad left out: their count and (the first SKIPPED_LISTED) paths
-    relative to the source, with why."""
-    def rel(path: Path) -> str:
-        for root in roots:
-            if path.is_relative_to(root):
-                return str(path.relative_to(root))
-        return str(path)
-
-    files = [{"path": rel(p), "reason": why} for p, why in sorted(bad.items())[:SKIPPED_LISTED]]
+    relative to the source `src`, with why."""
+    files = [{"path": str(p.relative_to(src)) if p.is_relative_to(src) else str(p), "reason": why}
+             for p, why in sorted(bad.items())[:SKIPPED_LISTED]]
     return {"count": len(bad), "files": files}
+
+
+def val_only(items: dict[str, list[Item]], classes: list[str]) -> str | None:
+    """A note when some classes have images in val/ only: they take a label no training sample has."""
+    if "val" not in items:
+        return None
+    trained = {label for _, label in items["train"]}
+    missing = sorted({classes[label] for _, label in items["val"] if label not in trained})
+    if not missing:
+        return None
+    return (f"class{'es' * (len(missing) > 1)} {', '.join(missing)} have images in val/ only: the model gets an "
+            "output for each that no training sample teaches; add training images or remove them from val/")

@@ -201,7 +201,7 @@ def _scan_images(dirs: dict[str, Path], image_size: tuple[int, int] | None, enco
     emptied = [dirs[split] / folder.classes[label] for split in dirs  # every image of the class was bad
                for label in sorted({label for _, label in folder.items[split]} - {label for _, label in items[split]})]
     if emptied:
-        raise imagefolder.empty_classes_error(emptied)
+        raise imagefolder.empty_classes_error(emptied, skipped=True)
     first = next((p, sizes[p]) for split in items.values() for p, _ in split)
     if image_size is None and not encoded:
         for path, size in ((p, sizes[p]) for split in items.values() for p, _ in split):
@@ -213,11 +213,16 @@ def _scan_images(dirs: dict[str, Path], image_size: tuple[int, int] | None, enco
         kinds = ", ".join(f"{suffix}: {n}" for suffix, n in sorted(folder.other.items()))
         source.notes.append(f"skipped {sum(folder.other.values())} files of the class directories that are not "
                             f"images ({kinds}); images are {'/'.join(IMAGE_SUFFIXES)} files")
+    if (note := imagefolder.val_only(items, folder.classes)) is not None:
+        source.notes.append(note)
     if bad:
-        source.meta["skipped_bad"] = imagefolder.skipped_record(bad, list(dirs.values()))
-        source.notes += [f"skipped bad image {path}: {why}" for path, why in sorted(bad.items())]
-        source.notes.append(f"skipped {len(bad)} bad image file{'s' * (len(bad) != 1)} (--skip-bad), recorded in "
-                            "each split's index.json (hvdtrain.skipped_bad)")
+        src = next(iter(dirs.values())) if len(dirs) == 1 else next(iter(dirs.values())).parent
+        source.meta["skipped_bad"] = imagefolder.skipped_record(bad, src)
+        source.notes += [f"skipped bad image {path}: {why}"
+                         for path, why in sorted(bad.items())[:imagefolder.NOTED]]
+        more = f" ({len(bad) - imagefolder.NOTED} more not named here)" if len(bad) > imagefolder.NOTED else ""
+        source.notes.append(f"skipped {len(bad)} bad image file{'s' * (len(bad) != 1)} (--skip-bad){more}, "
+                            "recorded in each split's index.json (hvdtrain.skipped_bad)")
     return source
 
 

@@ -167,7 +167,6 @@ DEFAULT_IMAGE_SIZE = 224  # the largest size picked for a dataset of image files
 CPU_IMAGE_SIZE = 64  # the size the start-up line suggests on a CPU when the default picked a larger one
 
 
-
 def _image_size(train: StreamSplit, image_size: int | None) -> int | None:
     """The output size of a split whose x column holds image files (None for other columns): `image_size`, else the
     first training image's shorter side, at most DEFAULT_IMAGE_SIZE (a folder of phone photos would otherwise

@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from hvdtrain.job.model import Logs
+from hvdtrain.launch import console
 from hvdtrain.launch.console import PARTIAL_LIMIT, OutputRouter
 from hvdtrain.launch.failures import RankFailure
 from hvdtrain.launch.verdict import exit_code
@@ -152,6 +153,14 @@ def test_a_usage_every_rank_prints_is_shown_once_with_every_ranks_error_line(tmp
         "arguments: --epcohs 1")
 
 
+def test_a_usage_is_shown_by_a_rank_on_the_console_and_a_subcommands_error_line_is_one_too():
+    lines = [*usage(1), *usage(0, prog="train.py fit")]
+    router, _, err = route(lines, Logs(console_ranks=[0]))  # rank 1's usage never reached the console
+    assert err.splitlines() == usage(0, prog="train.py fit")
+    assert router.failures.arg_errors == {1: "train.py: error: unrecognized arguments: --epcohs 1",
+                                          0: "train.py fit: error: unrecognized arguments: --epcohs 1"}
+
+
 def test_an_interrupted_horovodrun_is_hidden_only_when_hvdtrain_stopped_it():
     _, out, _ = route(INTERRUPTED_START, Logs(), stopping=True)
     assert out == ""
@@ -193,6 +202,19 @@ def test_a_middleman_stopped_as_its_interpreter_started_shows_nothing_cut_off_by
     assert out.splitlines() == [*exits, *STARTED_AND_INTERRUPTED]  # the fragment once the output said what it was
     _, out, _ = route([*STARTED_AND_INTERRUPTED, *exits, "next"], Logs())
     assert out.splitlines() == [*exits, *STARTED_AND_INTERRUPTED, "next"]
+
+
+def test_a_cut_off_traceback_nobody_stopped_is_shown_and_an_explained_one_split_by_an_exit_is_hidden(monkeypatch):
+    monkeypatch.setattr(console, "CUT_WAIT_S", 0.0)
+    out, err = io.StringIO(), io.StringIO()
+    router = OutputRouter(Logs(), out, err)
+    for line in [*STARTED_AND_INTERRUPTED, "Process 0 exit with status code 1."]:
+        router.line(line)
+    router.tick()  # the supervising loop, once the wait is over: no stop came
+    assert out.getvalue().splitlines() == ["Process 0 exit with status code 1.", *STARTED_AND_INTERRUPTED]
+    split = [*GLOO_FAILURE[:4], *FRAMES[:3], "Process 0 exit with status code 143.", *FRAMES[3:], *GLOO_FAILURE[-4:]]
+    _, out_text, _ = route(split, Logs())  # horovodrun's own traceback, an exit line amid its frames: still hidden
+    assert "Traceback" not in out_text and out_text.splitlines()[-1] == "Process 0 exit with status code 143."
 
 
 def test_fragments_that_reach_the_reader_before_hvdtrains_handler_ran_are_hidden_too():

@@ -109,14 +109,36 @@ def test_skip_bad_leaves_them_out_and_counts_them(tmp_path: Path, encoded: bool)
     record = json.loads((tmp_path / "out" / "train" / "index.json").read_text())["hvdtrain"]["skipped_bad"]
     assert record["count"] == 3
     assert [f["path"] for f in record["files"]] == ["a/trunc.jpg", "b/empty.png", "b/sub/garbage.jpg"]
+    split = tmp_path / "split"  # paths relative to SRC, so the split is in them
+    messy(split / "train")
+    put(split / "val" / "a" / "0.jpg", jpeg_bytes(0))
+    convert(split, tmp_path / "out2", encoded=encoded, skip_bad=True, progress=False)
+    record = json.loads((tmp_path / "out2" / "val" / "index.json").read_text())["hvdtrain"]["skipped_bad"]
+    assert [f["path"] for f in record["files"]] == ["train/a/trunc.jpg", "train/b/empty.png", "train/b/sub/garbage.jpg"]
 
 
 def test_a_class_whose_every_image_is_bad_is_an_error_even_with_skip_bad(tmp_path: Path) -> None:
     src = tmp_path / "src"
     put(src / "a" / "0.jpg", jpeg_bytes(0))
     put(src / "b" / "0.jpg", b"\xff\xd8\xff")
-    with pytest.raises(StreamError, match=rf"class directory with no image: {src}/b;"):
+    with pytest.raises(StreamError, match=rf"every image of class directory {src}/b is bad \(--skip-bad left them "
+                                          r"all out\)"):
         convert(src, tmp_path / "out", skip_bad=True, progress=False)
+
+
+def test_a_link_up_the_tree_is_not_followed_and_a_val_only_class_is_noted(tmp_path: Path) -> None:
+    """`cat/up -> ..` would take every other class's images as cats (and loop); a link elsewhere is followed."""
+    src = tmp_path / "src"
+    for split in ("train", "val"):
+        put(src / split / "cat" / "0.jpg", jpeg_bytes(0))
+        put(src / split / "dog" / "0.jpg", jpeg_bytes(1))
+    put(src / "val" / "owl" / "0.jpg", jpeg_bytes(2))
+    put(tmp_path / "more" / "1.jpg", jpeg_bytes(3))
+    (src / "train" / "cat" / "up").symlink_to("..")
+    (src / "train" / "cat" / "more").symlink_to(tmp_path / "more")
+    summary = convert(src, tmp_path / "out", progress=False)
+    assert labels_by_file(tmp_path / "out" / "train") == [0, 0, 1]
+    assert "note: class owl have images in val/ only: the model gets an output" in summary.render()
 
 
 def test_the_cli_lists_every_bad_file_and_skip_bad_converts(tmp_path: Path) -> None:
