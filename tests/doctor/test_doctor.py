@@ -12,26 +12,17 @@ HVDTRAIN = str(BIN / "hvdtrain")
 
 
 @pytest.mark.slow
-def test_doctor_passes_and_lists_torch_ops_and_both_controllers():
-    result = run_bounded([HVDTRAIN, "doctor"], timeout=180)
-    assert result.returncode == 0, result.describe()
-    lines = {line.split("]", 1)[1].strip().split("  ")[0]: line for line in result.output.splitlines()
-             if line.startswith("[")}
-    for name in ("Horovod", "PyTorch ops", "Gloo controller", "MPI controller", "MPI runtime", "torch"):
-        assert lines[name].startswith("[ok  ]"), result.output
-    assert "0.28.1" in lines["Horovod"]
-    assert "Open MPI" in lines["MPI runtime"]
-    assert "doctor: all required checks passed" in result.output
-
-
-@pytest.mark.slow
-def test_doctor_json_matches_and_requiring_nccl_fails_with_a_fix_on_a_cpu_build():
+def test_doctor_lists_torch_ops_and_both_controllers_and_requiring_nccl_fails_with_a_fix_on_a_cpu_build():
+    """One doctor run (13-16 s: it starts a job per controller): its JSON, whose text rendering the Keras guard's
+    doctor test reads (tests/horovod/test_tfkeras_guard.py)."""
     result = run_bounded([HVDTRAIN, "doctor", "--json", "--require", "nccl,mpi"], timeout=180)
     checks = {c["name"]: c for c in json.loads(result.output)}
+    for name in ("Horovod", "PyTorch ops", "Gloo controller", "MPI controller", "MPI runtime", "torch"):
+        assert checks[name]["ok"] is True, checks[name]
+    assert "0.28.1" in checks["Horovod"]["detail"] and "Open MPI" in checks["MPI runtime"]["detail"], checks
     assert checks["NCCL ops"]["required"] is True
     assert checks["NCCL ops"]["ok"] is False  # this machine has no CUDA: the CPU build has no NCCL ops
     assert "HOROVOD_GPU_OPERATIONS=NCCL" in checks["NCCL ops"]["fix"]
-    assert checks["MPI controller"]["ok"] is True
     assert result.returncode == 1
 
 
