@@ -80,7 +80,8 @@ def test_the_launcher_starts_when_hvdtrain_does_even_when_a_script_execs_it() ->
         before = time.time()
         out = subprocess.run(["bash", "-c", f'{prefix}exec "$0" -c "$1"', sys.executable, code], capture_output=True,
                              text=True, timeout=60, check=True).stdout
-        assert 0 <= float(out) < min(1.5, time.time() - before), (prefix, out)
+        # not the 2.5 s the script slept first; a clock tick (10 ms) of rounding in the process's start, at most
+        assert 0 <= float(out) < min(1.5, time.time() - before + 0.02), (prefix, out)
 
 
 def test_the_digits_are_scikit_learns_without_importing_it() -> None:
