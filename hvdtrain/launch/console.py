@@ -15,7 +15,9 @@ log files (logs.dir) get every line. What the console leaves out:
     after a forwarded signal a traceback is held through such fragments, and the fragments that follow a hidden
     KeyboardInterrupt are hidden with it (`LauncherLines.feed`). A middleman interrupted while its interpreter
     starts may die before its exception line (local run, 2026-12-02: `Fatal Python error: init_import_site`, two
-    tracebacks' frames interleaved, then `Process 1 exit with status code 1.`): after a forwarded signal such a
+    tracebacks' frames interleaved, then `Process 1 exit with status code 1.`; CI, 2026-12-02: the other's
+    `Traceback` line after `Fatal Python error: `, the rest, `init_import_site: ...`, on a line of its own, held as
+    `FATAL_TAIL`): after a forwarded signal such a
     traceback, cut off by a rank's exit line or the end of the output, is hidden too. Such a traceback is held
     past the exit line (which is shown) until a line that is not a fragment, the end of the output, or CUT_WAIT_S
     without a stop (`OutputRouter.tick`, from the supervising loop) decides it: a Ctrl-C reaches the middlemen as
@@ -74,6 +76,8 @@ MESSAGE_TAIL = re.compile(r"^\s*(?:Process name:.*|Exit code:.*)?$")  # the rest
 CHAINED = ("During handling of the above exception", "The above exception was the direct cause")
 IGNORED = "Exception ignored in"  # Python's report of an exception at interpreter exit (a KeyboardInterrupt)
 FATAL = ("Fatal Python error:", "Python runtime state:")  # an interpreter interrupted as it started
+# the rest of `Fatal Python error: init_import_site: ...` when another writer's text split it off (NOTE [console])
+FATAL_TAIL = re.compile(r"^_?[A-Za-z0-9]+(?:_[A-Za-z0-9]+)+: ")
 SHELL_NOTICES = ("Terminated", "Killed")
 CUT_WAIT_S = 1.0  # how long a traceback cut off by an exit line waits for a stop before it is shown (NOTE [console])
 
@@ -82,6 +86,12 @@ def _interrupted_part(line: str) -> bool:
     """After a forwarded signal: a line of an interpreter stopped as it started, or a frame another writer's text
     came before (NOTE [console])."""
     return TRACEBACK in line or line.startswith(FATAL) or '  File "' in line
+
+
+def _fatal_tail(held: list[str], line: str) -> bool:
+    """The message of a held `Fatal Python error:` that another writer's text split off its header (NOTE
+    [console]): a C function's name, then the message."""
+    return bool(FATAL_TAIL.match(line)) and any(part.startswith(FATAL[0]) for part in held)
 
 
 def _frame_part(line: str) -> bool:
@@ -143,7 +153,7 @@ class LauncherLines:
 
     def feed(self, line: str) -> list[str]:
         if self.held:
-            if _frame_part(line) or _interrupted_part(line):
+            if _frame_part(line) or _interrupted_part(line) or _fatal_tail(self.held, line):
                 self.held.append(line)
                 return []
             if EXIT_LINE.match(line):  # cut off by its process's end: decided by what follows (NOTE [console])

@@ -204,6 +204,33 @@ def test_a_middleman_stopped_as_its_interpreter_started_shows_nothing_cut_off_by
     assert out.splitlines() == [*exits, *STARTED_AND_INTERRUPTED, "next"]
 
 
+FATAL_SPLIT = [  # CI, 2026-12-02: the other middleman's traceback header landed after `Fatal Python error: `
+    'Fatal Python error: Traceback (most recent call last):',
+    '  File "<string>", line 1, in <module>',
+    'init_import_site: Failed to import the site module',
+    'Process 0 exit with status code 1.',
+    '    iter_importer_modules.register(',
+    '  File "/root/.pyenv/versions/3.11.7/lib/python3.11/functools.py", line 892, in register',
+    '    if _is_union_type(cls):',
+    '       ^^^^^^^^^^^^^^^^^^^',
+    '  File "/root/.pyenv/versions/3.11.7/lib/python3.11/typing.py", line 1859, in __init_subclass__',
+    '    super().__init_subclass__(*args, **kwargs)',
+    '    ^^^^^^^',
+    'Process 1 exit with status code -2.',
+]
+
+
+def test_a_fatal_errors_message_split_off_by_another_middlemans_traceback_is_hidden_with_it():
+    exits = [line for line in FATAL_SPLIT if line.startswith("Process ")]
+    _, out, _ = route([*FATAL_SPLIT, "still shown"], Logs(), stopping=True)
+    assert out.splitlines() == [*exits, "still shown"]
+    _, out, _ = route(FATAL_SPLIT, Logs())  # not stopped by hvdtrain: every line is shown
+    assert sorted(out.splitlines()) == sorted(FATAL_SPLIT)
+    _, out, _ = route(["Traceback (most recent call last):", '  File "x.py", line 1, in <module>',
+                       "not_fatal_here: an exception line"], Logs(), stopping=True)  # no fatal error held: shown
+    assert out.splitlines()[-1] == "not_fatal_here: an exception line"
+
+
 def test_a_cut_off_traceback_nobody_stopped_is_shown_and_an_explained_one_split_by_an_exit_is_hidden(monkeypatch):
     monkeypatch.setattr(console, "CUT_WAIT_S", 0.0)
     out, err = io.StringIO(), io.StringIO()
