@@ -30,6 +30,7 @@ from typing import Any
 ENV = "HVDTRAIN_RECORDS"
 LAUNCHED_ENV = "HVDTRAIN_LAUNCHED_AT"  # when `hvdtrain run` started (seconds since the epoch): the ranks' startup clock
 STOP_FILE = "stop-requested"  # `hvdtrain run` creates it on SIGUSR1: the recipes checkpoint and exit (preempt.py)
+STOP_USR1 = "SIGUSR1 to hvdtrain run"  # the stop file's reason when hvdtrain run was given SIGUSR1
 TRACEBACK_CHARS = 8000  # the end of a long traceback is the part that names the error
 
 
@@ -119,15 +120,31 @@ def process_started(pid: int | None = None) -> float | None:
         return None
 
 
-def request_stop(where: Path) -> None:
+def request_stop(where: Path, reason: str = STOP_USR1) -> None:
     """Ask every rank that reads this records directory to checkpoint at its next step boundary and exit
-    (exitcodes.PREEMPTED): what `hvdtrain run` does on SIGUSR1 (hvdtrain.train.preempt reads it)."""
-    (where / STOP_FILE).touch()
+    (exitcodes.PREEMPTED): what `hvdtrain run` does on SIGUSR1 (hvdtrain.train.preempt reads it), and on a stop
+    signal, whose SIGTERM the ranks then get from horovodrun. `reason` (what asked, for the ranks' stop line) is
+    the file's text, written whole (a rename) so that a rank never reads half of it."""
+    temp = where / f".{STOP_FILE}.{os.getpid()}"
+    temp.write_text(reason)
+    os.replace(temp, where / STOP_FILE)
+
+
+def stop_reason(where: Path | None) -> str | None:
+    """What asked the ranks to stop (`request_stop`'s reason), or None when nothing did (or no records directory)."""
+    if where is None:
+        return None
+    try:
+        return (where / STOP_FILE).read_text() or "hvdtrain run"
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError):
+        return "hvdtrain run"
 
 
 def stop_requested(where: Path | None) -> bool:
     """True once `request_stop(where)` was called (False without a records directory)."""
-    return where is not None and (where / STOP_FILE).exists()
+    return stop_reason(where) is not None
 
 
 def _name(kind: str, pid: int, env: Mapping[str, str] = os.environ) -> str:

@@ -50,6 +50,7 @@ step (NOTE [Keras stops mid-epoch] in hvdtrain/train/kerasstop.py).
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import sys
@@ -405,12 +406,16 @@ def main(argv: list[str] | None = None) -> int:
         ]
 
     if first < epochs:
+        stopped = False
         try:
             fit(cfg, model, splits, rank, size, first, epochs, steps, position,
                 resumed_metrics(position, rank, size), callbacks)
         except kerasstop.Preempted as stop:  # every rank, after the same step; checkpointed
             if rank == 0:
                 print(preempt.stop_line(request, stop.path), flush=True)
+            stopped = True
+        if stopped:
+            gc.collect()  # the stopped fit's tf.data iterator ends now: at interpreter exit TensorFlow warns of it
             return exitcodes.PREEMPTED
     # ---- 5. the end: identical weights everywhere; rank 0 writes summary.json
     finish(cfg, run_dir, splits, model, lr, first, epochs, history, recorder, run_lock)

@@ -187,6 +187,7 @@ K8S_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 SECRET_KEY = re.compile(r"[-._a-zA-Z0-9]{1,253}")
 # A Kubernetes quantity as the API server takes it (e.g. 16Gi, 512Mi, 2G).
 QUANTITY = re.compile(r"[0-9]+(\.[0-9]+)?([KMGTPE]i|[kMGTPE])?")
+CPU_QUANTITY = re.compile(r"([0-9]+(\.[0-9]+)?|[0-9]+m)")  # cores (2, 0.5) or millicores (3500m)
 
 
 def _matching(pattern: re.Pattern[str], what: str) -> AfterValidator:
@@ -225,6 +226,17 @@ def _quantity(value: str) -> str:
 def _memory(value: str | None) -> str | None:
     if value is not None and not QUANTITY.fullmatch(value):
         raise ValueError("expected a Kubernetes quantity such as 64Gi or 512Mi")
+    return value
+
+
+def _cpu_text(value: object) -> object:
+    """`cpu: 16` in YAML is a number: the quantity's text."""
+    return str(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
+
+
+def _cpu(value: str | None) -> str | None:
+    if value is not None and (not CPU_QUANTITY.fullmatch(value) or not float(value.removesuffix("m")) > 0):
+        raise ValueError("expected cores > 0 as a Kubernetes quantity such as 16, 0.5 or 3500m (millicores)")
     return value
 
 
@@ -272,6 +284,11 @@ class Kubernetes(_Model):
                     "autoscaler may give less). The ranks checkpoint at their next step boundary and exit meanwhile "
                     "(the entrypoint waits for them until 10 s before the end); a recipe's --sigterm-grace must fit "
                     "in it. 20-86400 seconds.")
+    cpu: Annotated[str | None, BeforeValidator(_cpu_text), AfterValidator(_cpu), WithJsonSchema(
+        {"anyOf": [{"type": "string"}, {"type": "number"}, {"type": "null"}], "default": None})] = Field(
+        None, description="Each worker's CPU request and limit (cores, such as 16 or 3500m): its ranks and their "
+                          "loaders' producers (each rank's --num-workers). Unset: none, so a CPU job's pods are "
+                          "scheduled as if they needed no cores.")
     memory: Annotated[str | None, AfterValidator(_memory)] = Field(
         None, description="Each worker's memory request and limit (a quantity such as 64Gi): its ranks, their "
                           "producers and its /dev/shm, which counts against it. Unset: none (a LimitRange of the "

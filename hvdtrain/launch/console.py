@@ -27,6 +27,8 @@ log files (logs.dir) get every line. What the console leaves out:
     as it starts. Without a stop, such a traceback is shown within CUT_WAIT_S, and always before the verdict.
     Chained tracebacks after a hidden one are decided the same way, each on its own exception line.
   - the shell's `Terminated`/`Killed` line for a rank that was stopped because the job was ending.
+  What it words differently: horovodrun's `Terminating remaining workers after failure of Process N.` when process
+  N exited 75 (it stopped to be resumed, after its checkpoint: a stop request, not a failure; `LauncherLines._words`).
   - a second copy of an argparse usage block: every rank of a script given a bad argument prints the same usage
     (85 lines for a recipe) then its `PROG: error: ...` line; the console shows the first rank's usage and every
     rank's error line (`UsageBlocks`), and the verdict quotes the failing rank's error line (failures.py).
@@ -54,6 +56,7 @@ import time
 from pathlib import Path
 from typing import IO
 
+from hvdtrain import exitcodes
 from hvdtrain.job.model import Logs
 from hvdtrain.launch.failures import ARG_ERROR, USAGE, FailureTracker, usage_part
 
@@ -66,6 +69,8 @@ MPI_TAG = re.compile(r"\[\d+,(\d+)\]<(stdout|stderr|stddiag)>:")
 EMBEDDED_RANK = re.compile(r"\[(?:\d+,)?\d+\]<(?:stdout|stderr)>:")  # a rank's line after a launcher's text
 PARTIAL_LIMIT = 1 << 16  # characters of a rank's unfinished MPI line held before it is shown as it is
 EXIT_LINE = re.compile(r"Process \d+ exit with status code ")  # horovodrun (Gloo): one per rank, from its threads
+EXIT_CODE = re.compile(r"Process (\d+) exit with status code (-?\d+)\.")
+TERMINATING = re.compile(r"Terminating remaining workers after failure of Process (\d+)\.$")  # after a non-zero exit
 TRACEBACK = "Traceback (most recent call last):"
 JOB_ENDED = ("RuntimeError: Horovod detected that one or more processes exited with non-zero status",
              "RuntimeError: mpirun failed with exit code", "RuntimeError: Job has been shutdown")
@@ -150,8 +155,22 @@ class LauncherLines:
         self.hidden: list[str] = []  # hidden exception lines and their messages (horovodrun's own account)
         self.stopping = False  # hvdtrain forwarded a stop signal: an interrupted horovodrun is expected
         self.cut_at = 0.0  # when a process's exit line came while a traceback was held (0: none came)
+        self.exits: dict[str, int] = {}  # horovodrun's process index -> the exit code it reported
+
+    def _words(self, line: str) -> str:
+        """horovodrun calls any non-zero exit a failure: a rank that stopped to be resumed (exit 75, its checkpoint
+        written) is told as that (NOTE [console])."""
+        exited = EXIT_CODE.match(line)
+        if exited:
+            self.exits[exited[1]] = int(exited[2])
+        ended = TERMINATING.match(line)
+        if ended and self.exits.get(ended[1]) == exitcodes.PREEMPTED:
+            return (f"Terminating remaining workers after Process {ended[1]} stopped to be resumed (exit "
+                    f"{exitcodes.PREEMPTED}: checkpointed).")
+        return line
 
     def feed(self, line: str) -> list[str]:
+        line = self._words(line)
         if self.held:
             if _frame_part(line) or _interrupted_part(line) or _fatal_tail(self.held, line):
                 self.held.append(line)

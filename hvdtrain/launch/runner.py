@@ -31,7 +31,7 @@ from hvdtrain.job.plan import RANK_MODULE, LaunchPlan
 from hvdtrain.launch.console import OutputRouter, pump
 from hvdtrain.launch.failures import FailureTracker
 from hvdtrain.launch.lifeline import DONE, die_with_parent, group_alive
-from hvdtrain.launch.stops import StopRequests
+from hvdtrain.launch.stops import STOP_REASONS, StopRequests
 from hvdtrain.launch.verdict import doctor_argv, exit_code, find_lost_hosts
 
 GRACE_S = 20.0  # horovodrun itself gives ranks 5 s after SIGTERM, then 5 s more before SIGKILL
@@ -130,7 +130,9 @@ def find_horovodrun() -> str:
 #    `verdict.exit_code` calls that ending "preempted" (FailureTracker.preempted) and exits 75 (--requeue then requeues
 #    the Slurm job: command.requeue_slurm_job). Repeating it changes nothing; a rank that ignores it just goes on.
 #    With `--launcher srun` the same: Slurm's `B:` signal reaches the batch shell (hvdtrain) only, not the step.
-#    The file is removed when the next run prepares the same records directory.
+#    The file is removed when the next run prepares the same records directory. A stop signal writes it too, with
+#    why (`StopRequests.stopping`), before it is forwarded: the ranks' stop line then names it, not the SIGTERM
+#    horovodrun hands them.
 #  - After a forwarded signal we wait GRACE_S; a second signal, or the grace running out, SIGKILLs the group and
 #    every descendant in the snapshot (psutil checks create times, so a recycled pid is never hit).
 #  - However horovodrun ends, `_Job.sweep` terminates snapshot members still alive, and the output reader thread is
@@ -227,6 +229,7 @@ class _Job:
     def on_signal(self, signum: int, _frame: object) -> None:
         self.signals.append(signum)
         self.router.launcher.stopping = True
+        self.stops.stopping(STOP_REASONS.get(signal.Signals(signum), signal.Signals(signum).name))
         if self.proc is not None:
             self._forward(signum)
         self.kill_at = time.monotonic() + GRACE_S if len(self.signals) == 1 else time.monotonic()
@@ -377,6 +380,7 @@ def _supervise(plan: LaunchPlan, job: _Job, timeout_s: float | None, ssh: Ssh, w
             job.maybe_snapshot()
             if deadline and time.monotonic() > deadline and job.signum is None:
                 timed_out = True
+                job.stops.stopping(f"hvdtrain run's --timeout {timeout_s:g} s")
                 job.on_signal(signal.SIGTERM, None)
             job.tell(timed_out, timeout_s)
             job.stops.tell(router)

@@ -16,6 +16,9 @@ if TYPE_CHECKING:
 STOP_ASKED = ("hvdtrain: SIGUSR1: asking the ranks to checkpoint at their next step boundary and stop (exit "
               f"{exitcodes.PREEMPTED})")
 STOP_ASKED_AGAIN = "hvdtrain: SIGUSR1 again: the ranks were already asked to stop; nothing more to do"
+# What the stop file says when the whole job is stopped (the ranks get horovodrun's SIGTERM): their stop line
+STOP_REASONS = {signal.SIGINT: "SIGINT (Ctrl-C) to hvdtrain run", signal.SIGTERM: "SIGTERM to hvdtrain run",
+                signal.SIGHUP: "SIGHUP to hvdtrain run (its terminal closed)"}
 
 
 class StopRequests:
@@ -28,6 +31,7 @@ class StopRequests:
         self.told = 0
         self.where: Path | None = None
         self.failed: str | None = None  # why the request could not be written
+        self.reason: str | None = None  # what asked first (the stop file's text)
 
     def install(self) -> StopRequests:
         signal.signal(signal.SIGUSR1, self.on_signal)
@@ -35,6 +39,13 @@ class StopRequests:
 
     def on_signal(self, _signum: int, _frame: object) -> None:
         self.received += 1
+        self.reason = self.reason or records.STOP_USR1
+        self._request()
+
+    def stopping(self, reason: str) -> None:
+        """The whole job is being stopped (a stop signal to hvdtrain run, its --timeout): the ranks get horovodrun's
+        SIGTERM; the stop file, written first, tells them why, so that their stop line says it."""
+        self.reason = self.reason or reason
         self._request()
 
     def attach(self, where: Path | None) -> None:
@@ -47,7 +58,7 @@ class StopRequests:
         if self.where is None:
             return
         try:
-            records.request_stop(self.where)
+            records.request_stop(self.where, self.reason or records.STOP_USR1)
         except OSError as exc:
             self.failed = f"cannot create {self.where / records.STOP_FILE}: {exc.strerror or exc}"
 

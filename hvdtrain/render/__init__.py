@@ -13,6 +13,7 @@ from pathlib import Path
 
 from hvdtrain.render.common import IMAGE_REMOTE_DIR, ClusterOptions, RenderError, job_name, load_for_cluster
 from hvdtrain.render.k8s import K8sOptions, render_k8s
+from hvdtrain.render.podpaths import script_in_image
 from hvdtrain.render.slurm import SlurmOptions, SpecOnCluster, render_slurm
 
 TARGETS = ("k8s", "slurm")
@@ -28,6 +29,7 @@ def render_file(target: str, path: str | Path, cluster: ClusterOptions, target_o
     if target == "k8s" and isinstance(target_opts, K8sOptions):
         remote_dir = cluster.remote_dir or IMAGE_REMOTE_DIR
         spec = load_for_cluster(path, remote_dir, overrides)
+        spec = script_in_image(spec, Path(path).resolve().parent, remote_dir)  # a shipped recipe: the image's copy
         return render_k8s(spec, cluster, target_opts, source=str(path))
     if target == "slurm" and isinstance(target_opts, SlurmOptions):
         here = Path(path).resolve()  # by default the cluster reads the spec where it is (a shared filesystem)

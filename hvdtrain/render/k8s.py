@@ -43,6 +43,7 @@ from hvdtrain.render.common import (
     placement,
 )
 from hvdtrain.render.credentials import credential_problem
+from hvdtrain.render.podpaths import pod_needs
 from hvdtrain.render.shmsize import RECIPES, ShmSize, shm_size
 
 API_VERSION = "kubeflow.org/v2beta1"
@@ -100,9 +101,11 @@ def _check(spec: JobSpec, controller: str) -> Kubernetes:
 
 
 def _recipe_flags(spec: JobSpec) -> argparse.Namespace:
-    """A shipped recipe's --run-dir and --sigterm-grace in the spec's args (their defaults where left out)."""
+    """A shipped recipe's --run-dir, --sigterm-grace and --dataset in the spec's args (their defaults where left
+    out)."""
     parser = argparse.ArgumentParser(add_help=False, exit_on_error=False)  # abbreviations too, as the recipes take
     parser.add_argument("--run-dir", default="runs")
+    parser.add_argument("--dataset", default="digits")
     parser.add_argument("--sigterm-grace", type=float, default=RECIPES[PurePosixPath(spec.script).name].sigterm_grace)
     try:
         flags = parser.parse_known_args(spec.args)[0]
@@ -187,12 +190,12 @@ def _worker(spec: JobSpec, lay: Placement, shm: ShmSize, port: int) -> dict[str,
     k8s = spec.kubernetes
     container = _container("worker", k8s, [ENTRYPOINT, "sshd", "-p", str(port)],  # -p: over the image's Port
                            [_stop_wait(k8s)])
+    # requests = limits: a worker evicted for memory under load would stop the whole job; with both set the pods are
+    # Guaranteed, the last evicted (and whole cores under the static CPU manager policy)
+    requests = {key: value for key, value in (("cpu", k8s.cpu), ("memory", k8s.memory)) if value}
     limits: dict[str, Any] = {"nvidia.com/gpu": lay.gpus_per_node} if lay.gpus_per_node else {}
-    if k8s.memory:  # requests = limits: a worker evicted for memory under load would stop the whole job
-        limits["memory"] = k8s.memory
-        container["resources"] = {"requests": {"memory": k8s.memory}, "limits": limits}
-    elif limits:
-        container["resources"] = {"limits": limits}
+    if requests or limits:
+        container["resources"] = {**({"requests": requests} if requests else {}), "limits": {**requests, **limits}}
     # /dev/shm is 64 MiB in a pod by default: too small for NCCL and hvdtrain's shared-memory loader.
     volume, mount = _run_volume(k8s)
     container["volumeMounts"] = [{"name": "dshm", "mountPath": "/dev/shm"}, mount]
@@ -231,6 +234,7 @@ class Rendered:
     lay: Placement
     shm: ShmSize
     sigterm_grace: float | None  # a shipped recipe's --sigterm-grace; None: another script, or the elastic recipe
+    needs: list[str]  # what the pods need beyond the image and the run volume's claim (podpaths.pod_needs)
 
 
 def _render(spec: JobSpec, cluster: ClusterOptions, opts: K8sOptions) -> Rendered:
@@ -239,15 +243,16 @@ def _render(spec: JobSpec, cluster: ClusterOptions, opts: K8sOptions) -> Rendere
     lay = placement(spec, cluster)
     name = check_name(cluster.name)
     k8s = _check(spec, spec.controller or cluster.controller or "gloo")  # horovodrun_argv's controller
-    grace = None
+    grace, dataset = None, None
     recipe = RECIPES.get(PurePosixPath(spec.script).name)
     if recipe is not None:
         flags = _recipe_flags(spec)
-        grace = flags.sigterm_grace if recipe.stops_on_sigterm else None
+        grace, dataset = (flags.sigterm_grace if recipe.stops_on_sigterm else None), flags.dataset
         problem = _run_dir_problem(spec, flags.run_dir, spec.workdir or k8s.run_mount, k8s.run_mount) \
             or (_grace_problem(grace, k8s) if grace is not None else None)
         if problem:
             raise RenderError(problem)
+    needs = pod_needs(spec, dataset, spec.workdir or k8s.run_mount, str(k8s.run_volume), k8s.run_mount)
     metadata: dict[str, Any] = {"name": name, "labels": {"app.kubernetes.io/name": "hvdtrain"}}
     if k8s.namespace:
         metadata["namespace"] = k8s.namespace
@@ -270,7 +275,7 @@ def _render(spec: JobSpec, cluster: ClusterOptions, opts: K8sOptions) -> Rendere
                                 "Worker": _worker(spec, lay, shm, ssh_port(spec, opts))},
         },
     }
-    return Rendered(obj, spec, lay, shm, grace)
+    return Rendered(obj, spec, lay, shm, grace, needs)
 
 
 def mpijob(spec: JobSpec, cluster: ClusterOptions, opts: K8sOptions | None = None) -> dict[str, Any]:
@@ -301,6 +306,7 @@ def render_k8s(spec: JobSpec, cluster: ClusterOptions, opts: K8sOptions | None =
               f"{lay.gpus_per_node} GPU(s) per worker. Needs the Kubeflow MPI Operator (v2beta1 API).",
               f"# Needs, in the job's namespace: the PersistentVolumeClaim {k8s.run_volume} (mounted on the workers "
               f"at {k8s.run_mount}){secrets}.",
+              *[f"# Needs: {line}." for line in out.needs],
               f"# /dev/shm per worker: {out.shm.quantity} ({out.shm.why}); it counts against the pod's memory"
               + (f" ({k8s.memory}: kubernetes.memory)." if k8s.memory else " (no limit set: kubernetes.memory)."),
               f"# A pod's SIGTERM (kubectl delete, a drain, preemption): {_sigterm_words(spec, out.sigterm_grace)}; "

@@ -11,7 +11,9 @@ NOTE [stop requests]
   `hvdtrain run` given SIGUSR1 (the `#SBATCH --signal=B:USR1@T` that `hvdtrain render slurm` writes: the batch
   shell is `hvdtrain run`), which creates `records.STOP_FILE` in the job's records directory; each rank looks for
   that file at most once per POLL_S. A SIGTERM to every process of a job (`scancel`, a time limit reached) stops
-  it as before: the producers die with it.
+  it as before: the producers die with it. A stop signal to `hvdtrain run` (Ctrl-C, SIGTERM, its --timeout) writes
+  the same file, saying why, before it passes the signal on: the ranks then get horovodrun's SIGTERM, and rank 0's
+  stop line names what asked (`stop_line`), not the SIGTERM it was handed.
 - One rank hearing it is enough, and every rank stops after the same step: at a vote every rank starts an
   asynchronous allreduce (max) of its 0/1 flag and reads the previous vote's result, which is the same on every
   rank. So all of them leave the loop at the same boundary, at the vote after the one that carried the first
@@ -93,7 +95,7 @@ class StopRequest:
             raise ValueError(f"signals must be among {[s.name for s in SIGNALS]}, got {signals!r}")
         self.records_dir, self.signals = records_dir, signals
         self.sigterm_grace_s, self.poll_s = sigterm_grace_s, poll_s
-        self.reason: str | None = None  # what asked: "SIGUSR1", "SIGTERM" or "hvdtrain run (SIGUSR1)"
+        self.reason: str | None = None  # what asked: "SIGUSR1", "SIGTERM" or the stop file's reason
         self.sigterm = False
         self.armed = True  # the SIGTERM deadline may end the process (off once the stop's checkpoint is written)
         self._next_poll = 0.0
@@ -166,14 +168,18 @@ class StopRequest:
         """Asked to stop: by a signal, or by the stop file (looked for at most every `poll_s`)."""
         if self.reason is None and self.records_dir is not None and time.monotonic() >= self._next_poll:
             self._next_poll = time.monotonic() + self.poll_s
-            if records.stop_requested(self.records_dir):
-                self.reason = "hvdtrain run (SIGUSR1)"
+            self.reason = records.stop_reason(self.records_dir)
         return self.reason is not None
 
 
 def stop_line(request: StopRequest, path: str) -> str:
-    """Rank 0's last words after a stop: what asked, the checkpoint, how to resume."""
-    heard = f"asked to stop ({request.reason} here)" if request.reason else "asked to stop (on another rank)"
+    """Rank 0's last words after a stop: what asked, the checkpoint, how to resume. A SIGTERM that horovodrun sent
+    because `hvdtrain run` was stopped (Ctrl-C) is told as that: the launcher's stop file says why."""
+    launcher = records.stop_reason(request.records_dir)
+    if launcher and request.reason in (None, "SIGTERM", launcher):
+        heard = f"asked to stop ({launcher})"
+    else:
+        heard = f"asked to stop ({request.reason} here)" if request.reason else "asked to stop (on another rank)"
     return (f"{heard}: checkpoint {path}; run the same command again to resume from it "
             f"(exit {exitcodes.PREEMPTED})")
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import stat
 from pathlib import Path
 from types import SimpleNamespace
@@ -89,3 +90,23 @@ def test_the_elastic_timeout_names_what_it_waited_for():
     assert str(raised.value).startswith("Timed out waiting for minimum number of slots to become available. "
                                         "Please check that you have enough resources to run at least 2 Horovod "
                                         "processes."), raised.value
+
+
+def test_a_rank_that_ends_on_horovodruns_sigterm_is_reported_with_its_own_exit_code_at_once():
+    """horovodrun's teardown of a rank (safe_shell_exec): 0.28.1 froze the rank's shell (SIGSTOP) as soon as the
+    shell's child had ended, so a shell still finishing (as hvdtrain's rank supervisor writes its record) could
+    not act on the SIGTERM that followed: SIGKILLed 5 s later and reported as `exit with status code 137`, for a
+    rank that had checkpointed and exited 75 (a Ctrl-C took 7-10 s). The patch waits for such a shell to end."""
+    import threading
+    import time
+
+    from horovod.runner.common.util import safe_shell_exec
+
+    rank = shlex.join([str(BIN / "python"), "-c", "import signal, sys, time\n"
+                       "signal.signal(signal.SIGTERM, lambda *_: sys.exit(75))\ntime.sleep(60)"])
+    stop = threading.Event()
+    threading.Timer(1.5, stop.set).start()  # horovodrun's own stop (its terminate_all_event), once the rank runs
+    started = time.monotonic()
+    code = safe_shell_exec.execute(f"{rank}; code=$?; sleep 0.3; exit $code", events=[stop])
+    took = time.monotonic() - started - 1.5
+    assert code == 75 and took < 2.5, (code, took)  # 0.28.1: 137 after 5 s more

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import signal
+import time
 from pathlib import Path
 
 import psutil
@@ -395,8 +396,26 @@ time.sleep(300)
 """
 
 
+STOPPING = """
+import os, signal, sys, time
+import horovod.torch as hvd
+from hvdtrain import records
+def stop(*_):  # as a recipe does: it checkpoints and exits 75, naming what asked (the launcher's stop file)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once (mpirun may send SIGINT, then SIGTERM)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    print(f"rank {hvd.rank()}: asked to stop ({records.stop_reason(records.directory())})", flush=True)
+    sys.exit(75)
+signal.signal(signal.SIGTERM, stop)
+signal.signal(signal.SIGINT, stop)
+hvd.init()
+open(os.path.join(sys.argv[1], f"ready.{hvd.rank()}"), "w").close()
+time.sleep(300)
+"""
+
+
 def write_job(tmp_path: Path, controller: str, script: str = "job.py", **keys: object) -> Path:
     (tmp_path / "job.py").write_text(WAIT)
+    (tmp_path / "stopping.py").write_text(STOPPING)
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump({"script": script, "np": 2, "controller": controller, "args": [str(tmp_path)],
                                    "env": {"TF_CPP_MIN_LOG_LEVEL": "2"}, **keys}))
@@ -424,14 +443,22 @@ def test_a_failing_rank_shows_hvdtrains_summary_and_no_launcher_traceback(contro
 @pytest.mark.slow
 @pytest.mark.parametrize("controller", ["gloo", "mpi"])
 def test_ctrl_c_mid_run_says_what_hvdtrain_did(controller, tmp_path):
-    job = write_job(tmp_path, controller)
+    job = write_job(tmp_path, controller, script="stopping.py")
     ready = lambda: all((tmp_path / f"ready.{r}").exists() for r in range(2))  # noqa: E731
     killed = kill_launcher_when([HVDTRAIN, "run", str(job)], ready, signal.SIGINT, timeout=120)
+    took = time.monotonic() - killed.signalled_at
     assert killed.ready, killed.output
     assert killed.returncode == 130, killed.output
     lines = killed.output.splitlines()
     assert "hvdtrain: SIGINT received: stopping every rank (Ctrl-C again to kill them at once)" in lines
     assert lines[-1] == "hvdtrain: the job was stopped by SIGINT; exit code 130", killed.output
+    # The ranks got horovodrun's (mpirun's) signal; what they say is what asked. Gloo: horovodrun reports each rank's
+    # own exit code, at once (0.28.1 froze a rank's shell whose child had ended: 137, 5 s later).
+    for rank in range(2):
+        assert f"[{rank}]<stdout>:rank {rank}: asked to stop (SIGINT (Ctrl-C) to hvdtrain run)" in lines, killed.output
+    if controller == "gloo":
+        assert {f"Process {rank} exit with status code 75." for rank in range(2)} <= set(lines), killed.output
+        assert took < 4.5, (took, killed.output)
     assert launcher_tracebacks(killed.output) == [], killed.output
     assert "Traceback" not in killed.output and "Terminated" not in killed.output, killed.output
     assert wait_gone(killed.processes, 20) == []
@@ -468,3 +495,14 @@ def test_ctrl_c_before_the_job_starts_is_one_line(tmp_path):
     assert killed.ready and killed.returncode == 130, killed.output
     assert killed.output.splitlines() == ["hvdtrain: interrupted (SIGINT); no job was started"]
     assert wait_gone(killed.processes, 10) == []  # the probe (sleep) was killed with hvdtrain's checks
+
+
+def test_horovodruns_failure_line_after_a_rank_that_stopped_to_be_resumed_says_so():
+    stopped = ["Process 1 exit with status code 75.", "Terminating remaining workers after failure of Process 1.",
+               "Process 0 exit with status code 75."]
+    _, out, _ = route(stopped, Logs())
+    assert out.splitlines() == [stopped[0], "Terminating remaining workers after Process 1 stopped to be resumed "
+                                            "(exit 75: checkpointed).", stopped[2]]
+    failed = ["Process 1 exit with status code 3.", "Terminating remaining workers after failure of Process 1."]
+    _, out, _ = route([*failed, *stopped[2:]], Logs())  # a failure stays one; another process's 75 changes nothing
+    assert out.splitlines() == [*failed, *stopped[2:]]

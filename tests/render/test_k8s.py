@@ -11,6 +11,7 @@ import dataclasses
 import math
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -226,6 +227,59 @@ def test_a_workers_memory_holds_its_shm_and_is_requested_and_limited(tmp_path, v
             quantity_bytes(bad)
 
 
+def test_a_workers_cores_are_requested_and_limited(tmp_path, validator):
+    cpu = FULL.replace("gpus_per_rank: 1\n", "") + "  cpu: 16\n  memory: 64Gi\n"  # `16`: a YAML number
+    worker = pods(render(tmp_path, cpu))["Worker"]
+    both = {"cpu": "16", "memory": "64Gi"}
+    assert worker["containers"][0]["resources"] == {"requests": both, "limits": both}  # Guaranteed QoS
+    kubernetes_validate.validate(as_pod_template(worker), K8S_VERSION, strict=True)
+    worker = pods(render(tmp_path, FULL + "  cpu: 3500m\n"))["Worker"]
+    assert worker["containers"][0]["resources"] == {"requests": {"cpu": "3500m"},
+                                                    "limits": {"cpu": "3500m", "nvidia.com/gpu": 8}}
+    assert "resources" not in pods(render(tmp_path, FULL.replace("gpus_per_rank: 1\n", "")))["Worker"]["containers"][0]
+
+
+def render_text(tmp_path, text: str, name: str = "job.yaml") -> tuple[str, list[str]]:
+    """(the launcher's command, the header's Needs lines) of a spec written to tmp_path/name."""
+    path = tmp_path / name
+    path.write_text(text)
+    out = render_file("k8s", path, ClusterOptions(name="job"), K8sOptions())
+    command = yaml.safe_load(out)["spec"]["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]["containers"][0]["command"]
+    return shlex.join(command), [line for line in out.splitlines() if line.startswith("# Needs: ")]
+
+
+def test_a_shipped_recipe_runs_as_the_images_copy_and_every_path_the_pods_lack_is_listed_with_the_fix(tmp_path):
+    # The spec names this machine's recipe: the pods run the image's copy, and need nothing more.
+    local = FULL.replace("../recipes/pytorch_train.py", str(REPO / "recipes" / "pytorch_train.py"))
+    command, needs = render_text(tmp_path, local)
+    assert " /opt/hvdtrain/recipes/pytorch_train.py --dataset synthetic" in command and str(REPO) not in command
+    assert needs == []
+    assert render_text(tmp_path, (REPO / "jobs" / "k8s.yaml").read_text())[1] == []  # the shipped job: none either
+    # A changed copy, a script of the user's, a dataset folder of this machine: each listed, with what to do.
+    (tmp_path / "pytorch_train.py").write_text((REPO / "recipes" / "pytorch_train.py").read_text() + "# mine\n")
+    mine = FULL.replace("../recipes/pytorch_train.py", "pytorch_train.py").replace("synthetic", "/tmp/shards")
+    command, needs = render_text(tmp_path, mine + "  shm_size: 16Gi\n")
+    assert " /opt/hvdtrain/jobs/pytorch_train.py --dataset /tmp/shards" in command
+    assert needs[0] == ("# Needs: the script /opt/hvdtrain/jobs/pytorch_train.py, which the image built from "
+                        "docker/Dockerfile does not hold (a pod sees none of this machine's files): bake it into an "
+                        "image built FROM it (COPY ... /opt/hvdtrain/jobs/pytorch_train.py), or copy it to the run "
+                        "volume hvdtrain-runs and name it under /runs.")
+    assert needs[1].startswith("# Needs: the dataset (--dataset) /tmp/shards, which the image built from ")
+    assert needs[1].endswith("(or upload it to a bucket and pass s3://..., with credentials in "
+                             "kubernetes.secret_env).") and len(needs) == 2
+    # On the run volume (relative to where the ranks start): to be copied there; from a bucket: nothing.
+    on_volume = FULL.replace("synthetic", "data/shards") + "  shm_size: 16Gi\n"
+    assert render_text(tmp_path, on_volume)[1] == [
+        "# Needs: the dataset (--dataset) /runs/data/shards, on the run volume hvdtrain-runs: copy it there before "
+        "the job starts."]
+    assert render_text(tmp_path, FULL.replace("synthetic", "s3://bucket/shards") + "  shm_size: 16Gi\n")[1] == []
+    script = "script: train.py\nnp: 2\nkubernetes: {image: r.example/h:1, run_volume: runs, shm_size: 1Gi}\n"
+    assert render_text(tmp_path, script)[1] == [
+        "# Needs: the script /opt/hvdtrain/jobs/train.py, which the image built from docker/Dockerfile does not hold "
+        "(a pod sees none of this machine's files): bake it into an image built FROM it (COPY ... "
+        "/opt/hvdtrain/jobs/train.py), or copy it to the run volume runs and name it under /runs."]
+
+
 def test_a_pods_time_to_stop_reaches_kubernetes_and_the_entrypoint(tmp_path):
     # Kubernetes kills a pod terminationGracePeriodSeconds after its SIGTERM (30 s unless set); the entrypoint's
     # wait for the ranks (NOTE [a worker pod's SIGTERM]) ends 10 s before that, on the workers and the launcher.
@@ -261,6 +315,8 @@ def test_a_pods_time_to_stop_reaches_kubernetes_and_the_entrypoint(tmp_path):
     ({"imag": "x"}, r"kubernetes.imag"),
     ({"termination_grace_s": 10}, r"kubernetes.termination_grace_s.*greater than or equal to 20"),
     ({"memory": "lots"}, r"kubernetes.memory.*a Kubernetes quantity such as 64Gi"),
+    ({"cpu": "0"}, r"kubernetes.cpu.*cores > 0 .* 3500m"),
+    ({"cpu": "4Gi"}, r"kubernetes.cpu.*cores > 0"),
 ])
 def test_bad_kubernetes_section_names_the_key(tmp_path, value, match, capsys):
     path = tmp_path / "job.yaml"

@@ -61,7 +61,22 @@ def test_the_elastic_recipes_request_handles_sigusr1_only_and_leaves_sigterm_alo
 def test_the_launchers_stop_file_is_heard(request_installed, tmp_path):
     assert not request_installed.heard()
     records.request_stop(tmp_path)
-    assert request_installed.heard() and request_installed.reason == "hvdtrain run (SIGUSR1)"
+    assert request_installed.heard() and request_installed.reason == "SIGUSR1 to hvdtrain run"
+    line = preempt.stop_line(request_installed, "c.pt")
+    assert line.startswith("asked to stop (SIGUSR1 to hvdtrain run): checkpoint c.pt;"), line
+
+
+def test_the_stop_line_names_what_stopped_the_launcher_not_the_sigterm_horovodrun_handed_on(tmp_path):
+    stop = preempt.StopRequest(tmp_path)
+    stop.reason = "SIGTERM"  # what a rank gets from horovodrun when hvdtrain run is stopped
+    assert preempt.stop_line(stop, "c.pt").startswith("asked to stop (SIGTERM here): checkpoint c.pt;")  # a pod's
+    records.request_stop(tmp_path, "SIGINT (Ctrl-C) to hvdtrain run")
+    assert preempt.stop_line(stop, "c.pt").startswith("asked to stop (SIGINT (Ctrl-C) to hvdtrain run): checkpoint")
+    stop.reason = None  # rank 0 heard nothing itself
+    assert preempt.stop_line(stop, "c.pt").startswith("asked to stop (SIGINT (Ctrl-C) to hvdtrain run): checkpoint")
+    stop.reason = "SIGUSR1"  # a rank's own signal is its own account
+    assert preempt.stop_line(stop, "c.pt").startswith("asked to stop (SIGUSR1 here): checkpoint")
+    assert not list(tmp_path.glob(".stop-requested*"))  # written whole, by a rename
 
 
 def test_the_stop_file_is_looked_for_at_most_once_per_poll(tmp_path):
