@@ -16,6 +16,7 @@ is created on other hosts. Only the standard library is imported here: this runs
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -29,9 +30,10 @@ from typing import Any
 
 ENV = "HVDTRAIN_RECORDS"
 LAUNCHED_ENV = "HVDTRAIN_LAUNCHED_AT"  # when `hvdtrain run` started (seconds since the epoch): the ranks' startup clock
-STOP_FILE = "stop-requested"  # `hvdtrain run` creates it on SIGUSR1: the recipes checkpoint and exit (preempt.py)
+STOP_FILE = "stop-requested"  # `hvdtrain run` creates it on SIGUSR1 or a stop signal: the recipes checkpoint and exit
 STOP_USR1 = "SIGUSR1 to hvdtrain run"  # the stop file's reason when hvdtrain run was given SIGUSR1
 TRACEBACK_CHARS = 8000  # the end of a long traceback is the part that names the error
+_writes = itertools.count()  # request_stop's temporary files
 
 
 @dataclass(frozen=True)
@@ -125,21 +127,25 @@ def request_stop(where: Path, reason: str = STOP_USR1) -> None:
     (exitcodes.PREEMPTED): what `hvdtrain run` does on SIGUSR1 (hvdtrain.train.preempt reads it), and on a stop
     signal, whose SIGTERM the ranks then get from horovodrun. `reason` (what asked, for the ranks' stop line) is
     the file's text, written whole (a rename) so that a rank never reads half of it."""
-    temp = where / f".{STOP_FILE}.{os.getpid()}"
-    temp.write_text(reason)
-    os.replace(temp, where / STOP_FILE)
+    temp = where / f".{STOP_FILE}.{os.getpid()}.{next(_writes)}"  # a nested signal handler writes its own
+    try:
+        temp.write_text(reason)
+        os.replace(temp, where / STOP_FILE)
+    finally:
+        temp.unlink(missing_ok=True)
 
 
 def stop_reason(where: Path | None) -> str | None:
     """What asked the ranks to stop (`request_stop`'s reason), or None when nothing did (or no records directory)."""
     if where is None:
         return None
+    path = where / STOP_FILE
     try:
-        return (where / STOP_FILE).read_text() or "hvdtrain run"
-    except FileNotFoundError:
+        return path.read_text() or "hvdtrain run"
+    except (FileNotFoundError, NotADirectoryError):
         return None
-    except (OSError, UnicodeDecodeError):
-        return "hvdtrain run"
+    except (OSError, UnicodeDecodeError):  # a passing error of a shared directory is no request: only the file is
+        return "hvdtrain run" if os.path.lexists(path) else None
 
 
 def stop_requested(where: Path | None) -> bool:

@@ -27,11 +27,11 @@ log files (logs.dir) get every line. What the console leaves out:
     as it starts. Without a stop, such a traceback is shown within CUT_WAIT_S, and always before the verdict.
     Chained tracebacks after a hidden one are decided the same way, each on its own exception line.
   - the shell's `Terminated`/`Killed` line for a rank that was stopped because the job was ending.
-  What it words differently: horovodrun's `Terminating remaining workers after failure of Process N.` when process
-  N exited 75 (it stopped to be resumed, after its checkpoint: a stop request, not a failure; `LauncherLines._words`).
   - a second copy of an argparse usage block: every rank of a script given a bad argument prints the same usage
     (85 lines for a recipe) then its `PROG: error: ...` line; the console shows the first rank's usage and every
     rank's error line (`UsageBlocks`), and the verdict quotes the failing rank's error line (failures.py).
+What it words differently: horovodrun's `Terminating remaining workers after failure of Process N.` when process N
+exited 75 (it stopped to be resumed, after its checkpoint: a stop request, not a failure; `LauncherLines._words`).
 Lines from several writers can arrive as one. horovodrun's threads share its sys.stdout: `print()` writes its
 text and the newline apart, while the threads forwarding the Gloo ranks write each rank's line whole, so a rank's
 line, or another thread's exit line, can land between them
@@ -158,15 +158,15 @@ class LauncherLines:
         self.exits: dict[str, int] = {}  # horovodrun's process index -> the exit code it reported
 
     def _words(self, line: str) -> str:
-        """horovodrun calls any non-zero exit a failure: a rank that stopped to be resumed (exit 75, its checkpoint
-        written) is told as that (NOTE [console])."""
+        """horovodrun calls any non-zero exit a failure: a rank that exited 75 (the recipes' "stopped to be resumed",
+        after their checkpoint) is told as that (NOTE [console])."""
         exited = EXIT_CODE.match(line)
         if exited:
             self.exits[exited[1]] = int(exited[2])
         ended = TERMINATING.match(line)
-        if ended and self.exits.get(ended[1]) == exitcodes.PREEMPTED:
-            return (f"Terminating remaining workers after Process {ended[1]} stopped to be resumed (exit "
-                    f"{exitcodes.PREEMPTED}: checkpointed).")
+        ended_code = exitcodes.PREEMPTED
+        if ended and self.exits.get(ended[1]) == ended_code:
+            return f"Terminating remaining workers after Process {ended[1]} stopped to be resumed (exit {ended_code})."
         return line
 
     def feed(self, line: str) -> list[str]:

@@ -34,7 +34,7 @@ from hvdtrain.launch.lifeline import DONE, die_with_parent, group_alive
 from hvdtrain.launch.stops import STOP_REASONS, StopRequests
 from hvdtrain.launch.verdict import doctor_argv, exit_code, find_lost_hosts
 
-GRACE_S = 20.0  # horovodrun itself gives ranks 5 s after SIGTERM, then 5 s more before SIGKILL
+GRACE_S = 20.0  # horovodrun gives ranks 5 s after SIGTERM, a rank's shell 5 s more to end, then 5 s before SIGKILL
 POLL_S = 0.5
 HVDRUN = "hvdtrain-horovodrun"  # console script of hvdtrain.launch.hvdrun
 GUARD_MODULE = "hvdtrain.launch.lifeline"  # `python -m hvdtrain.launch.lifeline PGID`: see NOTE [no orphans]
@@ -120,7 +120,8 @@ def find_horovodrun() -> str:
 #  - If hvdtrain itself dies (SIGKILL included), the job ends too: see NOTE [no orphans] in hvdtrain/rank.py
 #    (horovodrun's PR_SET_PDEATHSIG, the guard process of hvdtrain.launch.lifeline, the ranks' supervisors).
 #  - The signal handlers are installed before horovodrun starts: a signal that comes first means nothing is started.
-#    A handler only records the signal and forwards it to horovodrun's group; the main loop does the rest (and
+#    A handler only records the signal, forwards it to horovodrun's group and then writes why for the ranks (the
+#    stop file, below); the main loop does the rest (and
 #    prints what is happening: NOTE [console] in hvdtrain/launch/console.py). SIGHUP (the terminal closed) is
 #    forwarded as SIGTERM (horovodrun has no SIGHUP handler) and exits 129.
 #  - SIGUSR1 (Slurm's warning before the time limit: `#SBATCH --signal=B:USR1@N` from `hvdtrain render slurm`) is
@@ -130,9 +131,9 @@ def find_horovodrun() -> str:
 #    `verdict.exit_code` calls that ending "preempted" (FailureTracker.preempted) and exits 75 (--requeue then requeues
 #    the Slurm job: command.requeue_slurm_job). Repeating it changes nothing; a rank that ignores it just goes on.
 #    With `--launcher srun` the same: Slurm's `B:` signal reaches the batch shell (hvdtrain) only, not the step.
-#    The file is removed when the next run prepares the same records directory. A stop signal writes it too, with
-#    why (`StopRequests.stopping`), before it is forwarded: the ranks' stop line then names it, not the SIGTERM
-#    horovodrun hands them.
+#    The file is removed when the next run prepares the same records directory. A stop signal writes it too, once,
+#    with why (`StopRequests.stopping`), right after it was forwarded: under horovodrun the ranks' stop line (printed
+#    after their checkpoint) then names it, not the SIGTERM horovodrun hands them.
 #  - After a forwarded signal we wait GRACE_S; a second signal, or the grace running out, SIGKILLs the group and
 #    every descendant in the snapshot (psutil checks create times, so a recycled pid is never hit).
 #  - However horovodrun ends, `_Job.sweep` terminates snapshot members still alive, and the output reader thread is
@@ -229,9 +230,9 @@ class _Job:
     def on_signal(self, signum: int, _frame: object) -> None:
         self.signals.append(signum)
         self.router.launcher.stopping = True
-        self.stops.stopping(STOP_REASONS.get(signal.Signals(signum), signal.Signals(signum).name))
         if self.proc is not None:
             self._forward(signum)
+        self.stops.stopping(STOP_REASONS.get(signal.Signals(signum), signal.Signals(signum).name))  # after: it is I/O
         self.kill_at = time.monotonic() + GRACE_S if len(self.signals) == 1 else time.monotonic()
 
     def _forward(self, signum: int) -> None:
@@ -380,7 +381,7 @@ def _supervise(plan: LaunchPlan, job: _Job, timeout_s: float | None, ssh: Ssh, w
             job.maybe_snapshot()
             if deadline and time.monotonic() > deadline and job.signum is None:
                 timed_out = True
-                job.stops.stopping(f"hvdtrain run's --timeout {timeout_s:g} s")
+                job.stops.reason = job.stops.reason or f"hvdtrain run's --timeout {timeout_s:g} s"
                 job.on_signal(signal.SIGTERM, None)
             job.tell(timed_out, timeout_s)
             job.stops.tell(router)

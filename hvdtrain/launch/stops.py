@@ -1,6 +1,7 @@
 """`hvdtrain run`'s SIGUSR1: a request that the ranks checkpoint at their next step boundary and stop (exit 75),
 written as records.STOP_FILE into the job's records directory (NOTE [job shutdown] in runner.py; the ranks' side:
-NOTE [stop requests] in hvdtrain/train/preempt.py)."""
+NOTE [stop requests] in hvdtrain/train/preempt.py). A stop signal (Ctrl-C) writes the same file, once, after it
+was forwarded: the ranks, stopped by horovodrun's SIGTERM, read it for their stop line."""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ class StopRequests:
         self.where: Path | None = None
         self.failed: str | None = None  # why the request could not be written
         self.reason: str | None = None  # what asked first (the stop file's text)
+        self.stop_written = False  # a stop signal's reason is written once (a nested handler skips it)
 
     def install(self) -> StopRequests:
         signal.signal(signal.SIGUSR1, self.on_signal)
@@ -43,8 +45,11 @@ class StopRequests:
         self._request()
 
     def stopping(self, reason: str) -> None:
-        """The whole job is being stopped (a stop signal to hvdtrain run, its --timeout): the ranks get horovodrun's
-        SIGTERM; the stop file, written first, tells them why, so that their stop line says it."""
+        """The whole job is being stopped (a stop signal to hvdtrain run, its --timeout), the signal forwarded: the
+        ranks get horovodrun's SIGTERM; the stop file tells them why, so that their stop line says it. Once."""
+        if self.stop_written:
+            return
+        self.stop_written = True
         self.reason = self.reason or reason
         self._request()
 

@@ -110,7 +110,8 @@ def _recipe_flags(spec: JobSpec) -> argparse.Namespace:
     try:
         flags = parser.parse_known_args(spec.args)[0]
     except (argparse.ArgumentError, SystemExit) as exc:
-        raise RenderError(f"args: {exc}: --run-dir needs a folder, --sigterm-grace a number of seconds") from None
+        raise RenderError(f"args: {exc}: --run-dir needs a folder, --sigterm-grace a number of seconds, --dataset a "
+                          "dataset (digits, synthetic, a folder or a URL)") from None
     if not 0 <= flags.sigterm_grace < 3600:  # the recipes' own rule (hvdtrain.train.config); nan fails it too
         raise RenderError(f"args --sigterm-grace {flags.sigterm_grace}: expected 0 <= seconds < 3600, the time a rank "
                           "has from a SIGTERM to its stop's checkpoint (default 4)")
@@ -191,7 +192,7 @@ def _worker(spec: JobSpec, lay: Placement, shm: ShmSize, port: int) -> dict[str,
     container = _container("worker", k8s, [ENTRYPOINT, "sshd", "-p", str(port)],  # -p: over the image's Port
                            [_stop_wait(k8s)])
     # requests = limits: a worker evicted for memory under load would stop the whole job; with both set the pods are
-    # Guaranteed, the last evicted (and whole cores under the static CPU manager policy)
+    # Guaranteed, the last evicted (and, for a whole number of cores, pinned ones under the static CPU manager policy)
     requests = {key: value for key, value in (("cpu", k8s.cpu), ("memory", k8s.memory)) if value}
     limits: dict[str, Any] = {"nvidia.com/gpu": lay.gpus_per_node} if lay.gpus_per_node else {}
     if requests or limits:

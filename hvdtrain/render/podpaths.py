@@ -4,11 +4,11 @@ on it, and nothing else of this machine reaches a pod.
 
 NOTE [paths in the pod]: a spec written for `hvdtrain run` names files on this machine. The render maps the one
 path it can: a script that is a shipped recipe (same name, same bytes as this checkout's recipes/) runs as the
-image's copy. Every other path that the stock image does not hold is listed in the manifest's header under
-"Needs" with what to do (bake it into an image built FROM it, put it on the run volume, or use a bucket): a pod
-started without it fails only when the rank opens it. Listed, not refused: an image of the user's own may hold it.
-Paths on the run volume are listed too (they must be copied there). A URL (s3://, gs://, http(s)://) is read by the
-ranks themselves.
+image's copy. The script and a shipped recipe's --dataset, where the stock image does not hold them, are listed in
+the manifest's header under "Needs" with what to do (bake it into an image built FROM it, put it on the run
+volume, or use a bucket): a pod started without it fails only when the rank opens it. Listed, not refused: an
+image of the user's own may hold it. Paths on the run volume are listed too (they must be copied there). A URL
+(s3://, gs://, http(s)://) is read by the ranks themselves.
 """
 
 from __future__ import annotations
@@ -56,12 +56,13 @@ def script_in_image(spec: JobSpec, local_dir: Path, remote_dir: str) -> JobSpec:
 
 
 def _in_image(path: str) -> bool:
-    """A path under IMAGE_ROOT that the image built from this checkout holds (no checkout here: taken as held)."""
+    """A path under IMAGE_ROOT that the image built from this checkout holds (no checkout here, an installed wheel:
+    the recipes are taken as held, nothing else)."""
     inside = PurePosixPath(path).relative_to(IMAGE_ROOT).parts
     if not inside or inside[0] not in IMAGE_DIRS:
         return False
     checkout = _checkout()
-    return checkout is None or checkout.joinpath(*inside).exists()
+    return inside[0] == "recipes" if checkout is None else checkout.joinpath(*inside).exists()
 
 
 def _on_volume(path: str, mount: str) -> bool:
@@ -84,9 +85,9 @@ def pod_needs(spec: JobSpec, dataset: str | None, cwd: str, run_volume: str, mou
     `dataset`: a shipped recipe's --dataset (None: another script, whose args hvdtrain cannot read); `cwd`: where the
     ranks start."""
     needs = [_need("the script", spec.script, run_volume, mount)]
-    remote = dataset is not None and "://" in dataset and not dataset.startswith("file://")  # the ranks read it
+    remote = dataset is not None and "://" in dataset  # the ranks read it from its store
     if dataset is not None and dataset not in BUILTIN_DATASETS and not remote:
-        path = posixpath.normpath(posixpath.join(cwd, dataset.removeprefix("file://")))
+        path = posixpath.normpath(posixpath.join(cwd, dataset))
         line = _need("the dataset (--dataset)", path, run_volume, mount)
         if line and not _on_volume(path, mount):
             line += " (or upload it to a bucket and pass s3://..., with credentials in kubernetes.secret_env)"

@@ -12,8 +12,8 @@ NOTE [stop requests]
   shell is `hvdtrain run`), which creates `records.STOP_FILE` in the job's records directory; each rank looks for
   that file at most once per POLL_S. A SIGTERM to every process of a job (`scancel`, a time limit reached) stops
   it as before: the producers die with it. A stop signal to `hvdtrain run` (Ctrl-C, SIGTERM, its --timeout) writes
-  the same file, saying why, before it passes the signal on: the ranks then get horovodrun's SIGTERM, and rank 0's
-  stop line names what asked (`stop_line`), not the SIGTERM it was handed.
+  the same file, saying why, right after it passed the signal on: under horovodrun the ranks get its SIGTERM, and
+  rank 0's stop line, printed after the checkpoint, names what asked (`stop_line`), not the SIGTERM it was handed.
 - One rank hearing it is enough, and every rank stops after the same step: at a vote every rank starts an
   asynchronous allreduce (max) of its 0/1 flag and reads the previous vote's result, which is the same on every
   rank. So all of them leave the loop at the same boundary, at the vote after the one that carried the first

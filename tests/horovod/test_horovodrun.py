@@ -92,7 +92,7 @@ def test_the_elastic_timeout_names_what_it_waited_for():
                                         "processes."), raised.value
 
 
-def test_a_rank_that_ends_on_horovodruns_sigterm_is_reported_with_its_own_exit_code_at_once():
+def test_a_rank_that_ends_on_horovodruns_sigterm_is_reported_with_its_own_exit_code_at_once(tmp_path):
     """horovodrun's teardown of a rank (safe_shell_exec): 0.28.1 froze the rank's shell (SIGSTOP) as soon as the
     shell's child had ended, so a shell still finishing (as hvdtrain's rank supervisor writes its record) could
     not act on the SIGTERM that followed: SIGKILLed 5 s later and reported as `exit with status code 137`, for a
@@ -102,11 +102,20 @@ def test_a_rank_that_ends_on_horovodruns_sigterm_is_reported_with_its_own_exit_c
 
     from horovod.runner.common.util import safe_shell_exec
 
+    ready = tmp_path / "ready"
     rank = shlex.join([str(BIN / "python"), "-c", "import signal, sys, time\n"
-                       "signal.signal(signal.SIGTERM, lambda *_: sys.exit(75))\ntime.sleep(60)"])
-    stop = threading.Event()
-    threading.Timer(1.5, stop.set).start()  # horovodrun's own stop (its terminate_all_event), once the rank runs
-    started = time.monotonic()
+                       "signal.signal(signal.SIGTERM, lambda *_: sys.exit(75))\n"
+                       f"open({str(ready)!r}, 'w').close()\ntime.sleep(60)"])
+    stop, stopped_at = threading.Event(), []
+
+    def stop_once_ready() -> None:  # horovodrun's own stop (its terminate_all_event), once the rank handles SIGTERM
+        deadline = time.monotonic() + 60
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        stopped_at.append(time.monotonic())
+        stop.set()
+
+    threading.Thread(target=stop_once_ready, daemon=True).start()
     code = safe_shell_exec.execute(f"{rank}; code=$?; sleep 0.3; exit $code", events=[stop])
-    took = time.monotonic() - started - 1.5
+    took = time.monotonic() - stopped_at[0]
     assert code == 75 and took < 2.5, (code, took)  # 0.28.1: 137 after 5 s more

@@ -403,6 +403,7 @@ from hvdtrain import records
 def stop(*_):  # as a recipe does: it checkpoints and exits 75, naming what asked (the launcher's stop file)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once (mpirun may send SIGINT, then SIGTERM)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    time.sleep(0.5)  # "the checkpoint": the launcher writes its stop file right after it passed the signal on
     print(f"rank {hvd.rank()}: asked to stop ({records.stop_reason(records.directory())})", flush=True)
     sys.exit(75)
 signal.signal(signal.SIGTERM, stop)
@@ -502,7 +503,7 @@ def test_horovodruns_failure_line_after_a_rank_that_stopped_to_be_resumed_says_s
                "Process 0 exit with status code 75."]
     _, out, _ = route(stopped, Logs())
     assert out.splitlines() == [stopped[0], "Terminating remaining workers after Process 1 stopped to be resumed "
-                                            "(exit 75: checkpointed).", stopped[2]]
+                                            "(exit 75).", stopped[2]]
     failed = ["Process 1 exit with status code 3.", "Terminating remaining workers after failure of Process 1."]
     _, out, _ = route([*failed, *stopped[2:]], Logs())  # a failure stays one; another process's 75 changes nothing
     assert out.splitlines() == [*failed, *stopped[2:]]

@@ -29,7 +29,7 @@ from hvdtrain.job.model import Logs
 from hvdtrain.launch.console import OutputRouter
 from hvdtrain.launch.failures import FailureTracker
 from hvdtrain.launch.runner import _records_dir
-from hvdtrain.launch.stops import STOP_ASKED, STOP_ASKED_AGAIN
+from hvdtrain.launch.stops import STOP_ASKED, STOP_ASKED_AGAIN, STOP_REASONS, StopRequests
 from hvdtrain.launch.verdict import PREEMPTED, exit_code
 from hvdtrain.records import RankRecord
 from tests.support.harness import BIN, REPO, STARTED_SESSIONS, kill_tree, wait_gone
@@ -171,3 +171,24 @@ def test_a_stop_request_never_outlives_its_run(tmp_path):
         records.request_stop(where)
     with _records_dir(str(tmp_path)) as where:
         assert not records.stop_requested(where)
+
+
+def test_a_stop_signal_writes_why_once_and_an_earlier_sigusr1_stays_the_reason(tmp_path):
+    ctrl_c, usr1 = tmp_path / "ctrl-c", tmp_path / "usr1"
+    for where in (ctrl_c, usr1):
+        where.mkdir()
+    stops = StopRequests()
+    stops.attach(ctrl_c)
+    stops.stopping(STOP_REASONS[signal.SIGINT])
+    stops.stopping(STOP_REASONS[signal.SIGTERM])  # a second signal (or a nested handler): written once
+    assert records.stop_reason(ctrl_c) == "SIGINT (Ctrl-C) to hvdtrain run"
+    stops = StopRequests()
+    stops.attach(usr1)
+    stops.on_signal(signal.SIGUSR1, None)
+    stops.stopping(STOP_REASONS[signal.SIGINT])
+    assert records.stop_reason(usr1) == records.STOP_USR1 and stops.failed is None
+    assert sorted(p.name for p in usr1.iterdir()) == [records.STOP_FILE]  # no temporary file left
+    # Only the file says "stop": a directory that cannot be read is no request; a file that cannot be read is one.
+    assert records.stop_reason(tmp_path / "missing") is None and records.stop_reason(usr1 / records.STOP_FILE) is None
+    (tmp_path / "odd" / records.STOP_FILE).mkdir(parents=True)  # read_text: IsADirectoryError, yet it is there
+    assert records.stop_reason(tmp_path / "odd") == "hvdtrain run"

@@ -239,11 +239,11 @@ def test_a_workers_cores_are_requested_and_limited(tmp_path, validator):
     assert "resources" not in pods(render(tmp_path, FULL.replace("gpus_per_rank: 1\n", "")))["Worker"]["containers"][0]
 
 
-def render_text(tmp_path, text: str, name: str = "job.yaml") -> tuple[str, list[str]]:
-    """(the launcher's command, the header's Needs lines) of a spec written to tmp_path/name."""
-    path = tmp_path / name
+def render_text(tmp_path, text: str, remote_dir: str | None = None) -> tuple[str, list[str]]:
+    """(the launcher's command, the header's Needs lines) of a spec written to tmp_path/job.yaml."""
+    path = tmp_path / "job.yaml"
     path.write_text(text)
-    out = render_file("k8s", path, ClusterOptions(name="job"), K8sOptions())
+    out = render_file("k8s", path, ClusterOptions(name="job", remote_dir=remote_dir), K8sOptions())
     command = yaml.safe_load(out)["spec"]["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]["containers"][0]["command"]
     return shlex.join(command), [line for line in out.splitlines() if line.startswith("# Needs: ")]
 
@@ -273,7 +273,15 @@ def test_a_shipped_recipe_runs_as_the_images_copy_and_every_path_the_pods_lack_i
         "# Needs: the dataset (--dataset) /runs/data/shards, on the run volume hvdtrain-runs: copy it there before "
         "the job starts."]
     assert render_text(tmp_path, FULL.replace("synthetic", "s3://bucket/shards") + "  shm_size: 16Gi\n")[1] == []
+    # Relative to the workdir where one is set; a script whose spec lives on the run volume; a file the image holds.
+    in_workdir = on_volume.replace("np: 16", "np: 16\nworkdir: /runs/exp")
+    assert render_text(tmp_path, in_workdir)[1] == [
+        "# Needs: the dataset (--dataset) /runs/exp/data/shards, on the run volume hvdtrain-runs: copy it there "
+        "before the job starts."]
     script = "script: train.py\nnp: 2\nkubernetes: {image: r.example/h:1, run_volume: runs, shm_size: 1Gi}\n"
+    assert render_text(tmp_path, script, remote_dir="/runs/jobs")[1] == [
+        "# Needs: the script /runs/jobs/train.py, on the run volume runs: copy it there before the job starts."]
+    assert render_text(tmp_path, script.replace("train.py", "discover_hosts.sh"))[1] == []  # jobs/ of this checkout
     assert render_text(tmp_path, script)[1] == [
         "# Needs: the script /opt/hvdtrain/jobs/train.py, which the image built from docker/Dockerfile does not hold "
         "(a pod sees none of this machine's files): bake it into an image built FROM it (COPY ... "
