@@ -164,9 +164,8 @@ class LauncherLines:
         if exited:
             self.exits[exited[1]] = int(exited[2])
         ended = TERMINATING.match(line)
-        ended_code = exitcodes.PREEMPTED
-        if ended and self.exits.get(ended[1]) == ended_code:
-            return f"Terminating remaining workers after Process {ended[1]} stopped to be resumed (exit {ended_code})."
+        if ended and self.exits.get(ended[1]) == exitcodes.PREEMPTED:
+            return f"Terminating remaining workers after Process {ended[1]} stopped to be resumed (exit 75)."
         return line
 
     def feed(self, line: str) -> list[str]:
