@@ -24,9 +24,10 @@ B1 (the source articles' workload): every batch is (float32[4, 1_000_000, 3], fl
    the best other method's in the same run, and <= 1% of step time.
 B4 (per-step overhead): digits-size batches (64 x 8x8 float32 + int64 labels, fancy-indexed from an in-memory
    array), 2 producers and no training at all: the wait is the whole cost of getting one batch.
-B5 (--startup): time to the first batch when the workers do not re-run the main module (the default) and with
-   import_main=True (they do, as plain multiprocessing would), with and without torch imported by the main module,
-   each in a fresh interpreter.
+B5 (--startup): time to the first batch with forked producers (the default on Linux), fresh interpreters
+   (`start_method="spawn"`, which do not re-run the main module) and fresh interpreters with import_main=True (they
+   do, as plain multiprocessing would), with and without torch imported by the main module, each in a fresh
+   trainer process. bench/first_batch.py does the same over a torch Dataset, beside torch's DataLoader.
 (B2, hand-off bandwidth, is bench/handoff_bandwidth.py; B3, the recipe on shards, bench/recipe_shards_vs_synthetic.py.)
 
 Results: printed, and written to bench/out/loader_bench.json (`--json` elsewhere). After the run the bench checks
@@ -288,7 +289,7 @@ if __name__ == "__main__":
 def startup(producers: int, repeats: int) -> tuple[str, dict[str, dict[str, float]]]:
     """B5: (table, {main module: {start method: median seconds}})."""
     rows = [f"B5: seconds from ShmLoader() to the first batch, {producers} workers, median of {repeats} (fresh "
-            "interpreter each)", f"{'main module':<22}{'default':>10}{'import_main=True':>20}"]
+            "trainer each)", f"{'main module':<22}{'fork (default)':>16}{'spawn':>10}{'spawn, import_main':>20}"]
     medians: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         script = Path(tmp) / "startup_probe.py"
@@ -296,13 +297,13 @@ def startup(producers: int, repeats: int) -> tuple[str, dict[str, dict[str, floa
         env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
         for main in ("numpy only", "imports torch"):
             medians[main] = {}
-            for method in ("spawn", "spawn+import_main"):
+            for method in ("fork", "spawn", "spawn+import_main"):
                 argv = [sys.executable, str(script), method, main.split()[-1], str(producers)]
                 times = [float(subprocess.run(argv, capture_output=True, text=True, check=True, timeout=300,
                                               env=env).stdout) for _ in range(repeats)]
                 medians[main][method] = float(np.median(times))
             cells = [f"{v:.2f}" for v in medians[main].values()]
-            rows.append(f"{main:<22}{cells[0]:>10}{cells[1]:>20}")
+            rows.append(f"{main:<22}{cells[0]:>16}{cells[1]:>10}{cells[2]:>20}")
     return "\n".join(rows), medians
 
 

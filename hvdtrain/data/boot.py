@@ -2,9 +2,10 @@
 producer runs (`main`). Standard library only at import: the producer imports this first.
 
 NOTE [producer start]
-A producer is its own program, `python -P -c BOOTSTRAP`, not a multiprocessing child, so that it is configured by
-its own entry point and nothing process-wide in the trainer changes (not its environment, `__main__`, or
-multiprocessing's default start method):
+With `start_method="spawn"` (the default forks: NOTE [forked producers] in forked.py), a producer is its own
+program, `python -P -c BOOTSTRAP`, not a multiprocessing child, so that it is configured by its own entry point
+and nothing process-wide in the trainer changes (not its environment, `__main__`, or multiprocessing's default start
+method):
 (a) Its path. BOOTSTRAP reads the boot message from stdin and sets `sys.path` to the trainer's (its '' made the
     trainer's working directory) before it imports hvdtrain, so the producer imports the trainer's hvdtrain and the
     trainer's modules that cloudpickle names. `-P` keeps its own working directory off the path; the trainer's
@@ -28,8 +29,9 @@ NOTE [first producer first]
 The trainer waits only for producer 0 at first: it makes the rank's first batch (the sampler's batches are dealt
 round robin from the resume point; workers.py `dataset_batches`), producer 1 the second, a step later. N producers
 of every rank starting at once would share a small machine's cores and delay that first batch (B5 and B6 measure
-it). So the loader starts them all, but every producer other than producer 0 waits in `main`, before
-importing anything beyond the standard library (the package's `__init__` is lazy), until producer 0 has sent its
+it). So the loader starts them all, but every producer other than producer 0 waits (a spawned one in `main`, before
+importing anything beyond the standard library: the package's `__init__` is lazy; a forked one in
+forked.py `_child`), until producer 0 has sent its
 first batch, ended its first epoch or exited (it writes a byte to its end of a socket pair and closes it; its
 death closes it too), or for `WAIT_S` at most. The trainer keeps no end of that pair, so nothing else can hold it
 open. Later epochs do not wait. A rank's second batch can come later by one producer's start-up at most: a step
@@ -185,10 +187,12 @@ def main(boot: dict[str, Any]) -> None:
     if wait_for is not None:
         select.select([wait_for], [], [], WAIT_S)
         wait_for.close()
+    import cloudpickle
+
     from hvdtrain.data.channel import Channel
     from hvdtrain.data.workers import worker_main
 
-    worker_main(Channel(socket.socket(fileno=fds["channel"])), boot["payload"], started)
+    worker_main(Channel(socket.socket(fileno=fds["channel"])), cloudpickle.loads(boot["payload"]), started)
 
 
 def _configure(boot: dict[str, Any]) -> dict[str, int | None]:

@@ -55,7 +55,7 @@ class EpochLink:
     count_consumed: Callable[[], None]  # one more batch consumed (yielded, or skipped when resuming)
     finished: Callable[[bool], None]  # the iteration stopped; True: every worker sent EpochDone
     give_back: Callable[..., None]  # (slot, *, quiet=False): the slot goes back to its worker
-    grow: Callable[[int, int], None]  # (slot, nbytes): a GrowSlot, answered
+    grow: Callable[[int, int, str], None]  # (slot, nbytes, full): a GrowSlot, answered
     fail_dead: Callable[[int, str], NoReturn]  # (worker, when): WorkerDiedError, the loader closed
 
 
@@ -290,8 +290,8 @@ class EpochIterator:
         if isinstance(msg, Batch) and msg.layout is not None and msg.layout_id >= 0:  # protocol.Batch
             self.link.layouts[w][msg.layout_id] = shm.CompiledLayout(msg.layout)
         match msg:
-            case GrowSlot(slot=slot, nbytes=nbytes):
-                self.link.grow(slot, nbytes)
+            case GrowSlot(slot=slot, nbytes=nbytes, full=full):
+                self.link.grow(slot, nbytes, full)
             case Batch() | EpochDone() | WorkerFailed() if msg.generation == self.gen:
                 self.stash[(w, msg.seq)] = msg
             case Batch(slot=slot):  # from an abandoned iteration: the slot goes straight back

@@ -39,20 +39,19 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from hvdtrain.data import ring, shm
-from hvdtrain.data.boot import start_producer
+from hvdtrain.data import forked, ring, shm
+from hvdtrain.data.boot import ProducerProcess, start_producer
 from hvdtrain.data.channel import Channel
 from hvdtrain.data.epoch import EpochIterator, EpochLink, Key
 from hvdtrain.data.errors import LoaderError, SharedMemoryFullError, WorkerDiedError
 from hvdtrain.data.lending import Lender
 from hvdtrain.data.protocol import Batch, EpochMessage, FreeSlot, StartEpoch, ToWorker
-from hvdtrain.data.resources import Resources, Watch, describe_exit
+from hvdtrain.data.resources import Resources, Watch, describe_exit, trainer_fds
 from hvdtrain.data.sharding import ShardSampler, check_positive, check_rank, check_unconsumed
 from hvdtrain.data.workers import WorkerConfig
 
 __all__ = ["ShmLoader"]
 
-START_METHODS = ("spawn",)
 SLOT_BYTES = 1 << 20
 """Each slot's first segment, made before the workers start, so that a batch that fits never waits for a GrowSlot
 round trip (one for every worker's every slot, all paid in the first steps, while the trainer is busy elsewhere;
@@ -60,8 +59,9 @@ their cost: docs/performance.md). A segment is a sparse /dev/shm file: only the 
 
 
 def _check_common(num_workers: int, prefetch: int, epochs: int | None, timeout: float, poll_s: float,
-                  start_method: str) -> None:
-    """ValueError naming the argument, its value and what is allowed (the arguments both constructors take)."""
+                  start_method: str | None, import_main: bool) -> str:
+    """ValueError naming the argument, its value and what is allowed (the arguments both constructors take); the
+    start method to use (forked.choose_start_method)."""
     check_positive("num_workers", num_workers)
     check_positive("prefetch", prefetch)
     if epochs is not None:
@@ -69,10 +69,7 @@ def _check_common(num_workers: int, prefetch: int, epochs: int | None, timeout: 
     for name, value in (("timeout", timeout), ("poll_s", poll_s)):
         if not isinstance(value, int | float) or not value > 0:
             raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
-    if start_method not in START_METHODS:
-        raise ValueError(f"start_method must be one of {START_METHODS} (producers start as fresh interpreters: "
-                         f"'fork' is unsafe once torch has started threads, and 'forkserver' would re-run the training "
-                         f"script in each producer), got {start_method!r}")
+    return forked.choose_start_method(start_method, import_main)
 
 
 class ShmLoader:
@@ -97,11 +94,13 @@ class ShmLoader:
     a tensor made from one) is alive, also after `close()`. Each worker owns `prefetch + 1` slots; a batch that
     would leave its worker none is handed out as a private copy, so holding batches never aliases and never
     deadlocks (NOTE [batch lifetime] in lending.py). Workers live from the constructor to `close()` (idempotent;
-    also on garbage collection and at exit; a context manager). `dataset`, `collate`, `fetch` and `generator` are
-    sent to them with cloudpickle (lambdas, closures and `__main__` objects work). A worker is a fresh interpreter
-    ('spawn', the only `start_method`) that does not re-run the training script unless `import_main=True` (NOTE
-    [producer start] in boot.py). A loader creates and removes only its own segments (`sweep_stale_segments()`
-    removes a crashed run's).
+    also on garbage collection and at exit; a context manager). `start_method`: None (the default) forks them from
+    the trainer on Linux, as DataLoader does (NOTE [forked producers] in forked.py: they start in milliseconds and
+    use the trainer's `dataset`, `collate`, `fetch` and `generator` as they are), unless the trainer runs a runtime
+    a fork breaks (obstore's) or `import_main=True`; 'spawn' starts fresh interpreters, sent those objects with
+    cloudpickle (lambdas, closures and `__main__` objects work), that do not re-run the training script unless
+    `import_main=True` (NOTE [producer start] in boot.py). `start_method` (the attribute) says which was used. A
+    loader creates and removes only its own segments (`sweep_stale_segments()` removes a crashed run's).
     """
 
     def __init__(self, dataset: Any, *, rank: int, size: int, batch_size: int, num_workers: int = 2, seed: int = 0,
@@ -109,12 +108,12 @@ class ShmLoader:
                  fetch: Callable[[Any, np.ndarray], Any] | None = None, shuffle: bool = True,
                  drop_last: bool = False, even: bool = True, order: Callable[[int, int], np.ndarray] | None = None,
                  prefetch: int = 2, epochs: int | None = None, timeout: float = 300.0, poll_s: float = 0.2,
-                 start_method: str = "spawn", import_main: bool = False) -> None:
+                 start_method: str | None = None, import_main: bool = False) -> None:
         if dataset is None:
             raise ValueError("dataset is None: give an indexable dataset, or use ShmLoader.from_generator(generator, "
                              "...) for fn(worker_id, num_workers, epoch, seed) -> iterator of batches")
         check_positive("batch_size", batch_size)
-        _check_common(num_workers, prefetch, epochs, timeout, poll_s, start_method)
+        method = _check_common(num_workers, prefetch, epochs, timeout, poll_s, start_method, import_main)
         check_rank(rank, size)
         sampler = ShardSampler(len(dataset), rank, size, seed=seed, shuffle=shuffle, drop_last=drop_last,
                                batch_size=batch_size, even=even, order=order)
@@ -123,33 +122,33 @@ class ShmLoader:
         config = WorkerConfig(0, num_workers, rank, size, seed, poll_s, epochs=epochs, dataset=dataset,
                               collate=collate, fetch=fetch, sampler_args=plan)
         self._open(config, sampler, batch_size=batch_size, prefetch=prefetch, timeout=timeout,
-                   batches_per_epoch=None, ordered=True, import_main=import_main)
+                   batches_per_epoch=None, ordered=True, start=(method, import_main))
 
     @classmethod
     def from_generator(cls, generator: Callable[[int, int, int, int], Any], *, rank: int, size: int,
                        batches_per_epoch: int | None = None, ordered: bool = True, num_workers: int = 2,
                        seed: int = 0, prefetch: int = 2, epochs: int | None = None, timeout: float = 300.0,
-                       poll_s: float = 0.2, start_method: str = "spawn", import_main: bool = False) -> ShmLoader:
+                       poll_s: float = 0.2, start_method: str | None = None, import_main: bool = False) -> ShmLoader:
         """A loader whose workers run `generator` (see the class docstring); its epochs start when asked."""
         if not callable(generator):
             raise ValueError(f"generator must be callable as fn(worker_id, num_workers, epoch, seed) -> iterator of "
                              f"batches, got {type(generator).__name__}")
         if batches_per_epoch is not None:
             check_positive("batches_per_epoch", batches_per_epoch)
-        _check_common(num_workers, prefetch, epochs, timeout, poll_s, start_method)
+        method = _check_common(num_workers, prefetch, epochs, timeout, poll_s, start_method, import_main)
         check_rank(rank, size)
         loader = cls.__new__(cls)
         config = WorkerConfig(0, num_workers, rank, size, seed, poll_s, epochs=epochs, generator=generator)
         loader._open(config, None, batch_size=None, prefetch=prefetch, timeout=timeout,
-                     batches_per_epoch=batches_per_epoch, ordered=ordered, import_main=import_main)
+                     batches_per_epoch=batches_per_epoch, ordered=ordered, start=(method, import_main))
         return loader
 
     def _open(self, base: WorkerConfig, sampler: ShardSampler | None, *, batch_size: int | None, prefetch: int,
-              timeout: float, batches_per_epoch: int | None, ordered: bool, import_main: bool) -> None:
+              timeout: float, batches_per_epoch: int | None, ordered: bool, start: tuple[str, bool]) -> None:
         """State both constructors share, then the workers' start (a failed start closes what was made)."""
         self.sampler, self.rank, self.size, self.batch_size = sampler, base.rank, base.size, batch_size
         self.num_workers, self.seed, self.prefetch = base.workers_per_rank, base.seed, prefetch
-        self.timeout, self.poll_s = timeout, base.poll_s
+        self.timeout, self.poll_s, self.start_method = timeout, base.poll_s, start[0]
         self.batches_per_epoch, self.ordered, self.epochs = batches_per_epoch, ordered, base.epochs
         self.dataset, self.collate, self.fetch, self.generator = base.dataset, base.collate, base.fetch, base.generator
         self.epoch, self._gen = 0, 0  # _gen numbers the iterations: StartEpoch and every EpochMessage carry it
@@ -181,14 +180,12 @@ class ShmLoader:
         self._finalizer = weakref.finalize(self, _shut_down, self._res, self._lender)
         self._closed = False
         try:
-            self._start(base, import_main)
+            self._start(base, start[1])
         except BaseException:
             self.close()
             raise
 
     def _start(self, base: WorkerConfig, import_main: bool) -> None:
-        import cloudpickle
-
         gate = socket.socketpair() if self.num_workers > 1 else None  # NOTE [first producer first] in boot.py
         try:
             for w in range(self.num_workers):
@@ -197,15 +194,12 @@ class ShmLoader:
                     seg = self._new_segment(ring.Ring.nbytes(self._spw), "ring")
                     self._res.rings.append(ring.Ring(seg, self._spw))
                     base.ring, base.ring_capacity = self._res.rings[-1].seg.name, self._spw
-                payload = cloudpickle.dumps(base)
                 mine, theirs = Channel.pair()
                 started = gate[0] if gate is not None and w == 0 else None  # producer 0 signals its first batch
                 wait_for = gate[1] if gate is not None and w > 0 else None  # the others wait for it
                 self._res.conns.append(mine)
                 try:
-                    self._res.procs.append(start_producer(f"hvdtrain-data-r{self.rank}-w{w}", payload, theirs.sock,
-                                                          started, wait_for, import_main=import_main,
-                                                          timeout=self.timeout))
+                    self._res.procs.append(self._start_one(base, theirs, started, wait_for, gate, import_main))
                 finally:
                     theirs.close()
                 for slot in range(w * self._spw, (w + 1) * self._spw):  # slot memory up front: SLOT_BYTES
@@ -215,6 +209,19 @@ class ShmLoader:
             for end in gate or ():
                 end.close()  # the producers have their copies: only producer 0's can signal or close it
         self._watch = Watch(self._res.conns, self._res.procs)
+
+    def _start_one(self, base: WorkerConfig, theirs: Channel, started: socket.socket | None,
+                   wait_for: socket.socket | None, gate: tuple[socket.socket, socket.socket] | None,
+                   import_main: bool) -> ProducerProcess | forked.ForkedProcess:
+        """Producer `base.local_id`, forked (NOTE [forked producers] in forked.py) or a fresh interpreter (NOTE
+        [producer start] in boot.py)."""
+        if self.start_method == "fork":
+            others = [*trainer_fds(), *(end.fileno() for end in gate or ())]  # the gate end not its own, too
+            return forked.fork_producer(base, theirs, started, wait_for, others)
+        import cloudpickle
+
+        return start_producer(f"hvdtrain-data-r{self.rank}-w{base.local_id}", cloudpickle.dumps(base), theirs.sock,
+                              started, wait_for, import_main=import_main, timeout=self.timeout)
 
     # ---- public API ----------------------------------------------------------------------------------------
 
@@ -372,24 +379,31 @@ class ShmLoader:
         with contextlib.suppress(OSError):
             self._res.conns[w].send(msg)
 
-    def _grow(self, slot: int, nbytes: int) -> None:
+    def _grow(self, slot: int, nbytes: int, full: str = "") -> None:
+        """Answer a GrowSlot: a new segment, made sparse (its producer reserves it: NOTE [shm reservation] in
+        shm.py); `full`: the producer could not reserve the last one."""
         old = self._res.segments.pop(slot, None)
         if old is not None:
             self._res.drop_segment(old)
         try:
-            self._res.segments[slot] = self._new_segment(max(nbytes, 1))
+            if full:
+                raise self._full(SharedMemoryFullError(full), nbytes, "batch")
+            self._res.segments[slot] = self._new_segment(max(nbytes, 1), reserve=False)
         except SharedMemoryFullError:
             self.close()  # the producers wait for this slot: no batch can come
             raise
         self._give_back(slot)
 
-    def _new_segment(self, nbytes: int, what: str = "batch") -> shm.Segment:
+    def _full(self, exc: SharedMemoryFullError, nbytes: int, what: str) -> SharedMemoryFullError:
+        text = shm.full_message(exc, rank=self.rank, batch_bytes=SLOT_BYTES if what != "batch" else nbytes,
+                                workers=self.num_workers, slots_per_worker=self._spw, first=what != "batch")
+        return SharedMemoryFullError(text)
+
+    def _new_segment(self, nbytes: int, what: str = "batch", *, reserve: bool = True) -> shm.Segment:
         try:
-            return shm.create_segment(nbytes, what)
+            return shm.create_segment(nbytes, what, reserve=reserve)
         except SharedMemoryFullError as exc:  # NOTE [shm reservation] in shm.py: before any producer wrote
-            text = shm.full_message(exc, rank=self.rank, batch_bytes=SLOT_BYTES if what != "batch" else nbytes,
-                                    workers=self.num_workers, slots_per_worker=self._spw, first=what != "batch")
-            raise SharedMemoryFullError(text) from None
+            raise self._full(exc, nbytes, what) from None
 
     def _fail_dead(self, w: int, when: str) -> NoReturn:
         proc = self._res.procs[w]

@@ -83,10 +83,13 @@ class Batch:
 
 @dataclass(frozen=True)
 class GrowSlot:
-    """Free slot `slot` is too small for the next batch: replace its segment by one of at least `nbytes`."""
+    """Free slot `slot` is too small for the next batch: replace its segment by one of at least `nbytes`. With
+    `full` (the SharedMemoryFullError's text), the worker could not reserve the segment it was given: /dev/shm is
+    full (NOTE [shm reservation] in shm.py)."""
 
     slot: int
     nbytes: int
+    full: str = ""
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,7 @@ import math
 import select
 import signal
 import time
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -49,6 +50,7 @@ from hvdtrain.data.protocol import Stop
 if TYPE_CHECKING:
     from hvdtrain.data.boot import ProducerProcess
     from hvdtrain.data.channel import Channel
+    from hvdtrain.data.forked import ForkedProcess
     from hvdtrain.data.ring import Ring
 
 
@@ -56,12 +58,18 @@ class Resources:
     """Everything that must be released: processes, sockets and segments (see NOTE [loader shutdown])."""
 
     def __init__(self) -> None:
-        self.procs: list[ProducerProcess] = []
+        self.procs: list[ProducerProcess | ForkedProcess] = []
         self.conns: list[Channel] = []
         self.segments: dict[int, shm.Segment] = {}
         self.rings: list[Ring] = []  # one per worker when the ring is used (NOTE [ring] in ring.py)
         # run with a slot mapping's address before it is dropped (NOTE [registered slots] in pinning.py)
         self.release_hooks: list[Callable[[int], None]] = []
+        _LIVE.add(self)
+
+    def fds(self) -> list[int]:
+        """The trainer's fds of this loader that a forked producer must not hold (NOTE [forked producers] (a))."""
+        segs = [*self.segments.values(), *(r.seg for r in self.rings)]
+        return [*(c.fileno() for c in self.conns), *(p.sentinel for p in self.procs), *(s._fd for s in segs)]
 
     def drop_segment(self, seg: shm.Segment) -> None:
         """Unlink and unmap a slot segment, after the release hooks saw its address."""
@@ -96,13 +104,21 @@ class Resources:
             proc.close()
 
 
+_LIVE: weakref.WeakSet[Resources] = weakref.WeakSet()  # every loader's, for `trainer_fds`
+
+
+def trainer_fds() -> list[int]:
+    """The fds of every live loader in this process (NOTE [forked producers] (a) in forked.py); closed ones are < 0."""
+    return [fd for res in list(_LIVE) for fd in res.fds() if fd >= 0]
+
+
 class Watch:
     """One persistent poll(2) set over the workers' sockets and process sentinels, made once per loader.
 
     `multiprocessing.connection.wait` and `Connection.poll` build a selector on every call, which costs more than
     the rest of a small batch's hand-off; these are one system call each."""
 
-    def __init__(self, conns: list[Channel], procs: list[ProducerProcess]) -> None:
+    def __init__(self, conns: list[Channel], procs: list[ProducerProcess | ForkedProcess]) -> None:
         self._all = select.poll()
         self._owner: dict[int, tuple[int, bool]] = {}  # fd -> (worker, is its process sentinel)
         for w, (conn, proc) in enumerate(zip(conns, procs, strict=True)):

@@ -81,33 +81,47 @@ def segment_name(pid: int | None = None) -> str:
 # NOTE [shm reservation]
 # A segment is a file on /dev/shm (a tmpfs), and ftruncate makes it sparse: its pages are taken only when first
 # written. On a full tmpfs (Docker's default /dev/shm is 64 MiB) that first write, by a producer copying a batch in,
-# is a SIGBUS that kills the producer with no word of why. So `create_segment` reserves every page up front
-# (posix_fallocate, in the trainer, before the segment's name reaches a producer): a full /dev/shm is an ENOSPC
-# there, which the loader turns into a SharedMemoryFullError naming /dev/shm's size, its need and the fixes. The
-# pages the reservation zero-fills are the ones the producers would touch anyway. (A filesystem that cannot
-# reserve, EOPNOTSUPP, gets the segment unreserved: glibc emulates posix_fallocate where the kernel lacks it.)
+# is a SIGBUS that kills the producer with no word of why. So every page is reserved (posix_fallocate) before any
+# batch is written into it: a full /dev/shm is an ENOSPC, which the loader turns into a SharedMemoryFullError naming
+# /dev/shm's size, its need and the fixes. The slots' first segments and the rings are reserved by the trainer as
+# it makes them (`create_segment`), before the producers start. A grown slot's segment (a batch's size) is made
+# sparse by the trainer and reserved by its producer as it attaches it (`reserve_segment`, workers.py `map`): the
+# reservation zero-fills every page (11-26 ms for B1's 48 MB on 2 cores), which in the trainer was a wait of its
+# step per grown slot, and in the producer runs beside the step; a producer that cannot reserve sends the slot
+# back (GrowSlot with `full`) and the trainer raises the SharedMemoryFullError. The pages the reservation
+# zero-fills are the ones the producer writes anyway. (A filesystem that cannot reserve, EOPNOTSUPP, gets the
+# segment unreserved: glibc emulates posix_fallocate where the kernel lacks it.)
 
 
-def create_segment(nbytes: int, what: str = "batch") -> Segment:
+def create_segment(nbytes: int, what: str = "batch", *, reserve: bool = True) -> Segment:
     """A new segment of at least `nbytes` (rounded up to whole pages), named after this process, its memory
-    reserved (NOTE [shm reservation]). A full /dev/shm raises SharedMemoryFullError; nothing is left behind."""
+    reserved unless `reserve=False` (NOTE [shm reservation]). A full /dev/shm raises SharedMemoryFullError; nothing
+    is left behind."""
     size = max(PAGE, -(-nbytes // PAGE) * PAGE)
     seg = Segment(name=segment_name(), create=True, size=size)
     try:
-        os.posix_fallocate(seg._fd, 0, size)
-    except OSError as exc:
-        if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):  # a filesystem that cannot reserve: used unreserved
-            return seg
-        release_segment(seg, unlink=True)
-        if exc.errno not in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
-            raise
-        why = "a memory limit (cgroup) or " if exc.errno == errno.ENOMEM else ""
-        raise SharedMemoryFullError(f"/dev/shm cannot hold a {size_text(size)} {what} segment ({why}{shm_space()})"
-                                    ) from None
+        if seg._mmap is not None and hasattr(mmap, "MADV_DONTFORK"):  # NOTE [forked producers] (a) in forked.py
+            seg._mmap.madvise(mmap.MADV_DONTFORK)
+        if reserve:
+            reserve_segment(seg, what)
     except BaseException:
         release_segment(seg, unlink=True)
         raise
     return seg
+
+
+def reserve_segment(seg: Segment, what: str = "batch") -> None:
+    """Take every page of `seg` now (NOTE [shm reservation]): SharedMemoryFullError when /dev/shm cannot."""
+    try:
+        os.posix_fallocate(seg._fd, 0, seg.size)
+    except OSError as exc:
+        if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):  # a filesystem that cannot reserve: used unreserved
+            return
+        if exc.errno not in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+            raise
+        why = "a memory limit (cgroup) or " if exc.errno == errno.ENOMEM else ""
+        raise SharedMemoryFullError(f"/dev/shm cannot hold a {size_text(seg.size)} {what} segment "
+                                    f"({why}{shm_space()})") from None
 
 
 def size_text(nbytes: int | float) -> str:

@@ -26,7 +26,7 @@ import numpy as np
 
 from hvdtrain.data import shm
 from hvdtrain.data.channel import Channel
-from hvdtrain.data.errors import DataError
+from hvdtrain.data.errors import DataError, SharedMemoryFullError
 from hvdtrain.data.protocol import (
     MAX_LAYOUTS,
     Batch,
@@ -113,16 +113,14 @@ class TrainerGone(Exception):
     """The trainer closed its end of the socket (exited, crashed or is shutting down)."""
 
 
-def worker_main(conn: Channel, payload: bytes, started: socket.socket | None = None) -> None:
-    """A producer process (spawned through boot.py; the config arrives cloudpickled); `started` is signalled
-    after its first batch is sent (NOTE [first producer first] in boot.py)."""
-    import cloudpickle
-
+def worker_main(conn: Channel, cfg: WorkerConfig, started: socket.socket | None = None) -> None:
+    """A producer process (started by boot.py or forked.py); `started` is signalled after its first batch is sent
+    (NOTE [first producer first] in boot.py)."""
     # Ctrl-C reaches the whole process group: the trainer handles it and stops us (NOTE [loader shutdown]).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # a stop request (hvdtrain/train/preempt.py): the trainer's
     try:
-        worker = _Worker(conn, cloudpickle.loads(payload), started)
+        worker = _Worker(conn, cfg, started)
     except TrainerGone:
         conn.close()
         return
@@ -165,9 +163,9 @@ class _Worker:
                     case FreeSlot(slot=slot, segment=segment):
                         self.growing.discard(slot)
                         self.granted[slot] = msg
-                        if segment is not None:
-                            self.map(slot)  # attach (and so unlink) a new segment at once: NOTE [loader shutdown]
-                        self.free.append(slot)
+                        # attach (and so unlink) a new segment at once: NOTE [loader shutdown]
+                        if segment is None or self.map(slot):
+                            self.free.append(slot)
                     case StartEpoch() | Stop():
                         self.pending.append(msg)
                     case _:
@@ -297,17 +295,28 @@ class _Worker:
             self.pump(self.cfg.poll_s)
         return None
 
-    def map(self, slot: int) -> None:
+    def map(self, slot: int) -> bool:
+        """Map the slot's segment and reserve its pages (NOTE [shm reservation] in shm.py); False when /dev/shm
+        cannot hold it: the slot went back to the trainer, which raises SharedMemoryFullError and stops us."""
         name = self.granted[slot].segment
-        seg = self.mapped.get(slot)
+        seg = self.mapped.pop(slot, None)
         if seg is not None and seg.name.lstrip("/") == (name or "").lstrip("/"):
-            return
+            self.mapped[slot] = seg
+            return True
         if seg is not None:
             shm.release_segment(seg, unlink=False)
         try:
-            self.mapped[slot] = shm.attach_segment(name or "")
+            seg = shm.attach_segment(name or "")
         except FileNotFoundError as exc:  # the trainer unlinked it: it is shutting down
             raise TrainerGone from exc
+        try:
+            shm.reserve_segment(seg)
+        except SharedMemoryFullError as exc:
+            shm.release_segment(seg, unlink=False)
+            self.send(GrowSlot(slot, seg.size, full=str(exc)))
+            return False
+        self.mapped[slot] = seg
+        return True
 
     def unmap_all(self) -> None:
         for seg in self.mapped.values():

@@ -106,12 +106,14 @@ def test_unordered_generator_mode_yields_everything_as_it_arrives() -> None:
         ShmLoader(fx.IndexDataset(4), rank=0, size=1, batch_size=2, ordered=False)
 
 
-def test_producers_start_with_single_threaded_math_unless_the_user_chose(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("method", ["spawn", "fork"])
+def test_producers_start_with_single_threaded_math_unless_the_user_chose(method: str,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """A producer's numpy need not start an OpenBLAS thread per core (half its start-up CPU): its environment says
     1 thread unless the user set a number, and the trainer's own environment is left as it was."""
     monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False)
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
-    with ShmLoader.from_generator(fx.math_threads, rank=0, size=1, num_workers=1) as ld:
+    with ShmLoader.from_generator(fx.math_threads, rank=0, size=1, num_workers=1, start_method=method) as ld:
         assert [b.tolist() for b in ld] == [[1, 3]]
     assert "OPENBLAS_NUM_THREADS" not in os.environ and os.environ["OMP_NUM_THREADS"] == "3"
 
@@ -307,8 +309,8 @@ def test_a_silent_worker_times_out() -> None:
     ({"batch_size": 2, "num_workers": 0}, ["num_workers", "0"]),
     ({"batch_size": 2, "prefetch": -1}, ["prefetch", "-1"]),
     ({"batch_size": 2, "timeout": 0}, ["timeout", "0"]),
-    ({"batch_size": 2, "start_method": "fork"}, ["start_method", "fork"]),
-    ({"batch_size": 2, "start_method": "forkserver"}, ["start_method", "'spawn'", "re-run the training script"]),
+    ({"batch_size": 2, "start_method": "forkserver"}, ["start_method", "'fork'", "'spawn'", "re-run the training"]),
+    ({"batch_size": 2, "start_method": "fork", "import_main": True}, ["import_main", "start_method='spawn'"]),
 ])
 def test_bad_arguments_are_named_and_start_nothing(kwargs: dict, words: list[str]) -> None:
     args = {"rank": 0, "size": 2, **kwargs}
@@ -366,7 +368,8 @@ import os, sys, time
 from hvdtrain.data import ShmLoader
 from tests.support import loaders as fx
 if __name__ == "__main__":
-    ld = ShmLoader.from_generator(fx.growing_batches, rank=0, size=1, num_workers=2, prefetch=2)
+    ld = ShmLoader.from_generator(fx.growing_batches, rank=0, size=1, num_workers=2, prefetch=2,
+                                  start_method=sys.argv[2])
     it = iter(ld)
     next(it); next(it)
     print("PIDS", os.getpid(), *ld.worker_pids, flush=True)
@@ -380,7 +383,7 @@ if __name__ == "__main__":
 # schedule. Exited is what the test asks for, so a zombie counts as gone.
 WATCHER = r"""
 import os, subprocess, sys, time
-out = subprocess.run([sys.executable, "-c", sys.argv[1], sys.argv[2]], capture_output=True, text=True, timeout=60)
+out = subprocess.run([sys.executable, "-c", *sys.argv[1:]], capture_output=True, text=True, timeout=60)
 pids = [int(p) for line in out.stdout.splitlines() if line.startswith("PIDS") for p in line.split()[1:]]
 
 def state(pid):
@@ -403,9 +406,12 @@ print(out.stderr[-2000:])
 """
 
 
-@pytest.mark.parametrize("how", ["kill", "exit"])
-def test_trainer_death_or_exit_leaves_no_process_and_no_segment(how: str) -> None:
-    result = harness.run_bounded([sys.executable, "-c", WATCHER, TRAINER, how], timeout=90, cwd=harness.REPO)
+@pytest.mark.parametrize("how,method", [("kill", "fork"), ("exit", "fork"), ("kill", "spawn")])
+def test_trainer_death_or_exit_leaves_no_process_and_no_segment(how: str, method: str) -> None:
+    """A forked producer holds no end of the trainer's channels (NOTE [forked producers] (a)), so the trainer's
+    SIGKILL ends it as it ends a spawned one."""
+    result = harness.run_bounded([sys.executable, "-c", WATCHER, TRAINER, how, method], timeout=90,
+                                 cwd=harness.REPO)
     line = next((ln for ln in result.output.splitlines() if ln.startswith("RC")), "")
     assert "ALIVE [] LEFT []" in line, result.describe()
     assert line.startswith("RC -9" if how == "kill" else "RC 0"), result.describe()
@@ -425,7 +431,7 @@ class Squares:  # defined in __main__: reaches the workers by value (cloudpickle
         return np.array([i * i])
 
 if __name__ == "__main__":
-    with ShmLoader(Squares(), rank=0, size=1, batch_size=3, num_workers=2, shuffle=False,
+    with ShmLoader(Squares(), rank=0, size=1, batch_size=3, num_workers=2, shuffle=False, start_method="spawn",
                    import_main=sys.argv[1] == "yes") as ld:
         print("BATCHES", [b.ravel().tolist() for b in ld], flush=True)
 """
@@ -471,14 +477,14 @@ def test_a_loader_started_outside_the_main_guard_is_refused_in_the_producers_run
 def test_producers_import_what_the_trainer_imports_from_its_sys_path(tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """A generator from a module found through a path the trainer added at run time (cloudpickle sends it by
-    name): the producers import it, as the trainer did (NOTE [producer start] (a))."""
+    name): spawned producers import it, as the trainer did (NOTE [producer start] (a))."""
     (tmp_path / "extra_batches.py").write_text("import numpy as np\n\n\ndef gen(w, n, e, s):\n"
                                                "    yield np.array([7, w])\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     import extra_batches  # type: ignore[import-not-found]
 
     try:
-        with ShmLoader.from_generator(extra_batches.gen, rank=0, size=1, num_workers=2) as ld:
+        with ShmLoader.from_generator(extra_batches.gen, rank=0, size=1, num_workers=2, start_method="spawn") as ld:
             assert [b.tolist() for b in ld] == [[7, 0], [7, 1]]
     finally:
         sys.modules.pop("extra_batches", None)
