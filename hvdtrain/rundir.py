@@ -31,15 +31,35 @@ class RunDirBusy(RuntimeError):
     """Another job holds the run directory (its message names the holder and what to do)."""
 
 
+_HELD: set[int] = set()  # the fds of this process's locks, which a forked child must not share
+
+
+def _forget_in_child() -> None:
+    """A forked child (a loader's producer, a DataLoader worker) would share the lock's open file, and hold the lock
+    after this process released it: the child's copy is pointed at /dev/null (the number stays taken)."""
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    for fd in _HELD:
+        with contextlib.suppress(OSError):
+            os.dup2(devnull, fd, inheritable=False)
+    os.close(devnull)
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
 class RunDirLock:
-    """An exclusive lock on a run directory, held until release() or until this process ends."""
+    """An exclusive lock on a run directory, held until release() or until this process ends (not a child it
+    forks)."""
 
     def __init__(self, path: Path, fd: int) -> None:
         self.path = path
         self._fd: int | None = fd  # None once released
+        _HELD.add(fd)
 
     def release(self) -> None:
         if self._fd is not None:
+            _HELD.discard(self._fd)
             os.close(self._fd)  # closing the only descriptor of the open file releases the flock
             self._fd = None
 

@@ -12,7 +12,8 @@ and its message names the slot and the `shm.BatchLayout` to read it with. Both e
     worker -> trainer   Batch(generation, seq, slot, layout_id, layout)  batch `seq` of this worker is in `slot`,
                                                                  laid out as the worker's layout number `layout_id`
                                                                  (`layout`: that layout, sent once per number)
-                        GrowSlot(slot, nbytes)                   `slot` is too small: send it back bigger
+                        GrowSlot(slot, nbytes, full)             `slot` is too small: send it back bigger
+                                                                 (`full`: its new segment could not be reserved)
                         EpochDone(generation, seq)               no more batches (`seq` = how many there were)
                         WorkerFailed(generation, seq, traceback) user code raised before batch `seq`
 

@@ -286,8 +286,9 @@ class _Worker:
             big = [s for s in self.free if self.granted[s].segment is not None and self.granted[s].nbytes >= nbytes]
             if big:
                 self.free.remove(big[0])
-                self.map(big[0])
-                return big[0]
+                if self.map(big[0]):
+                    return big[0]
+                continue
             if self.free and not self.growing:  # every free slot is too small: have one replaced by a bigger one
                 slot = self.free.popleft()
                 self.growing.add(slot)
@@ -311,9 +312,10 @@ class _Worker:
             raise TrainerGone from exc
         try:
             shm.reserve_segment(seg)
-        except SharedMemoryFullError as exc:
+        except (SharedMemoryFullError, OSError) as exc:  # OSError: an errno the reservation did not expect
             shm.release_segment(seg, unlink=False)
-            self.send(GrowSlot(slot, seg.size, full=str(exc)))
+            why = str(exc) if isinstance(exc, SharedMemoryFullError) else f"reserving a segment failed: {exc!r}"
+            self.send(GrowSlot(slot, seg.size, full=why))
             return False
         self.mapped[slot] = seg
         return True

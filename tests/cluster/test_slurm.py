@@ -265,7 +265,7 @@ def test_scancel_leaves_no_process_and_no_segment(slurm_cluster: SlurmCluster, t
     commands = list(slurm_cluster.processes(job).values())
     assert any(" -m hvdtrain.cli run " in c for c in commands), commands
     assert sum(" -m hvdtrain.rank_main " in c for c in commands) == 2, commands
-    workers = sorted(c.rsplit(" ", 1)[-1] for c in commands if "hvdtrain.data.boot" in c)
+    workers = sorted(w for c in commands for w in re.findall(r"hvdtrain-data-r\d+-w\d+", c))  # forked or spawned
     assert workers == ["hvdtrain-data-r0-w0", "hvdtrain-data-r1-w0"], commands
     mapped = mapped_shm_files(pids)
 
@@ -524,7 +524,7 @@ def test_srun_launcher_scancel_leaves_no_process_and_no_segment(slurm_cluster: S
     assert sum(c.startswith(f"{SRUN_ARGV} ") for c in commands) >= 1, commands
     assert sum(c.startswith(f"{sys.executable} -m hvdtrain.rank ") for c in commands) == 2, commands  # the supervisors
     assert sum(c.startswith(f"{sys.executable} -m hvdtrain.rank_main ") for c in commands) == 2, commands
-    workers = sorted(c.rsplit(" ", 1)[-1] for c in commands if "hvdtrain.data.boot" in c)
+    workers = sorted(w for c in commands for w in re.findall(r"hvdtrain-data-r\d+-w\d+", c))  # forked or spawned
     assert workers == ["hvdtrain-data-r0-w0", "hvdtrain-data-r1-w0"], commands
     mapped = mapped_shm_files(pids)
     # Open MPI's shared-memory transport between the two ranks (vader_segment.*): what the last check is about.

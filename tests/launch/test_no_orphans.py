@@ -169,7 +169,7 @@ def test_killing_hvdtrain_mid_epoch_ends_every_process_of_the_job(controller, ho
     argv0s = [n.split()[1:3] for n in killed.cmdlines]  # what was running when the signal came:
     ranks = [n for n in killed.cmdlines if n.split()[1:4] == ["-m", "hvdtrain.rank_main", RECIPE]]
     assert len(ranks) == 2, killed.cmdlines  # the ranks (the recipe run by hvdtrain.rank_main),
-    assert sum("hvdtrain.data.boot" in n for n in killed.cmdlines) >= 2, killed.cmdlines  # loader producers (and more),
+    assert sum("hvdtrain-data-r" in n for n in killed.cmdlines) >= 2, killed.cmdlines  # loader producers (and more),
     assert argv0s.count(["-m", "hvdtrain.rank"]) == 2, killed.cmdlines  # the ranks' supervisors
     print(f"{controller} {how}: {len(killed.processes)} processes gone {took:.1f} s after the signal")
     assert killed.returncode == (-signal.SIGKILL if how == "SIGKILL" else 128 + signal.SIGHUP), killed.output
