@@ -85,7 +85,7 @@ def main() -> int:
 
         def hvdtrain(i: int) -> list[str]:
             return [str(BIN / "hvdtrain"), "run", str(REPO / "jobs" / "quickstart.yaml"), "-o",
-                    f"args=[--dataset, digits, --epochs, '1', --run-dir, '{tmp}/run{i}']"]
+                    f"recipe={{dataset: digits, epochs: 1, run_dir: '{tmp}/run{i}'}}"]
 
         torchrun = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", str(ddp)]
         timed(hvdtrain(0))  # warm-up (page cache, hvdtrain's probe cache), not counted

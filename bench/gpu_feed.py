@@ -49,6 +49,7 @@ from _common import goal_lines, write_json  # noqa: E402  (bench/, this script's
 from hvdtrain.data import DevicePrefetcher, ShmLoader  # noqa: E402
 from hvdtrain.datasets import arrays  # noqa: E402
 from hvdtrain.train import preempt  # noqa: E402
+from hvdtrain.train.datasets import load_splits  # noqa: E402
 from hvdtrain.train.metrics import MetricSums  # noqa: E402
 from hvdtrain.train.precision import Precision, prepare_model  # noqa: E402
 from hvdtrain.train.stepflags import LateReads  # noqa: E402
@@ -309,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.set_device(hvd.local_rank())
     device = torch.device("cuda", hvd.local_rank()) if torch.cuda.is_available() else torch.device("cpu")
     setup_process(cfg.threads, hvd.local_size())
-    splits = cfg.load_data()
+    splits = load_splits(cfg)
     torch.manual_seed(cfg.seed)
     model = recipe.make_model("resnet", splits.sample_shape, splits.num_classes, cfg.model_width).to(device)
     net, precision = prepare_model(model, cfg.channels_last, cfg.compile), Precision(cfg.precision, device)

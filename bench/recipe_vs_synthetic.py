@@ -95,6 +95,7 @@ def recipe_side(args: argparse.Namespace, dataset: str, run_dir: Path) -> tuple[
     from hvdtrain.data import DevicePrefetcher, ShmLoader
     from hvdtrain.datasets import arrays
     from hvdtrain.train import preempt
+    from hvdtrain.train.datasets import load_splits
     from hvdtrain.train.metrics import MetricSums
     from hvdtrain.train.precision import Precision
     from hvdtrain.train.torchkit import Meters, epoch_seed, model_name, setup_process, sgd
@@ -113,7 +114,7 @@ def recipe_side(args: argparse.Namespace, dataset: str, run_dir: Path) -> tuple[
         torch.cuda.set_device(hvd.local_rank())
     device = torch.device("cuda", hvd.local_rank()) if torch.cuda.is_available() else torch.device("cpu")
     setup_process(cfg.threads, hvd.local_size())
-    splits = cfg.load_data()
+    splits = load_splits(cfg)
     torch.manual_seed(cfg.seed)
     model = recipe.make_model(model_name(cfg, splits), splits.sample_shape, splits.num_classes,
                               cfg.model_width).to(device)

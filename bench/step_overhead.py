@@ -43,6 +43,7 @@ from _common import write_json  # noqa: E402  (bench/, this script's folder, is 
 from hvdtrain.data import DevicePrefetcher, ShmLoader  # noqa: E402
 from hvdtrain.datasets import arrays  # noqa: E402
 from hvdtrain.train import preempt  # noqa: E402
+from hvdtrain.train.datasets import load_splits  # noqa: E402
 from hvdtrain.train.metrics import MetricSums  # noqa: E402
 from hvdtrain.train.precision import Precision  # noqa: E402
 from hvdtrain.train.stepflags import LateReads  # noqa: E402
@@ -64,7 +65,7 @@ class Bench:
             torch.cuda.set_device(hvd.local_rank())
         self.device = torch.device("cuda", hvd.local_rank()) if torch.cuda.is_available() else torch.device("cpu")
         setup_process(self.cfg.threads, hvd.local_size())
-        splits = self.cfg.load_data()
+        splits = load_splits(self.cfg)
         torch.manual_seed(self.cfg.seed)
         self.model = recipe.make_model("resnet", splits.sample_shape, splits.num_classes, args.width).to(self.device)
         self.precision = Precision(self.cfg.precision, self.device)

@@ -20,7 +20,7 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -149,17 +149,6 @@ def claim(run_dir: Path | str, rank: int, share: Callable[[Any], Any], *, held: 
     if refused:
         raise RunDirBusy(refused)
     return held
-
-
-def run_dir_arg(args: Sequence[str]) -> str | None:
-    """The recipes' `--run-dir` value in a script's arguments (the last one, as argparse takes it), or None."""
-    found = None
-    for i, arg in enumerate(args):
-        if arg == "--run-dir" and i + 1 < len(args):
-            found = args[i + 1]
-        elif arg.startswith("--run-dir="):
-            found = arg.split("=", 1)[1]
-    return found
 
 
 def held_here(run_dir: Path | str) -> str | None:

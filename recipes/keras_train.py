@@ -54,52 +54,22 @@ import gc
 import math
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from hvdtrain import exitcodes, records, rundir, tfkeras
 from hvdtrain.data import LoaderError, ShmLoader, expected_batches
 from hvdtrain.datasets import arrays
+from hvdtrain.settings.parse import parse_config
+from hvdtrain.settings.recipes import KerasTrainConfig as Config  # every flag, defined once
 from hvdtrain.train import checkpoint, preempt
 from hvdtrain.train.channels_last import channels_last_shape, take_channels_last
-from hvdtrain.train.config import RecipeConfig, parse_config
+from hvdtrain.train.datasets import load_splits
 from hvdtrain.train.entry import exit_with
 from hvdtrain.train.lr import LRSchedule, scaled_epochs
 from hvdtrain.train.metrics import History, build_summary, write_summary
 from hvdtrain.train.report import images_note, log, nothing_to_train, run_config, same_weights, versions
-
-
-@dataclass(frozen=True)
-class Config(RecipeConfig):
-    width: int = field(default=32, metadata={"help": "channels of the first conv layer / hidden units"})
-    epochs: int = field(default=10, metadata={"help": "total epochs"})
-    scale_epochs_by_size: bool = field(default=False, metadata={
-        "help": "run ceil(epochs / world size) epochs, as Horovod's Keras examples do"})
-    batch_size: int = field(default=32, metadata={"help": "samples per rank per step"})
-    num_workers: int = field(default=1, metadata={"help": "data producer processes per rank"})
-    base_lr: float = field(default=0.05, metadata={"help": "single-process LR; × world size"})
-    warmup_epochs: int = field(default=2, metadata={"help": "epochs of linear LR warmup (0: none)"})
-    run_dir: str = field(default="runs/keras", metadata={"help": "checkpoints, TensorBoard, summary.json"})
-    verbose: int = field(default=2, metadata={"choices": (0, 1, 2), "help": "Keras fit verbosity on rank 0"})
-    precision: str = field(default="fp32", metadata={
-        "choices": ("fp32", "bf16", "fp16"), "help": "mixed precision: layers compute in bf16 or fp16 (fp16: with "
-        "dynamic loss scaling, checkpointed; slow on CPU), the last layer, the loss and the weights in fp32"})
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        for name in ("width", "epochs", "batch_size", "num_workers"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if self.warmup_epochs < 0:
-            raise ValueError(f"--warmup-epochs must be >= 0, got {self.warmup_epochs}")
-        if not (self.base_lr > 0 and math.isfinite(self.base_lr)):
-            raise ValueError(f"--base-lr must be a finite number > 0, got {self.base_lr}")
-        try:  # the schedule checks its own values; say which flags they came from
-            LRSchedule(peak_lr=self.base_lr, start_lr=self.base_lr, warmup_epochs=self.warmup_epochs,
-                       milestones=self.lr_milestones, gamma=self.lr_gamma)
-        except ValueError as e:
-            raise ValueError(f"LR flags (--warmup-epochs, --lr-milestones, --lr-gamma): {e}") from None
 
 
 def import_tensorflow() -> Any:
@@ -359,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     # Horovod: rank 0 alone writes the run directory and locks it; if another job holds it, every rank stops: exit 2.
     run_lock = rundir.claim(run_dir, rank, lambda v: hvd_tf.broadcast_object(v, root_rank=0, name="run_dir.lock"))
     # ---- 2. data (each rank's shard is read in fit, below), model, LR, optimizer
-    splits = cfg.load_data()
+    splits = load_splits(cfg)
     steps = expected_batches(len(splits.train), size, cfg.batch_size)  # per epoch, the same on every rank
     model = build_model(cfg, splits)
     # Horovod: scale the LR by the number of workers (the effective batch is hvd.size() × larger; Goyal et al.).

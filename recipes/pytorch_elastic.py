@@ -63,9 +63,11 @@ from hvdtrain import exitcodes, records, rundir
 from hvdtrain.atomic import atomic_write
 from hvdtrain.data import DevicePrefetcher, ShmLoader, StallMeter
 from hvdtrain.datasets import arrays
+from hvdtrain.settings.parse import parse_config
+from hvdtrain.settings.recipes import PytorchElasticConfig as Config  # every flag, defined once
 from hvdtrain.train import checkpoint, divergence, preempt, torchkit
 from hvdtrain.train.checkpoint import CheckpointMismatch
-from hvdtrain.train.config import parse_config
+from hvdtrain.train.datasets import load_splits
 from hvdtrain.train.entry import exit_with
 from hvdtrain.train.lr import LRSchedule
 from hvdtrain.train.metrics import History, MetricSums, build_summary, combine_stall
@@ -76,22 +78,6 @@ EVENTS_NAME = "elastic.jsonl"
 # What hvd.DistributedOptimizer returns: the torch optimizer's class extended with Horovod's synchronize() and
 # skip_synchronize(); horovod has no types, so this is Any to mypy.
 HvdOptimizer = Any
-
-
-@dataclass(frozen=True)
-class Config(torchkit.TorchConfig):
-    run_dir: str = field(default="runs/elastic", metadata={"help": "checkpoints, TensorBoard, summary.json"})
-    commit_every: int = field(default=10, metadata={
-        "help": "commit the state every N optimizer steps (and at each epoch end): steps lost on a failure "
-                "vs the cost of a commit (a state copy and a broadcast)"})
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.commit_every < 1:
-            raise ValueError(f"--commit-every must be >= 1, got {self.commit_every}")
-        if self.precision == "fp16":
-            raise ValueError("--precision fp16 is not supported by the elastic recipe (the loss scale is not part "
-                             "of its elastic state yet); use --precision bf16, or recipes/pytorch_train.py")
 
 
 @dataclass
@@ -393,7 +379,7 @@ def finish(j: Job, state: hvd.elastic.TorchState, trained: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    cfg = parse_config(Config, argv, description=__doc__.split("\n\n")[0])
+    cfg = parse_config(Config, argv, description=__doc__.split("\n\n")[0], check=torchkit.check_device)
     # ---- 1. process and device (once per process; no collective may run before hvd.elastic.run: a rank that
     # joins later would meet the others' collectives there)
     hvd.init()  # Horovod: join the job; rank/size come from horovodrun's elastic driver.
@@ -406,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(cfg.run_dir).absolute()
 
     # ---- 2.-3. data, model, LR, optimizer
-    splits = cfg.load_data()
+    splits = load_splits(cfg)
     torch.manual_seed(cfg.seed)
     model = make_model(torchkit.model_name(cfg, splits), splits.sample_shape, splits.num_classes,
                        cfg.model_width).to(device)

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -57,8 +57,10 @@ from torch import nn
 from hvdtrain import exitcodes, records, rundir
 from hvdtrain.data import DevicePrefetcher, ShmLoader
 from hvdtrain.datasets import arrays
+from hvdtrain.settings.parse import parse_config
+from hvdtrain.settings.recipes import PytorchTrainConfig as Config  # every flag, defined once
 from hvdtrain.train import checkpoint, divergence, preempt, torchkit
-from hvdtrain.train.config import parse_config
+from hvdtrain.train.datasets import load_splits
 from hvdtrain.train.entry import exit_with
 from hvdtrain.train.lr import LRSchedule, scaled_epochs
 from hvdtrain.train.metrics import History, MetricSums, build_summary, combine_stall
@@ -69,7 +71,6 @@ from hvdtrain.train.startup import StartupClock
 from hvdtrain.train.stepflags import LateReads
 from hvdtrain.train.torchkit import (
     Meters,
-    TorchConfig,
     average_buffers,
     epoch_seed,
     forward_backward,
@@ -90,13 +91,6 @@ from hvdtrain.train.torchkit import (
 # What hvd.DistributedOptimizer returns: the torch optimizer's class extended with Horovod's synchronize() and
 # skip_synchronize(); horovod has no types, so this is Any to mypy.
 HvdOptimizer = Any
-
-
-@dataclass(frozen=True)
-class Config(TorchConfig):
-    scale_epochs_by_size: bool = field(default=False, metadata={
-        "help": "run ceil(epochs / world size) epochs, as Horovod's Keras example does"})
-    run_dir: str = field(default="runs/pytorch", metadata={"help": "checkpoints, TensorBoard, summary.json"})
 
 
 def shard_loader(cfg: Config, splits: arrays.Splits, rank: int, size: int, epochs: int,
@@ -325,7 +319,7 @@ def finish(cfg: Config, run_dir: Path, first: int, done: int, epochs: int, model
 def main(argv: list[str] | None = None) -> int:
     clock = StartupClock.here()  # time to the first step and its parts, from `hvdtrain run`'s start (or this process's)
     clock.mark("imports")
-    cfg = parse_config(Config, argv, description=__doc__.split("\n\n")[0])
+    cfg = parse_config(Config, argv, description=__doc__.split("\n\n")[0], check=torchkit.check_device)
     # ---- 1. processes and devices
     hvd.init()  # Horovod: join the job; rank/size come from horovodrun (or mpirun).
     clock.mark("rendezvous")
@@ -343,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     rundir.claim(run_dir, rank, lambda v: hvd.broadcast_object(v, root_rank=0, name="run_dir.lock"))
     clock.mark("setup")
     # ---- 2. data: Horovod: each rank reads only its shard (with --scale-epochs-by-size, ceil(epochs / size)).
-    splits = cfg.load_data()
+    splits = load_splits(cfg)
     epochs = scaled_epochs(cfg.epochs, size, cfg.scale_epochs_by_size)
     loader = shard_loader(cfg, splits, rank, size, epochs, device)
     clock.mark("data")

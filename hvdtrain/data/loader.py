@@ -49,13 +49,10 @@ from hvdtrain.data.protocol import Batch, EpochMessage, FreeSlot, StartEpoch, To
 from hvdtrain.data.resources import Resources, Watch, describe_exit, trainer_fds
 from hvdtrain.data.sharding import ShardSampler, check_positive, check_rank, check_unconsumed
 from hvdtrain.data.workers import WorkerConfig
+from hvdtrain.settings.loader import PREFETCH, SLOT_BYTES  # SLOT_BYTES: each slot's first segment
 
 __all__ = ["ShmLoader"]
 
-SLOT_BYTES = 1 << 20
-"""Each slot's first segment, made before the workers start, so that a batch that fits never waits for a GrowSlot
-round trip (one for every worker's every slot, all paid in the first steps, while the trainer is busy elsewhere;
-their cost: docs/performance.md). A segment is a sparse /dev/shm file: only the pages a batch writes take memory."""
 
 
 def _check_common(num_workers: int, prefetch: int, epochs: int | None, timeout: float, poll_s: float,
@@ -107,7 +104,7 @@ class ShmLoader:
                  collate: Callable[[list[Any]], Any] | None = None,
                  fetch: Callable[[Any, np.ndarray], Any] | None = None, shuffle: bool = True,
                  drop_last: bool = False, even: bool = True, order: Callable[[int, int], np.ndarray] | None = None,
-                 prefetch: int = 2, epochs: int | None = None, timeout: float = 300.0, poll_s: float = 0.2,
+                 prefetch: int = PREFETCH, epochs: int | None = None, timeout: float = 300.0, poll_s: float = 0.2,
                  start_method: str | None = None, import_main: bool = False) -> None:
         if dataset is None:
             raise ValueError("dataset is None: give an indexable dataset, or use ShmLoader.from_generator(generator, "
@@ -127,7 +124,7 @@ class ShmLoader:
     @classmethod
     def from_generator(cls, generator: Callable[[int, int, int, int], Any], *, rank: int, size: int,
                        batches_per_epoch: int | None = None, ordered: bool = True, num_workers: int = 2,
-                       seed: int = 0, prefetch: int = 2, epochs: int | None = None, timeout: float = 300.0,
+                       seed: int = 0, prefetch: int = PREFETCH, epochs: int | None = None, timeout: float = 300.0,
                        poll_s: float = 0.2, start_method: str | None = None, import_main: bool = False) -> ShmLoader:
         """A loader whose workers run `generator` (see the class docstring); its epochs start when asked."""
         if not callable(generator):

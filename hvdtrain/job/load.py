@@ -18,6 +18,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from hvdtrain import textfile
+from hvdtrain.job import recipe
 from hvdtrain.job.flags import extra_args_problems, modeled_flags
 from hvdtrain.job.hosts import MAX_SLOTS, Host, HostError, check_np, parse_hostfile, parse_hosts, total_slots
 from hvdtrain.job.model import JobSpec
@@ -377,6 +378,7 @@ def load_spec(text: str, origin: str, *, base_dir: str | Path | None = None, ove
     no_hosts = spec.hosts is None and spec.hostfile is None and spec.elastic is None
     found = allocation() if allocation is not None and no_hosts else None
     issues = cross_checks(spec, in_allocation=found is not None) + (file_issues(spec) if check_files else [])
+    issues += [Issue(r.path, r.problem, r.value, r.allowed, r.fix) for r in recipe.problems(spec)]
     hosts: list[Host] | None = None
     if not issues and spec.hostfile is not None:
         hosts, issues = _hostfile_hosts(spec.hostfile, spec.np, read_text or textfile.read_text)

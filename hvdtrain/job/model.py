@@ -26,6 +26,7 @@ from pydantic import (
 
 from hvdtrain.job.flags import Flag, flag_field
 from hvdtrain.job.hosts import hosts_arg, parse_hosts
+from hvdtrain.settings.parse import setting_argv
 
 LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -317,6 +318,12 @@ class JobSpec(_Model):
         default_factory=list, description="Arguments for the script, a list of strings; unquoted values are taken "
                                           "as written (1:30 stays '1:30', 0x1F stays '0x1F'); each reaches the "
                                           "script as one literal argv element.")
+    recipe: dict[str, Any] = Field(
+        default_factory=dict, description="A shipped recipe's settings (recipes/pytorch_train.py, pytorch_elastic.py, "
+        "keras_train.py), typed: `epochs: 2`, `resume: false`, `lr_milestones: [10, 20]`, `threads: null` — one key "
+        "per flag of the recipe (`python recipes/NAME.py --help` lists them, `--batch-size` is batch_size). Checked "
+        "with the recipe's own definition before any process starts, as its args are; the script gets them as flags "
+        "before args. Not for other scripts: their flags go in args.")
     python: str = Field(
         default_factory=lambda: sys.executable,
         description="Interpreter that runs the script (default: the one running hvdtrain); a name is looked up "
@@ -351,6 +358,11 @@ class JobSpec(_Model):
     extra_args: list[str] = Field(
         default_factory=list, description="Arguments passed to horovodrun verbatim, before the command, for "
                                           "what the spec does not model (e.g. ['--mpi-args=--map-by ppr:2:node']).")
+
+    @property
+    def script_args(self) -> list[str]:
+        """The script's argv after its path: the `recipe:` settings as flags, then `args`."""
+        return setting_argv(self.recipe) + list(self.args)
 
     _resolve = field_validator("script", "hostfile")(resolve_path)
     # horovodrun's Gloo launcher puts the working directory into the remote hosts' shell command unquoted.

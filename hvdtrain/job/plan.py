@@ -85,7 +85,7 @@ def build_plan(spec: JobSpec, *, controller: str, horovodrun: str = "horovodrun"
     argv += _flag_args(spec.ssh) + _flag_args(spec.horovod) + elastic_args(spec) + list(spec.extra_args)
     # Each rank runs under hvdtrain's supervisor (NOTE [no orphans] in hvdtrain/rank.py): it ends the rank when
     # the job's launcher side is gone, which nothing else does for a Gloo rank on another host.
-    argv += [spec.python, "-m", RANK_MODULE, spec.script, *spec.args]
+    argv += [spec.python, "-m", RANK_MODULE, spec.script, *spec.script_args]
     env = dict(spec.env)
     if controller == "mpi" and any(not is_loopback(h) for h in ranks):
         env = {**MPI_REMOTE_ENV, **env}
@@ -125,7 +125,7 @@ def build_srun_plan(spec: JobSpec, *, mpi: str = "pmix", cpus_per_task: str | No
     # --export=ALL: the ranks need this environment (records, the spec's env) even under sbatch --export=NONE.
     argv = [srun, "--label", "--disable-status", "--export=ALL", f"--ntasks={spec.np}", f"--mpi={mpi}",
             "--kill-on-bad-exit=1", *([f"--cpus-per-task={cpus_per_task}"] if cpus_per_task else []),
-            spec.python, "-m", RANK_MODULE, spec.script, *spec.args]
+            spec.python, "-m", RANK_MODULE, spec.script, *spec.script_args]
     # Slurm signals every process of the step: the supervisors must not pass a second copy on (hvdtrain/rank.py).
     env = {**spec.env, "HVDTRAIN_SLURM_SIGNALS": "1"}
     return LaunchPlan(argv=argv, env=env, rank_hosts=tuple(rank_hosts(hosts, spec.np)), cwd=spec.workdir,

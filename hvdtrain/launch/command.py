@@ -70,7 +70,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if slurm:
         print(f"hvdtrain: {slurm}", file=sys.stderr)
     check_rank_module(spec.python)
-    check_run_dir(spec.args)
+    check_run_dir(spec)
     code = run_plan(plan, spec.logs, timeout_s=args.timeout, ssh=spec.ssh, stops=stops)
     if args.requeue and code == exitcodes.PREEMPTED:
         requeue_slurm_job(os.environ["SLURM_JOB_ID"])
@@ -96,14 +96,17 @@ def _plan(args: argparse.Namespace, spec: JobSpec, in_allocation: bool) -> Launc
     return build_plan(spec, controller=controller, horovodrun=find_horovodrun())
 
 
-def check_run_dir(script_args: list[str]) -> None:
-    """Refuse at once, before any process starts, when another job on this machine holds the run directory."""
+def check_run_dir(spec: JobSpec) -> None:
+    """Refuse at once, before any process starts, when another job on this machine holds a shipped recipe's run
+    directory (its --run-dir, default included, where the ranks start: NOTE [one reader of recipe settings])."""
+    from hvdtrain.job.recipe import settings_of
     from hvdtrain.launch.runner import LaunchError
-    from hvdtrain.rundir import busy_message, held_here, run_dir_arg
+    from hvdtrain.rundir import busy_message, held_here
 
-    run_dir = run_dir_arg(script_args)
-    if not run_dir:
+    settings = settings_of(spec)
+    if settings is None:
         return
+    run_dir = os.path.join(spec.workdir or os.getcwd(), settings.run_dir)
     holder = held_here(run_dir)
     if holder is not None:
         raise LaunchError(busy_message(run_dir, holder))

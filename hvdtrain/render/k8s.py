@@ -19,7 +19,6 @@ with Gloo, by name (`mpirun -x`) with MPI.
 
 from __future__ import annotations
 
-import argparse
 import posixpath
 from dataclasses import dataclass
 from pathlib import PurePosixPath
@@ -29,6 +28,7 @@ import yaml
 from pydantic import ValidationError
 
 from hvdtrain.job.model import JobSpec, Kubernetes, quantity_bytes
+from hvdtrain.job.recipe import recipe_class, settings_of
 from hvdtrain.render.common import (
     IMAGE_PYTHON,
     IMAGE_ROOT,
@@ -44,7 +44,7 @@ from hvdtrain.render.common import (
 )
 from hvdtrain.render.credentials import credential_problem
 from hvdtrain.render.podpaths import pod_needs
-from hvdtrain.render.shmsize import RECIPES, ShmSize, shm_size
+from hvdtrain.render.shmsize import ShmSize, shm_size
 
 API_VERSION = "kubeflow.org/v2beta1"
 OPERATOR_HOSTFILE = "/etc/mpi/hostfile"
@@ -98,24 +98,6 @@ def _check(spec: JobSpec, controller: str) -> Kubernetes:
     if problem:
         raise RenderError(problem)
     return k8s
-
-
-def _recipe_flags(spec: JobSpec) -> argparse.Namespace:
-    """A shipped recipe's --run-dir, --sigterm-grace and --dataset in the spec's args (their defaults where left
-    out)."""
-    parser = argparse.ArgumentParser(add_help=False, exit_on_error=False)  # abbreviations too, as the recipes take
-    parser.add_argument("--run-dir", default="runs")
-    parser.add_argument("--dataset", default="digits")
-    parser.add_argument("--sigterm-grace", type=float, default=RECIPES[PurePosixPath(spec.script).name].sigterm_grace)
-    try:
-        flags = parser.parse_known_args(spec.args)[0]
-    except (argparse.ArgumentError, SystemExit) as exc:
-        raise RenderError(f"args: {exc}: --run-dir needs a folder, --sigterm-grace a number of seconds, --dataset a "
-                          "dataset (digits, synthetic, a folder or a URL)") from None
-    if not 0 <= flags.sigterm_grace < 3600:  # the recipes' own rule (hvdtrain.train.config); nan fails it too
-        raise RenderError(f"args --sigterm-grace {flags.sigterm_grace}: expected 0 <= seconds < 3600, the time a rank "
-                          "has from a SIGTERM to its stop's checkpoint (default 4)")
-    return flags
 
 
 def _run_dir_problem(spec: JobSpec, given: str, cwd: str, mount: str) -> str | None:
@@ -245,11 +227,10 @@ def _render(spec: JobSpec, cluster: ClusterOptions, opts: K8sOptions) -> Rendere
     name = check_name(cluster.name)
     k8s = _check(spec, spec.controller or cluster.controller or "gloo")  # horovodrun_argv's controller
     grace, dataset = None, None
-    recipe = RECIPES.get(PurePosixPath(spec.script).name)
-    if recipe is not None:
-        flags = _recipe_flags(spec)
-        grace, dataset = (flags.sigterm_grace if recipe.stops_on_sigterm else None), flags.dataset
-        problem = _run_dir_problem(spec, flags.run_dir, spec.workdir or k8s.run_mount, k8s.run_mount) \
+    settings = settings_of(spec)  # NOTE [one reader of recipe settings]
+    if settings is not None:
+        grace, dataset = (settings.sigterm_grace if settings.stops_on_sigterm else None), settings.dataset
+        problem = _run_dir_problem(spec, settings.run_dir, spec.workdir or k8s.run_mount, k8s.run_mount) \
             or (_grace_problem(grace, k8s) if grace is not None else None)
         if problem:
             raise RenderError(problem)
@@ -289,7 +270,7 @@ def _sigterm_words(spec: JobSpec, grace: float | None) -> str:
     if grace is not None:
         return ("the ranks checkpoint at their next step boundary and exit 75 if that boundary and the checkpoint "
                 f"come within --sigterm-grace {grace:g} s (raise it for long steps or big checkpoints)")
-    if PurePosixPath(spec.script).name in RECIPES:  # the elastic recipe: SIGTERM drops a rank
+    if recipe_class(spec.script) is not None:  # the elastic recipe: SIGTERM drops a rank
         return ("the elastic recipe's ranks end at once (SIGUSR1 asks it to checkpoint); the job resumes from its "
                 "last checkpoint")
     return ("the ranks get it (the shipped recipes checkpoint at their next step boundary and exit 75; this script "

@@ -17,30 +17,17 @@ import posixpath
 from pathlib import Path, PurePosixPath
 
 from hvdtrain.job.model import JobSpec
+from hvdtrain.job.recipe import checkout, same_as_shipped
 from hvdtrain.render.common import IMAGE_ROOT
 
-CHECKOUT = Path(__file__).resolve().parents[2]  # this hvdtrain's checkout: what docker/Dockerfile copies
 IMAGE_DIRS = ("recipes", "jobs", "hostfiles", "docker", "scripts", "hvdtrain")
 IMAGE_RECIPES = f"{IMAGE_ROOT}/recipes"
 BUILTIN_DATASETS = ("digits", "synthetic")  # hvdtrain.train.datasets: made in memory, no files
 
 
-def _checkout() -> Path | None:
-    """This checkout, where it is one (an installed wheel has no recipes/ beside it)."""
-    return CHECKOUT if (CHECKOUT / "recipes").is_dir() and (CHECKOUT / "docker" / "Dockerfile").is_file() else None
-
-
 def shipped_recipe(local: Path) -> str | None:
     """The image's path of the shipped recipe that the file `local` on this machine is (same name and bytes)."""
-    checkout = _checkout()
-    if checkout is None or not local.is_file():
-        return None
-    shipped = checkout / "recipes" / local.name
-    try:
-        same = shipped.is_file() and shipped.read_bytes() == local.read_bytes()
-    except OSError:
-        return None
-    return f"{IMAGE_RECIPES}/{local.name}" if same else None
+    return f"{IMAGE_RECIPES}/{local.name}" if local.is_file() and same_as_shipped(local) else None
 
 
 def script_in_image(spec: JobSpec, local_dir: Path, remote_dir: str) -> JobSpec:
@@ -61,8 +48,8 @@ def _in_image(path: str) -> bool:
     inside = PurePosixPath(path).relative_to(IMAGE_ROOT).parts
     if not inside or inside[0] not in IMAGE_DIRS:
         return False
-    checkout = _checkout()
-    return inside[0] == "recipes" if checkout is None else checkout.joinpath(*inside).exists()
+    root = checkout()
+    return inside[0] == "recipes" if root is None else root.joinpath(*inside).exists()
 
 
 def _on_volume(path: str, mount: str) -> bool:

@@ -40,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from hvdtrain.settings.parse import parse_bytes
 from hvdtrain.stream import sources
 from hvdtrain.stream.errors import StreamError
 from hvdtrain.stream.mds import INDEX, MDSWriter
@@ -49,8 +50,6 @@ MAX_SHARD_BYTES = (1 << 32) - 1  # MDS's offsets are 32-bit
 SPLITS = ("train", "val")
 SHUFFLE_BUCKET_BYTES = 256 << 20  # array samples held in memory at once while shuffling
 SHUFFLE_DIR = ".convert-shuffle"  # the buckets' directory inside DST, removed when the conversion ends
-UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 1 << 10, "mib": 1 << 20,
-         "gib": 1 << 30, "tib": 1 << 40}
 
 
 @dataclass(frozen=True)
@@ -84,16 +83,6 @@ class Summary:
 
 
 # ---- option parsing (shared with the CLI) -------------------------------------------------------------------
-
-def parse_bytes(text: str) -> int:
-    """Bytes from '1000000', '64MiB', '1GB', '512 KiB', '2TiB' (KB/MB/GB/TB are powers of 1000, KiB/... of 1024)."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
-    unit = m and m.group(2).lower()
-    if not m or unit not in UNITS:
-        raise ValueError(f"{text!r} is not a size: give bytes (1000000) or a number with a unit "
-                         "B, KB, MB, GB, TB, KiB, MiB, GiB, TiB (e.g. 64MiB)")
-    return int(float(m.group(1)) * UNITS[unit])
-
 
 def parse_size(text: str) -> int:
     """A shard size: `parse_bytes`, 1 byte .. 4 GiB - 1."""

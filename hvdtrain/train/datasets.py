@@ -18,6 +18,16 @@ from pathlib import Path
 from hvdtrain.data.errors import DataError
 from hvdtrain.datasets import npyshards
 from hvdtrain.datasets.arrays import DIGITS, SYNTHETIC, DatasetError, Splits, digits, synthetic
+from hvdtrain.settings.recipes import RecipeConfig
+
+
+def load_splits(cfg: RecipeConfig) -> Splits:
+    """A recipe's --dataset as train/val splits, read with its data flags (`load`, checked)."""
+    return load(cfg.dataset, val_fraction=cfg.val_fraction, split_seed=0, synthetic_shape=cfg.synthetic_shape,
+                synthetic_samples=cfg.synthetic_samples, num_classes=cfg.num_classes, seed=cfg.seed,
+                check_finite=cfg.check_finite, x_field=cfg.x_field, y_field=cfg.y_field,
+                shuffle_block=cfg.shuffle_block_shards, cache_limit=cfg.cache_limit_bytes,
+                image_size=cfg.image_size, augment=cfg.augment)
 
 
 def load(

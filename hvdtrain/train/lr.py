@@ -14,6 +14,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from hvdtrain.settings.recipes import check_schedule
+
 
 @dataclass(frozen=True)
 class LRSchedule:
@@ -28,15 +30,10 @@ class LRSchedule:
 
     def __post_init__(self) -> None:
         _check(self.peak_lr > 0 and math.isfinite(self.peak_lr), "peak_lr", self.peak_lr, "a finite number > 0")
-        _check(self.warmup_epochs >= 0 and math.isfinite(self.warmup_epochs),
-               "warmup_epochs", self.warmup_epochs, "a finite number >= 0")
+        check_schedule(self.warmup_epochs, self.milestones, self.gamma)  # the rules the recipes' flags follow
         if self.warmup_epochs > 0 or self.start_lr is not None:
             _check(self.start_lr is not None and self.start_lr > 0 and math.isfinite(self.start_lr), "start_lr",
                    self.start_lr, "a finite number > 0 with a warmup (the LR it starts from: peak_lr / world size)")
-        ms = self.milestones
-        _check(all(isinstance(m, int) and m >= 1 for m in ms) and list(ms) == sorted(set(ms)),
-               "milestones", ms, "strictly increasing ints >= 1 (epochs)")
-        _check(0 < self.gamma <= 1, "gamma", self.gamma, "a number in (0, 1]")
 
     def lr_at(self, epoch: float) -> float:
         """LR at fractional epoch `epoch` (0-based; 1.5 = halfway through the second epoch)."""

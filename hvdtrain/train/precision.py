@@ -30,7 +30,8 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-PRECISIONS = ("fp32", "bf16", "fp16")
+from hvdtrain.settings.recipes import PRECISIONS
+
 MIN_SCALE = 2.0 ** -8  # from the default 2**16, 24 overflows in a row without a step in between
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 

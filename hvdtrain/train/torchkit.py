@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import math
 import os
 import sys
 import types
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,65 +28,24 @@ from hvdtrain.data import sweep_stale_segments
 from hvdtrain.data.idle import GpuIdleMeter
 from hvdtrain.data.stall import StallMeter
 from hvdtrain.datasets import arrays
+from hvdtrain.settings.recipes import TorchConfig
 from hvdtrain.train import checkpoint, divergence
-from hvdtrain.train.config import RecipeConfig
-from hvdtrain.train.lr import LRSchedule
 from hvdtrain.train.metrics import History, MetricSums, write_summary
-from hvdtrain.train.precision import PRECISIONS, Precision, as_input
+from hvdtrain.train.precision import Precision, as_input
 from hvdtrain.train.report import lr_text, wait_share
 from hvdtrain.train.startup import StartupClock
 
-MODEL_CHOICES = ("auto", "cnn", "mlp", "resnet")  # auto, and recipes/pytorch_models.py's MODELS (a test checks)
 CPU_CHANNELS_LAST = (
     "--channels-last needs a CUDA GPU, and none is visible: on CPU, torch's oneDNN backward of a 1x1 stride-2 "
     "convolution (the ResNet's shortcut) in channels-last corrupts memory and aborts the process when the batch "
     "size changes, e.g. at an epoch's smaller last batch (torch 2.13); leave --channels-last out on CPU")
 
 
-@dataclass(frozen=True)
-class TorchConfig(RecipeConfig):
-    """The flags both PyTorch recipes take (each recipe's Config adds its own and its --run-dir default)."""
-
-    model: str = field(default="auto", metadata={"choices": MODEL_CHOICES,
-                                                 "help": "auto: cnn for digits, resnet for synthetic"})
-    model_width: int | None = field(default=None, metadata={"help": "channels/hidden units (none: the model's own)"})
-    epochs: int = field(default=15, metadata={"help": "total epochs"})
-    batch_size: int = field(default=32, metadata={"help": "samples per rank per backward pass"})
-    base_lr: float = field(default=0.05, metadata={"help": "single-process LR; × size × backward passes"})
-    weight_decay: float = field(default=0.0, metadata={"help": "SGD weight decay (L2)"})
-    warmup_epochs: float = field(default=2.0, metadata={"help": "linear LR warmup (Goyal et al.)"})
-    backward_passes_per_step: int = field(default=1, metadata={
-        "help": "accumulate this many batches locally before each allreduce"})
-    num_workers: int = field(default=1, metadata={"help": "data producer processes per rank"})
-    progress: bool = field(default=True, metadata={"help": "tqdm progress bar on rank 0"})
-    stall_plot: bool = field(default=False, metadata={
-        "help": "rank 0 plots its wait-for-data and step time per step to <run-dir>/stall.png"})
-    precision: str = field(default="fp32", metadata={
-        "choices": PRECISIONS, "help": "forward pass and loss under autocast in bf16 or fp16 (fp16: with a "
-                                       "GradScaler, checkpointed); weights and gradients stay fp32"})
-    channels_last: bool = field(default=False, metadata={
-        "help": "channels-last (NHWC) weights and images: faster convolutions on tensor cores"})
-    compile: bool = field(default=False, metadata={
-        "help": "train through torch.compile(model) (the first steps compile; needs a C++ compiler on CPU)"})
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        for name in ("epochs", "batch_size", "backward_passes_per_step", "num_workers"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if self.model_width is not None and self.model_width < 1:
-            raise ValueError(f"--model-width must be >= 1 (or none), got {self.model_width}")
-        if not self.weight_decay >= 0:
-            raise ValueError(f"--weight-decay must be >= 0, got {self.weight_decay}")
-        if self.channels_last and not torch.cuda.is_available():
-            raise ValueError(CPU_CHANNELS_LAST)
-        if not (self.base_lr > 0 and math.isfinite(self.base_lr)):
-            raise ValueError(f"--base-lr must be a finite number > 0, got {self.base_lr}")
-        try:  # the schedule checks its own values; say which flags they came from
-            LRSchedule(peak_lr=self.base_lr, start_lr=self.base_lr, warmup_epochs=self.warmup_epochs,
-                       milestones=self.lr_milestones, gamma=self.lr_gamma)
-        except ValueError as e:
-            raise ValueError(f"LR flags (--warmup-epochs, --lr-milestones, --lr-gamma): {e}") from None
+def check_device(cfg: TorchConfig) -> None:
+    """What the settings cannot check before launch, only this rank's machine: a GPU for --channels-last
+    (`parse_config(..., check=check_device)` reports it as a usage error, exit 2)."""
+    if cfg.channels_last and not torch.cuda.is_available():
+        raise ValueError(CPU_CHANNELS_LAST)
 
 
 @dataclass

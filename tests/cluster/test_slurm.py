@@ -137,7 +137,7 @@ def test_rendered_quickstart_trains(slurm_cluster: SlurmCluster, tmp_path: Path)
     here: the sbatch job trains to the end, with the controller `hvdtrain run` would pick."""
     run_dir = tmp_path / "run"
     script = render(REPO / "jobs" / "quickstart.yaml",
-                    f"args=[--dataset, digits, --epochs, '1', --run-dir, '{run_dir}']", out=tmp_path / "q.sbatch")
+                    f"recipe={{dataset: digits, epochs: 1, run_dir: '{run_dir}'}}", out=tmp_path / "q.sbatch")
     assert "#SBATCH --output=quickstart-%j.out" in script.read_text().splitlines()
     job = submit(slurm_cluster, script)
     result = slurm_cluster.wait(job, JOB_TIMEOUT_S)
@@ -158,10 +158,10 @@ def test_the_warning_signal_checkpoints_requeues_and_resumes_to_the_same_weights
     (`--requeue`), Slurm runs it again (appending to its output), it resumes there and ends with the weights and
     history of the same training run in one go outside Slurm. Over 30 s: the job runs twice through Slurm (stopped and
     requeued, then resumed to the end)."""
-    args = ("--dataset", "digits", "--epochs", "3", "--warmup-epochs", "1", "--batch-size", "4", "--no-tensorboard",
-            "--no-progress")
+    settings = "dataset: digits, epochs: 3, warmup_epochs: 1, batch_size: 4, tensorboard: false, progress: false"
+
     def override(run_dir: Path) -> str:
-        return "args=[" + ", ".join(f"'{a}'" for a in (*args, "--run-dir", str(run_dir))) + "]"
+        return f"recipe={{{settings}, run_dir: '{run_dir}'}}"
 
     reference = run_bounded([sys.executable, "-m", "hvdtrain.cli", "run", str(REPO / "jobs" / "quickstart.yaml"),
                              "-o", override(tmp_path / "reference")], timeout=JOB_TIMEOUT_S, cwd=tmp_path)

@@ -91,9 +91,9 @@ def test_validate_refuses_what_dry_run_refuses_with_the_same_message(case, tmp_p
 
 def test_validate_accepts_what_dry_run_accepts(tmp_path):
     job = tmp_path / "job.yaml"
-    job.write_text(f"script: {RECIPE}\ncontroller: gloo\nnp: 4096\nargs: [--at, 1:30]\nenv: {{MASK: 0x1F}}\n")
+    job.write_text(f"script: {RECIPE}\ncontroller: gloo\nnp: 4096\nargs: [--run-dir, 1:30]\nenv: {{MASK: 0x1F}}\n")
     validate, dry_run = _cli(["validate", str(job)]), _cli(["run", str(job), "--dry-run"])
     assert validate.returncode == dry_run.returncode == 0, validate.describe() + dry_run.describe()
     assert validate.output.startswith(f"{job}: OK — np=4096, hosts=localhost:4096")
-    assert dry_run.output.splitlines()[1].endswith(f"{RECIPE} --at 1:30")
+    assert dry_run.output.splitlines()[1].endswith(f"{RECIPE} --run-dir 1:30")
     assert "MASK=0x1F" in dry_run.output.splitlines()

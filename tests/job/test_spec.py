@@ -94,7 +94,7 @@ def test_hostfile_errors_point_at_the_spec_and_quote_the_hostfile_line(hostfile,
         'job.yaml:3: hostz: unknown key',
         "got: 'a:2'",
         'allowed: keys here: args, controller, elastic, env, extra_args, gpus_per_rank, horovod, hostfile, hosts,'
-         ' kubernetes, logs, network_interfaces, np, python, script, ssh, workdir',
+         ' kubernetes, logs, network_interfaces, np, python, recipe, script, ssh, workdir',
         "fix: remove 'hostz' or rename it to 'hosts'",
     ], id='unknown_top'),
     pytest.param('script: t.py\nnp: 2\nhorovod:\n  fusion_treshold_mb: 3\n', (), [

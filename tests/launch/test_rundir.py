@@ -65,13 +65,6 @@ def test_held_here_touches_nothing_and_knows_no_lock_in_a_missing_directory(tmp_
     assert rundir.held_here(tmp_path / "plain") is None
 
 
-@pytest.mark.parametrize(("args", "expected"), [
-    (["--run-dir", "a"], "a"), (["--run-dir=b"], "b"), (["--run-dir", "a", "--run-dir=c"], "c"),
-    (["--epochs", "3"], None), (["--run-dir"], None), ([], None)])
-def test_run_dir_arg_reads_the_recipes_flag_as_argparse_does(args, expected):
-    assert rundir.run_dir_arg(args) == expected
-
-
 def test_describe_holder_from_the_lock_files_text():
     text = json.dumps({"host": "node7", "pid": 42, "started": 0, "command": "train.py --epochs 3"})
     assert rundir.describe_holder(text) == "pid 42 on host node7 (started 1970-01-01 00:00:00 UTC: train.py --epochs 3)"

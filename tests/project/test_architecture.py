@@ -3,8 +3,9 @@
 Imports are read from the source (ast), function-level and `if TYPE_CHECKING:` imports included: a circle hidden in
 a function is still a circle. The layers (docs: docs/layout.md, which must name every module):
 
-    launcher side:  shared leaves < job < doctor < launch;  job < render
-    rank side:      shared leaves < data < datasets < stream < train
+    both sides:     shared leaves < settings (the recipes' settings and the loader sizes the launcher reads)
+    launcher side:  settings < job < doctor < launch;  job < render
+    rank side:      settings < data < datasets < stream < train
     entry points (cli, rank, rank_main) may import anything; nothing imports them.
 
 A new module must be placed in this table (the test fails for an unplaced one), so the layering is a decision.
@@ -25,14 +26,15 @@ LEAVES = {"hvdtrain", "hvdtrain.atomic", "hvdtrain.exitcodes", "hvdtrain.records
 ENTRIES = {"hvdtrain.cli", "hvdtrain.rank", "hvdtrain.rank_main"}
 # package -> the packages it may import (besides itself and the shared leaves)
 BELOW = {
-    "job": set(),
-    "doctor": {"job"},
-    "launch": {"job", "doctor"},
-    "render": {"job"},
-    "data": set(),
-    "datasets": {"data"},
-    "stream": {"data", "datasets"},
-    "train": {"data", "datasets", "stream"},
+    "settings": set(),
+    "job": {"settings"},
+    "doctor": {"job", "settings"},
+    "launch": {"job", "doctor", "settings"},
+    "render": {"job", "settings"},
+    "data": {"settings"},
+    "datasets": {"data", "settings"},
+    "stream": {"data", "datasets", "settings"},
+    "train": {"data", "datasets", "stream", "settings"},
 }
 
 

@@ -18,8 +18,8 @@ from types import ModuleType
 import numpy as np
 import pytest
 
+from hvdtrain.settings.parse import config_parser, default_text, parse_config, with_default
 from hvdtrain.train import datasets, report
-from hvdtrain.train.config import config_parser, default_text, parse_config, with_default
 from hvdtrain.train.lr import LRSchedule
 from hvdtrain.train.metrics import History, build_summary, write_summary
 from tests.support.harness import REPO

@@ -18,9 +18,10 @@ import pytest
 import torch
 
 from hvdtrain.datasets.arrays import ArrayDataset, DatasetError
+from hvdtrain.settings.parse import parse_config
+from hvdtrain.settings.recipes import MODEL_CHOICES
 from hvdtrain.train import torchkit
-from hvdtrain.train.config import parse_config
-from hvdtrain.train.datasets import load
+from hvdtrain.train.datasets import load, load_splits
 from hvdtrain.train.metrics import History, MetricSums, build_summary, combine_stall
 from hvdtrain.train.progress import LogLines
 from tests.support import recipes
@@ -335,7 +336,7 @@ def test_exit_with_turns_a_dataset_error_into_exit_2_and_passes_other_codes(caps
 def test_the_shared_configs_model_choices_are_the_recipes_models(recipe_module):
     from pytorch_models import MODELS
 
-    assert ("auto", *MODELS) == torchkit.MODEL_CHOICES
+    assert ("auto", *MODELS) == MODEL_CHOICES
 
 
 @pytest.mark.slow
@@ -345,7 +346,7 @@ def test_a_mid_epoch_checkpoint_of_the_elastic_recipe_is_refused_naming_it(recip
     from pytorch_models import make_model
 
     cfg = parse_config(recipe_module.Config, ["--dataset", "digits"])
-    splits = cfg.load_data()
+    splits = load_splits(cfg)
     model = make_model(torchkit.model_name(cfg, splits), splits.sample_shape, splits.num_classes, cfg.model_width)
     position = {"epoch": 1, "step": 15, "loader": {"epoch": 1, "batches_consumed": 15}, "sums": [1.0, 2.0, 3.0]}
     torchkit.save_checkpoint(cfg, tmp_path / "run" / "checkpoints", 1, model, torchkit.sgd(cfg, model, 0.1),

@@ -367,12 +367,13 @@ def test_a_mid_epoch_checkpoint_of_the_pytorch_recipe_stops_every_elastic_rank_w
         from pytorch_models import make_model
     finally:
         sys.path.remove(str(REPO / "recipes"))
+    from hvdtrain.settings.parse import parse_config
     from hvdtrain.train import torchkit
-    from hvdtrain.train.config import parse_config
+    from hvdtrain.train.datasets import load_splits
     from hvdtrain.train.metrics import History
 
     cfg = parse_config(pytorch_elastic.Config, STOP_ARGS)
-    splits = cfg.load_data()
+    splits = load_splits(cfg)
     model = make_model(torchkit.model_name(cfg, splits), splits.sample_shape, splits.num_classes, cfg.model_width)
     run_dir = tmp_path / "run"
     position = {"epoch": 1, "step": 5, "loader": {"epoch": 1, "batches_consumed": 5}, "ranks": [{}, {}]}

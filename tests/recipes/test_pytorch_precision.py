@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch import nn
 
+from hvdtrain.settings.parse import parse_config
 from hvdtrain.train import checkpoint, divergence
-from hvdtrain.train.config import parse_config
 from hvdtrain.train.metrics import MetricSums
 from hvdtrain.train.precision import MIN_SCALE, Precision, as_input, prepare_model
 from hvdtrain.train.stepflags import LateReads

@@ -5,9 +5,7 @@ strict); the /dev/shm size is checked against the real loader in a private tmpfs
 
 from __future__ import annotations
 
-import ast
 import copy
-import dataclasses
 import math
 import os
 import re
@@ -23,11 +21,10 @@ import yaml
 
 from hvdtrain.cli import main
 from hvdtrain.datasets.arrays import digits
+from hvdtrain.job.load import SpecError
 from hvdtrain.job.model import quantity_bytes
 from hvdtrain.render import ClusterOptions, K8sOptions, RenderError, render_file
-from hvdtrain.render.shmsize import PREFETCH, RECIPES, SAMPLE_BYTES, SLOT_BYTES, per_rank_bytes
-from hvdtrain.train.config import RecipeConfig
-from hvdtrain.train.torchkit import TorchConfig
+from hvdtrain.render.shmsize import SAMPLE_BYTES, SLOT_BYTES, per_rank_bytes
 from tests.support.harness import REPO
 
 K8S_VERSION = "1.33"  # a Kubernetes release kubernetes-validate carries the schemas of
@@ -144,18 +141,31 @@ def test_flags_override_the_spec_and_are_checked_like_it(tmp_path):
     (lambda t: t.replace("runs/resnet", "runs/resnet, --sigterm-grace, '110'"),
      r"args --sigterm-grace 110 does not fit in the pods' time to stop: kubernetes.termination_grace_s 120 s, less "
      r"the entrypoint's 10 s, .* \(e.g. -o kubernetes.termination_grace_s=130\) or lower --sigterm-grace"),
-    (lambda t: t.replace("runs/resnet", "runs/resnet, --sigterm, soon"), r"--sigterm-grace a number of seconds"),
     (lambda t: t.replace("NCCL_DEBUG: WARN", "NCCL_DEBUG: WARN, HVDTRAIN_STOP_WAIT_S: '50'"),
      r"env HVDTRAIN_STOP_WAIT_S is set by the render from kubernetes.termination_grace_s \(120 s, less 10 s\)"),
     (lambda t: t + "    HVDTRAIN_STOP_WAIT_S: {secret: s, key: k}\n",
      r"kubernetes.secret_env HVDTRAIN_STOP_WAIT_S is set by the render .* remove it from kubernetes.secret_env"),
-    (lambda t: t.replace("runs/resnet", "runs/resnet, --sigterm-grace, nan"),
-     r"args --sigterm-grace nan: expected 0 <= seconds < 3600"),
-    (lambda t: t.replace("runs/resnet", "runs/resnet, --sigterm-grace=-5"),
-     r"args --sigterm-grace -5.0: expected 0 <= seconds < 3600"),
 ])
 def test_what_a_cluster_cannot_take_is_refused_with_the_fix(tmp_path, edit, match):
     with pytest.raises(RenderError, match=match):
+        render(tmp_path, edit(FULL))
+
+
+@pytest.mark.parametrize(("edit", "match"), [
+    (lambda t: t.replace("runs/resnet", "runs/resnet, --sigterm, soon"),
+     r"job.yaml:3: args\[9\]: pytorch_train.py refuses it: argument --sigterm-grace: --sigterm-grace: expected float"),
+    (lambda t: t.replace("runs/resnet", "runs/resnet, --sigterm-grace, nan"),
+     r"args\[9\]: .*--sigterm-grace must be 0..3600 seconds, got nan"),
+    (lambda t: t.replace("runs/resnet", "runs/resnet, --sigterm-grace=-5"),
+     r"args\[9\]: .*--sigterm-grace must be 0..3600 seconds, got -5.0"),
+    (lambda t: t.replace('"64"', '"many"'), r"args\[4\]: .*--batch-size: expected int, got 'many'"),
+    (lambda t: t.replace("3,224,224", "3,-224,224"), r"args\[2\]: .*--synthetic-shape must be positive integers"),
+    (lambda t: t.replace("3,224,224", "3x224x224"), r"args\[2\]: .*--synthetic-shape: expected comma-separated int"),
+])
+def test_a_recipe_setting_the_recipe_would_refuse_is_refused_before_rendering(tmp_path, edit, match):
+    """The recipe's own parser reads its args when the spec loads (hvdtrain/job/recipe.py): what a pod's rank would
+    refuse after the cluster started it, the render refuses, naming the spec's line and args entry."""
+    with pytest.raises(SpecError, match=match):
         render(tmp_path, edit(FULL))
 
 
@@ -257,7 +267,8 @@ def test_a_shipped_recipe_runs_as_the_images_copy_and_every_path_the_pods_lack_i
     assert render_text(tmp_path, (REPO / "jobs" / "k8s.yaml").read_text())[1] == []  # the shipped job: none either
     # A changed copy, a script of the user's, a dataset folder of this machine: each listed, with what to do.
     (tmp_path / "pytorch_train.py").write_text((REPO / "recipes" / "pytorch_train.py").read_text() + "# mine\n")
-    mine = FULL.replace("../recipes/pytorch_train.py", "pytorch_train.py").replace("synthetic", "/tmp/shards")
+    mine = FULL.replace("../recipes/pytorch_train.py", "pytorch_train.py").replace("--dataset, synthetic",
+                                                                                 "--dataset, /tmp/shards")
     command, needs = render_text(tmp_path, mine + "  shm_size: 16Gi\n")
     assert " /opt/hvdtrain/jobs/pytorch_train.py --dataset /tmp/shards" in command
     assert needs[0] == ("# Needs: the script /opt/hvdtrain/jobs/pytorch_train.py, which the image built from "
@@ -268,11 +279,12 @@ def test_a_shipped_recipe_runs_as_the_images_copy_and_every_path_the_pods_lack_i
     assert needs[1].endswith("(or upload it to a bucket and pass s3://..., with credentials in "
                              "kubernetes.secret_env).") and len(needs) == 2
     # On the run volume (relative to where the ranks start): to be copied there; from a bucket: nothing.
-    on_volume = FULL.replace("synthetic", "data/shards") + "  shm_size: 16Gi\n"
+    on_volume = FULL.replace("--dataset, synthetic", "--dataset, data/shards") + "  shm_size: 16Gi\n"
     assert render_text(tmp_path, on_volume)[1] == [
         "# Needs: the dataset (--dataset) /runs/data/shards, on the run volume hvdtrain-runs: copy it there before "
         "the job starts."]
-    assert render_text(tmp_path, FULL.replace("synthetic", "s3://bucket/shards") + "  shm_size: 16Gi\n")[1] == []
+    bucket = FULL.replace("--dataset, synthetic", "--dataset, s3://bucket/shards")
+    assert render_text(tmp_path, bucket + "  shm_size: 16Gi\n")[1] == []
     # Relative to the workdir where one is set; a script whose spec lives on the run volume; a file the image holds.
     in_workdir = on_volume.replace("np: 16", "np: 16\nworkdir: /runs/exp")
     assert render_text(tmp_path, in_workdir)[1] == [
@@ -356,9 +368,6 @@ def test_auto_shm_is_what_the_loaders_need(tmp_path):
      r"the size of a --dataset s3://bucket/imagenet sample is in its files on the cluster: set "
      r"kubernetes.shm_size .* \(here: 4 worker\(s\) x 3 slots x 64 samples per batch\)"),
     (lambda t: t.replace("pytorch_train.py", "my_train.py"), r"my_train.py is not a shipped recipe"),
-    (lambda t: t.replace('"64"', '"many"'), r"the recipe's args do not parse"),
-    (lambda t: t.replace("3,224,224", "3,-224,224"), r"--synthetic-shape '3,-224,224' in args is not a sample shape"),
-    (lambda t: t.replace("3,224,224", "3x224x224"), r"--synthetic-shape '3x224x224' in args is not a sample shape"),
 ])
 def test_auto_shm_that_cannot_be_known_asks_for_a_size(tmp_path, edit, match):
     with pytest.raises(RenderError, match=match):
@@ -367,29 +376,8 @@ def test_auto_shm_that_cannot_be_known_asks_for_a_size(tmp_path, edit, match):
     assert worker["volumes"][0]["emptyDir"]["sizeLimit"] == "24Gi"
 
 
-def recipe_config_defaults(name: str) -> dict[str, object]:
-    """The defaults a recipe's own Config sets, read from its source (importing keras_train imports TensorFlow)."""
-    tree = ast.parse((REPO / "recipes" / name).read_text())
-    config = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Config")
-    return {s.target.id: ast.literal_eval(s.value.keywords[0].value if s.value.keywords else s.value.args[0])
-            for s in config.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)
-            and isinstance(s.value, ast.Call) and s.target.id in ("batch_size", "num_workers")}
-
-
-def test_recipe_flag_defaults_match_the_recipes():
-    torch_defaults = {f.name: f.default for f in dataclasses.fields(TorchConfig)}
-    for name, recipe in RECIPES.items():
-        own = recipe_config_defaults(name)
-        expected = {key: own.get(key, torch_defaults[key]) for key in ("batch_size", "num_workers")}
-        assert {"batch_size": recipe.batch_size, "num_workers": recipe.num_workers} == expected, name
-    recipe_flags = {f.name: f.default for f in dataclasses.fields(RecipeConfig)}
-    assert {recipe.sigterm_grace for recipe in RECIPES.values()} == {recipe_flags["sigterm_grace"]}
-    assert (recipe_flags["dataset"], recipe_flags["synthetic_shape"]) == ("digits", (3, 32, 32))  # shmsize._flags'
-    assert "digits" in SAMPLE_BYTES and SAMPLE_BYTES["digits"] == digits().train.x[0].nbytes
-    import inspect
-
-    from hvdtrain.data import ShmLoader
-    assert inspect.signature(ShmLoader).parameters["prefetch"].default == PREFETCH
+def test_the_digits_sample_size_is_the_datasets():
+    assert SAMPLE_BYTES["digits"] == digits().train.x[0].nbytes
 
 
 # The recipe's loader (ShmLoader over arrays, fetch=arrays.take; batches of argv[1] samples) for 2 epochs, the last

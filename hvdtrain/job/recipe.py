@@ -1,0 +1,142 @@
+"""A shipped recipe's settings in a job spec, read once: its `recipe:` mapping and its `args:` checked with the
+recipe's own definition (hvdtrain.settings.recipes, the parser its script uses) before any process starts.
+
+NOTE [one reader of recipe settings]: `settings_of(spec)` is the only parse of a shipped recipe's arguments on the
+launcher's side: the run-directory check of `hvdtrain run` (--run-dir), `render k8s` (--run-dir, --sigterm-grace,
+--dataset) and the /dev/shm size (--batch-size, --num-workers, ...) read its typed fields, defaults included. A
+script is a shipped recipe when its file name is one (`SHIPPED`) and, where the file is on this machine and this is
+a checkout, it has the same bytes as the checkout's recipes/ copy: a changed copy is the user's own script, whose
+flags hvdtrain cannot know (its args go through unchecked; `recipe:` is refused for it). Nothing here imports a
+framework or starts a process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from hvdtrain.job.model import JobSpec
+from hvdtrain.settings.parse import ArgsError, check_args, config_parser, given_settings, setting_problem, token_for
+from hvdtrain.settings.recipes import SHIPPED, RecipeConfig
+
+CHECKOUT = Path(__file__).resolve().parents[2]  # this hvdtrain's checkout: what docker/Dockerfile copies
+
+
+def checkout() -> Path | None:
+    """This checkout, where it is one (an installed wheel has no recipes/ beside it)."""
+    return CHECKOUT if (CHECKOUT / "recipes").is_dir() and (CHECKOUT / "docker" / "Dockerfile").is_file() else None
+
+
+def same_as_shipped(local: Path) -> bool:
+    """Whether the file `local` is one of this checkout's recipes: the same name and bytes."""
+    root = checkout()
+    shipped = root / "recipes" / local.name if root is not None else None
+    try:
+        return shipped is not None and shipped.is_file() and shipped.read_bytes() == local.read_bytes()
+    except OSError:
+        return False
+
+
+def recipe_class(script: str) -> type[RecipeConfig] | None:
+    """The settings of the shipped recipe `script` is, or None for any other script (NOTE [one reader of recipe
+    settings]): by name where the file is not here (a path in an image, on another host) or hvdtrain is installed
+    without its checkout; by name and bytes where it is."""
+    cls = SHIPPED.get(PurePosixPath(script).name)
+    here = Path(script)
+    if cls is None or checkout() is None or not here.is_file():
+        return cls
+    return cls if same_as_shipped(here) else None
+
+
+def settings_of(spec: JobSpec) -> RecipeConfig | None:
+    """A shipped recipe's settings as its ranks will parse them (`recipe:` then `args:`, defaults for the rest);
+    None for another script. Raises ArgsError for a spec `problems` would refuse (a loaded spec never is)."""
+    cls = recipe_class(spec.script)
+    return None if cls is None else check_args(cls, spec.script_args)
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """One problem with a spec's recipe settings (hvdtrain.job.load makes it an Issue)."""
+
+    path: tuple[str | int, ...]
+    problem: str
+    value: Any
+    allowed: str = ""
+    fix: str = ""
+
+
+def problems(spec: JobSpec) -> list[Refusal]:
+    """What the script would refuse in `recipe:` and `args:` (exit 2 after every rank started), found now."""
+    cls = recipe_class(spec.script)
+    if cls is None:
+        return [_not_shipped(spec.script)] if spec.recipe else []
+    found = [r for key, value in spec.recipe.items() if (r := _setting_refusal(cls, key, value)) is not None]
+    if found:
+        return found
+    help_fix = f"`python recipes/{cls.script} --help` lists its flags"
+    try:
+        check_args(cls, spec.script_args)
+    except ArgsError as exc:
+        return [_locate(cls, spec, exc, help_fix)]
+    refusals = []
+    for name, options in sorted(given_settings(cls, spec.args).items()):
+        if name in spec.recipe:
+            index = token_for(spec.args, options) or 0
+            refusals.append(Refusal(("args", index), f"{options[0]} is set twice: here and by recipe.{name}",
+                                    spec.args[index], fix=f"keep one: remove it from args, or remove recipe.{name}"))
+    return refusals
+
+
+def _options(cls: type[RecipeConfig]) -> dict[str, tuple[str, ...]]:
+    return {a.dest: tuple(a.option_strings) for a in config_parser(cls)._actions if a.option_strings}
+
+
+def _not_shipped(script: str) -> Refusal:
+    name = PurePosixPath(script).name
+    why = (f"{script} is not hvdtrain's recipes/{name} (its bytes differ: your own copy), so hvdtrain cannot know "
+           "its flags" if name in SHIPPED else f"{name} is not a shipped recipe ({', '.join(sorted(SHIPPED))})")
+    return Refusal(("recipe",), f"recipe: sets a shipped recipe's settings, and {why}", script,
+                   fix="give the script's flags in args: as a list of strings, e.g. args: [--epochs, '2']")
+
+
+def _setting_refusal(cls: type[RecipeConfig], key: str, value: Any) -> Refusal | None:
+    names = sorted(f.name for f in dataclasses.fields(cls))
+    if key not in names:
+        guess = difflib.get_close_matches(key.replace("-", "_"), names, n=1, cutoff=0.6)
+        return Refusal(("recipe", key), f"{cls.script} has no setting {key!r}", value,
+                       "settings: " + ", ".join(names),
+                       f"rename it to {guess[0]!r}" if guess else f"remove {key!r}")
+    problem = setting_problem(cls, key, value)
+    if problem is None:
+        return None
+    return Refusal(("recipe", key), f"{problem} (the recipe's --{key.replace('_', '-')})", value,
+                   fix="write the value as its type, unquoted: 2, 0.1, true, [10, 20], null")
+
+
+def _locate(cls: type[RecipeConfig], spec: JobSpec, exc: ArgsError, help_fix: str) -> Refusal:
+    """The spec entry the recipe's parser refused: the `args` element, or the `recipe` key, it came from."""
+    problem = f"{cls.script} refuses it: {exc}"
+    if exc.token is not None:  # an unknown flag: recipe keys were checked already, so it is in args
+        index = spec.args.index(exc.token) if exc.token in spec.args else None
+        fix = (f"did you mean {exc.guess}? " if exc.guess else "remove it; ") + help_fix
+        return Refusal(("args", index) if index is not None else ("args",), problem, exc.token, fix=fix)
+    options = _options(cls)
+    dest = next((d for d, opts in options.items() if exc.flag and exc.flag.split("/")[0] in opts), None)
+    if dest is not None and dest in spec.recipe:
+        return Refusal(("recipe", dest), problem, spec.recipe[dest], fix=f"change recipe.{dest}; {help_fix}")
+    index = token_for(spec.args, options[dest]) if dest is not None else _mentioned(spec.args, str(exc))
+    if index is not None:
+        return Refusal(("args", index), problem, spec.args[index], fix=f"change it; {help_fix}")
+    return Refusal(("args",) if spec.args else ("recipe",), problem, spec.args or spec.recipe, fix=help_fix)
+
+
+def _mentioned(args: list[str], message: str) -> int | None:
+    """The last flag of `args` that the parser's message quotes (an ambiguous abbreviation), or None."""
+    quoted = set(re.findall(r"-[\w-]+", message))
+    return next((i for i in range(len(args) - 1, -1, -1) if args[i].split("=", 1)[0] in quoted), None)
+
