@@ -360,13 +360,15 @@ def _allocation_hosts(allocation: Allocation, np: int) -> tuple[list[Host] | Non
 
 def load_spec(text: str, origin: str, *, base_dir: str | Path | None = None, overrides: Sequence[str] = (),
               read_text: Callable[[str], str] | None = None, check_files: bool = False,
-              allocation: Callable[[], Allocation | None] | None = None) -> JobSpec:
+              allocation: Callable[[], Allocation | None] | None = None,
+              local_file: Callable[[str], Path] | None = None) -> JobSpec:
     """Validate a spec's YAML text; `origin` names it in errors, relative paths resolve against base_dir.
 
     The returned spec's `hosts` is always the canonical `a:4,b:4` (from hosts, the hostfile, else the Slurm
     `allocation`'s nodes, else localhost:np), or None for elastic jobs. `allocation()` (the Slurm allocation this
     runs in, if any) is asked only for a spec that names no hosts. `read_text(path)` reads the hostfile (default:
-    the real file).
+    the real file); `local_file(path)` is where this machine has a file the spec names (default: the path itself;
+    a render resolves paths against the cluster's folder), to tell a shipped recipe from a changed copy.
     """
     data, lines = parse_yaml(text, origin)
     override_at = {apply_override(data, o): o for o in overrides}
@@ -375,6 +377,7 @@ def load_spec(text: str, origin: str, *, base_dir: str | Path | None = None, ove
         spec = JobSpec.model_validate(data, context=context)
     except ValidationError as exc:
         raise SpecError(origin, _validation_issues(exc), lines, override_at) from None
+    spec = recipe.decide(spec, local_file(spec.script) if local_file is not None else None)
     no_hosts = spec.hosts is None and spec.hostfile is None and spec.elastic is None
     found = allocation() if allocation is not None and no_hosts else None
     issues = cross_checks(spec, in_allocation=found is not None) + (file_issues(spec) if check_files else [])

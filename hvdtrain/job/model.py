@@ -19,6 +19,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    PrivateAttr,
     ValidationInfo,
     WithJsonSchema,
     field_validator,
@@ -358,6 +359,10 @@ class JobSpec(_Model):
     extra_args: list[str] = Field(
         default_factory=list, description="Arguments passed to horovodrun verbatim, before the command, for "
                                           "what the spec does not model (e.g. ['--mpi-args=--map-by ppr:2:node']).")
+
+    # The shipped recipe the script is (its file name; "" for another script), decided when the spec is loaded from
+    # the file on this machine (hvdtrain.job.recipe.decide); None: not decided, the path alone tells.
+    _shipped_as: str | None = PrivateAttr(default=None)
 
     @property
     def script_args(self) -> list[str]:

@@ -41,21 +41,38 @@ def same_as_shipped(local: Path) -> bool:
         return False
 
 
-def recipe_class(script: str) -> type[RecipeConfig] | None:
+def recipe_class(script: str, here: Path | None = None) -> type[RecipeConfig] | None:
     """The settings of the shipped recipe `script` is, or None for any other script (NOTE [one reader of recipe
-    settings]): by name where the file is not here (a path in an image, on another host) or hvdtrain is installed
-    without its checkout; by name and bytes where it is."""
+    settings]): by name where its file (`here`: where this machine has it; default the path itself) is not here (a
+    path in an image, on another host) or hvdtrain is installed without its checkout; by name and bytes where it
+    is."""
     cls = SHIPPED.get(PurePosixPath(script).name)
-    here = Path(script)
-    if cls is None or checkout() is None or not here.is_file():
+    local = here if here is not None else Path(script)
+    if cls is None or checkout() is None or not local.is_file():
         return cls
-    return cls if same_as_shipped(here) else None
+    return cls if same_as_shipped(local) else None
+
+
+def decide(spec: JobSpec, here: Path | None = None) -> JobSpec:
+    """The spec, knowing which shipped recipe its script is (`recipe_class`, from the file `here` on this machine):
+    kept through later copies (a render maps the script to the image's path, where the file is not here)."""
+    cls = recipe_class(spec.script, here)
+    decided = spec.model_copy()
+    decided._shipped_as = cls.script if cls is not None else ""
+    return decided
+
+
+def shipped_settings(spec: JobSpec) -> type[RecipeConfig] | None:
+    """The settings class of the shipped recipe the spec's script is (as `decide` found at load), or None."""
+    if spec._shipped_as is None:
+        return recipe_class(spec.script)
+    return SHIPPED.get(spec._shipped_as)
 
 
 def settings_of(spec: JobSpec) -> RecipeConfig | None:
     """A shipped recipe's settings as its ranks will parse them (`recipe:` then `args:`, defaults for the rest);
     None for another script. Raises ArgsError for a spec `problems` would refuse (a loaded spec never is)."""
-    cls = recipe_class(spec.script)
+    cls = shipped_settings(spec)
     return None if cls is None else check_args(cls, spec.script_args)
 
 
@@ -72,7 +89,7 @@ class Refusal:
 
 def problems(spec: JobSpec) -> list[Refusal]:
     """What the script would refuse in `recipe:` and `args:` (exit 2 after every rank started), found now."""
-    cls = recipe_class(spec.script)
+    cls = shipped_settings(spec)
     if cls is None:
         return [_not_shipped(spec.script)] if spec.recipe else []
     found = [r for key, value in spec.recipe.items() if (r := _setting_refusal(cls, key, value)) is not None]

@@ -145,13 +145,13 @@ def ignored_keys(spec: JobSpec, *, logs: bool = True) -> list[str]:
     return ignored
 
 
-def _local_reader(local_dir: Path, remote_dir: str) -> Callable[[str], str]:
-    """Reads a path resolved against remote_dir from the spec's folder on this machine (the hostfile), falling
-    back to the path itself (an absolute path in the spec)."""
-    def read(path: str) -> str:
+def _local_file(local_dir: Path, remote_dir: str) -> Callable[[str], Path]:
+    """Where this machine has a path resolved against remote_dir: in the spec's folder here, else the path itself
+    (an absolute path in the spec)."""
+    def find(path: str) -> Path:
         local = local_dir / posixpath.relpath(path, remote_dir)
-        return read_text(local if local.is_file() else path)
-    return read
+        return local if local.is_file() else Path(path)
+    return find
 
 
 def load_for_cluster(path: str | Path, remote_dir: str, overrides: Sequence[str] = ()) -> JobSpec:
@@ -165,6 +165,6 @@ def load_for_cluster(path: str | Path, remote_dir: str, overrides: Sequence[str]
         raise RenderError(f"--remote-dir {remote_dir!r} must be an absolute path on the cluster (the folder that "
                           "holds the job spec there)")
     text = read_spec_text(path)
-    reader = _local_reader(Path(path).resolve().parent, remote_dir)
-    return load_spec(text, str(path), base_dir=remote_dir, overrides=overrides, read_text=reader,
-                     check_files=False)
+    find = _local_file(Path(path).resolve().parent, remote_dir)
+    return load_spec(text, str(path), base_dir=remote_dir, overrides=overrides, read_text=lambda p: read_text(find(p)),
+                     check_files=False, local_file=find)

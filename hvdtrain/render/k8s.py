@@ -28,7 +28,7 @@ import yaml
 from pydantic import ValidationError
 
 from hvdtrain.job.model import JobSpec, Kubernetes, quantity_bytes
-from hvdtrain.job.recipe import recipe_class, settings_of
+from hvdtrain.job.recipe import settings_of, shipped_settings
 from hvdtrain.render.common import (
     IMAGE_PYTHON,
     IMAGE_ROOT,
@@ -270,7 +270,7 @@ def _sigterm_words(spec: JobSpec, grace: float | None) -> str:
     if grace is not None:
         return ("the ranks checkpoint at their next step boundary and exit 75 if that boundary and the checkpoint "
                 f"come within --sigterm-grace {grace:g} s (raise it for long steps or big checkpoints)")
-    if recipe_class(spec.script) is not None:  # the elastic recipe: SIGTERM drops a rank
+    if shipped_settings(spec) is not None:  # the elastic recipe: SIGTERM drops a rank
         return ("the elastic recipe's ranks end at once (SIGUSR1 asks it to checkpoint); the job resumes from its "
                 "last checkpoint")
     return ("the ranks get it (the shipped recipes checkpoint at their next step boundary and exit 75; this script "

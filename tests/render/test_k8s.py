@@ -153,11 +153,11 @@ def test_what_a_cluster_cannot_take_is_refused_with_the_fix(tmp_path, edit, matc
 
 @pytest.mark.parametrize(("edit", "match"), [
     (lambda t: t.replace("runs/resnet", "runs/resnet, --sigterm, soon"),
-     r"job.yaml:3: args\[9\]: pytorch_train.py refuses it: argument --sigterm-grace: --sigterm-grace: expected float"),
+     r"job.yaml:3: args\[10\]: pytorch_train.py refuses it: argument --sigterm-grace: --sigterm-grace: expected float"),
     (lambda t: t.replace("runs/resnet", "runs/resnet, --sigterm-grace, nan"),
-     r"args\[9\]: .*--sigterm-grace must be 0..3600 seconds, got nan"),
+     r"args\[10\]: .*--sigterm-grace must be 0..3600 seconds, got nan"),
     (lambda t: t.replace("runs/resnet", "runs/resnet, --sigterm-grace=-5"),
-     r"args\[9\]: .*--sigterm-grace must be 0..3600 seconds, got -5.0"),
+     r"args\[10\]: .*--sigterm-grace must be 0..3600 seconds, got -5.0"),
     (lambda t: t.replace('"64"', '"many"'), r"args\[4\]: .*--batch-size: expected int, got 'many'"),
     (lambda t: t.replace("3,224,224", "3,-224,224"), r"args\[2\]: .*--synthetic-shape must be positive integers"),
     (lambda t: t.replace("3,224,224", "3x224x224"), r"args\[2\]: .*--synthetic-shape: expected comma-separated int"),
@@ -265,19 +265,24 @@ def test_a_shipped_recipe_runs_as_the_images_copy_and_every_path_the_pods_lack_i
     assert " /opt/hvdtrain/recipes/pytorch_train.py --dataset synthetic" in command and str(REPO) not in command
     assert needs == []
     assert render_text(tmp_path, (REPO / "jobs" / "k8s.yaml").read_text())[1] == []  # the shipped job: none either
-    # A changed copy, a script of the user's, a dataset folder of this machine: each listed, with what to do.
+    # A changed copy is a script of the user's (its flags are its own: a new one renders): listed, with what to do.
     (tmp_path / "pytorch_train.py").write_text((REPO / "recipes" / "pytorch_train.py").read_text() + "# mine\n")
-    mine = FULL.replace("../recipes/pytorch_train.py", "pytorch_train.py").replace("--dataset, synthetic",
-                                                                                 "--dataset, /tmp/shards")
+    mine = FULL.replace("../recipes/pytorch_train.py", "pytorch_train.py").replace("runs/resnet", "runs/resnet, --mine")
     command, needs = render_text(tmp_path, mine + "  shm_size: 16Gi\n")
-    assert " /opt/hvdtrain/jobs/pytorch_train.py --dataset /tmp/shards" in command
-    assert needs[0] == ("# Needs: the script /opt/hvdtrain/jobs/pytorch_train.py, which the image built from "
-                        "docker/Dockerfile does not hold (a pod sees none of this machine's files): bake it into an "
-                        "image built FROM it (COPY ... /opt/hvdtrain/jobs/pytorch_train.py), or copy it to the run "
-                        "volume hvdtrain-runs and name it under /runs.")
-    assert needs[1].startswith("# Needs: the dataset (--dataset) /tmp/shards, which the image built from ")
-    assert needs[1].endswith("(or upload it to a bucket and pass s3://..., with credentials in "
-                             "kubernetes.secret_env).") and len(needs) == 2
+    assert " /opt/hvdtrain/jobs/pytorch_train.py --dataset synthetic" in command and command.endswith(" --mine")
+    assert needs == ["# Needs: the script /opt/hvdtrain/jobs/pytorch_train.py, which the image built from "
+                     "docker/Dockerfile does not hold (a pod sees none of this machine's files): bake it into an "
+                     "image built FROM it (COPY ... /opt/hvdtrain/jobs/pytorch_train.py), or copy it to the run "
+                     "volume hvdtrain-runs and name it under /runs."]
+    with pytest.raises(SpecError, match=r"args\[10\]: pytorch_train.py refuses it: unrecognized argument: --mine"):
+        render_text(tmp_path, local.replace("runs/resnet", "runs/resnet, --mine"))  # the shipped one's are known
+    # A shipped recipe's dataset folder of this machine: listed, with what to do.
+    command, needs = render_text(tmp_path, local.replace("--dataset, synthetic", "--dataset, /tmp/shards")
+                                 + "  shm_size: 16Gi\n")
+    assert " /opt/hvdtrain/recipes/pytorch_train.py --dataset /tmp/shards" in command and len(needs) == 1
+    assert needs[0].startswith("# Needs: the dataset (--dataset) /tmp/shards, which the image built from ")
+    assert needs[0].endswith("(or upload it to a bucket and pass s3://..., with credentials in "
+                             "kubernetes.secret_env).")
     # On the run volume (relative to where the ranks start): to be copied there; from a bucket: nothing.
     on_volume = FULL.replace("--dataset, synthetic", "--dataset, data/shards") + "  shm_size: 16Gi\n"
     assert render_text(tmp_path, on_volume)[1] == [
