@@ -53,7 +53,7 @@ from hvdtrain.train.datasets import load_splits  # noqa: E402
 from hvdtrain.train.metrics import MetricSums  # noqa: E402
 from hvdtrain.train.precision import Precision, prepare_model  # noqa: E402
 from hvdtrain.train.stepflags import LateReads  # noqa: E402
-from hvdtrain.train.torchkit import Meters, setup_process, sgd  # noqa: E402
+from hvdtrain.train.torchkit import Meters, check_device, setup_process, sgd  # noqa: E402
 
 FEEDS = ("resident", "hvdtrain", "before", "memcpy", "dataloader")
 BEFORE = "before"  # the hvdtrain feed through the recipe's loop as it was before issue 35 (see `loop_before`)
@@ -306,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
                         num_workers=args.num_workers, precision=args.precision, channels_last=args.channels_last,
                         compile=args.compile, resume=False, progress=False, tensorboard=False,
                         run_dir=str(REPO / "bench" / "out" / "gpu_feed"))
+    check_device(cfg)  # --channels-last needs a GPU, as the recipe checks
     if torch.cuda.is_available():  # as the recipe's main() does: the local rank's GPU, hvdtrain's set-up
         torch.cuda.set_device(hvd.local_rank())
     device = torch.device("cuda", hvd.local_rank()) if torch.cuda.is_available() else torch.device("cpu")

@@ -4,14 +4,15 @@ recipe's own definition (hvdtrain.settings.recipes, the parser its script uses) 
 NOTE [one reader of recipe settings]: `settings_of(spec)` is the only parse of a shipped recipe's arguments on the
 launcher's side: the run-directory check of `hvdtrain run` (--run-dir), `render k8s` (--run-dir, --sigterm-grace,
 --dataset) and the /dev/shm size (--batch-size, --num-workers, ...) read its typed fields, defaults included. A
-script is a shipped recipe when its file name is one (`SHIPPED`) and, where the file is on this machine and this is
-a checkout, it has the same bytes as the checkout's recipes/ copy: a changed copy is the user's own script, whose
+script is a shipped recipe when its file name is one (`SHIPPED`) and, where the file is on this machine, it has the
+same bytes as this checkout's recipes/ copy (decided when the spec loads: `decide`): any other is the user's own, whose
 flags hvdtrain cannot know (its args go through unchecked; `recipe:` is refused for it). Nothing here imports a
 framework or starts a process.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import difflib
 import re
@@ -20,7 +21,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from hvdtrain.job.model import JobSpec
-from hvdtrain.settings.parse import ArgsError, check_args, config_parser, given_settings, setting_problem, token_for
+from hvdtrain.settings.parse import ArgsError, check_args, given_settings, option_strings, setting_problem, token_for
 from hvdtrain.settings.recipes import SHIPPED, RecipeConfig
 
 CHECKOUT = Path(__file__).resolve().parents[2]  # this hvdtrain's checkout: what docker/Dockerfile copies
@@ -44,13 +45,13 @@ def same_as_shipped(local: Path) -> bool:
 def recipe_class(script: str, here: Path | None = None) -> type[RecipeConfig] | None:
     """The settings of the shipped recipe `script` is, or None for any other script (NOTE [one reader of recipe
     settings]): by name where its file (`here`: where this machine has it; default the path itself) is not here (a
-    path in an image, on another host) or hvdtrain is installed without its checkout; by name and bytes where it
-    is."""
+    path in an image, on another host); by name and bytes where it is (an installed hvdtrain without its checkout
+    has nothing to compare with: a file here is then the user's own)."""
     cls = SHIPPED.get(PurePosixPath(script).name)
     local = here if here is not None else Path(script)
-    if cls is None or checkout() is None or not local.is_file():
+    if cls is None or not local.is_file():
         return cls
-    return cls if same_as_shipped(local) else None
+    return cls if same_as_shipped(local) else None  # without a checkout to compare with: a script of the user's
 
 
 def decide(spec: JobSpec, here: Path | None = None) -> JobSpec:
@@ -93,29 +94,37 @@ def problems(spec: JobSpec) -> list[Refusal]:
     if cls is None:
         return [_not_shipped(spec.script)] if spec.recipe else []
     found = [r for key, value in spec.recipe.items() if (r := _setting_refusal(cls, key, value)) is not None]
+    found = found or _set_twice(cls, spec)
     if found:
         return found
-    help_fix = f"`python recipes/{cls.script} --help` lists its flags"
     try:
         check_args(cls, spec.script_args)
     except ArgsError as exc:
-        return [_locate(cls, spec, exc, help_fix)]
+        return [_locate(cls, spec, exc)]
+    return []
+
+
+def _set_twice(cls: type[RecipeConfig], spec: JobSpec) -> list[Refusal]:
+    """A setting in `recipe:` that `args` sets again (where args parse: else check_args says what is wrong)."""
+    if not spec.recipe:
+        return []
+    try:
+        given = given_settings(cls, spec.args)
+    except (ArgsError, argparse.ArgumentError):
+        return []
+    every = {o for opts in option_strings(cls).values() for o in opts}
     refusals = []
-    for name, options in sorted(given_settings(cls, spec.args).items()):
-        if name in spec.recipe:
-            index = token_for(spec.args, options) or 0
+    for name, options in sorted(given.items()):
+        index = token_for(spec.args, options, every)
+        if name in spec.recipe and index is not None:
             refusals.append(Refusal(("args", index), f"{options[0]} is set twice: here and by recipe.{name}",
                                     spec.args[index], fix=f"keep one: remove it from args, or remove recipe.{name}"))
     return refusals
 
 
-def _options(cls: type[RecipeConfig]) -> dict[str, tuple[str, ...]]:
-    return {a.dest: tuple(a.option_strings) for a in config_parser(cls)._actions if a.option_strings}
-
-
 def _not_shipped(script: str) -> Refusal:
     name = PurePosixPath(script).name
-    why = (f"{script} is not hvdtrain's recipes/{name} (its bytes differ: your own copy), so hvdtrain cannot know "
+    why = (f"{script} is not hvdtrain's recipes/{name} (not the same file: your own copy), so hvdtrain cannot know "
            "its flags" if name in SHIPPED else f"{name} is not a shipped recipe ({', '.join(sorted(SHIPPED))})")
     return Refusal(("recipe",), f"recipe: sets a shipped recipe's settings, and {why}", script,
                    fix="give the script's flags in args: as a list of strings, e.g. args: [--epochs, '2']")
@@ -135,20 +144,22 @@ def _setting_refusal(cls: type[RecipeConfig], key: str, value: Any) -> Refusal |
                    fix="write the value as its type, unquoted: 2, 0.1, true, [10, 20], null")
 
 
-def _locate(cls: type[RecipeConfig], spec: JobSpec, exc: ArgsError, help_fix: str) -> Refusal:
-    """The spec entry the recipe's parser refused: the `args` element, or the `recipe` key, it came from."""
-    problem = f"{cls.script} refuses it: {exc}"
-    if exc.token is not None:  # an unknown flag: recipe keys were checked already, so it is in args
-        index = spec.args.index(exc.token) if exc.token in spec.args else None
+def _locate(cls: type[RecipeConfig], spec: JobSpec, exc: ArgsError) -> Refusal:
+    """The spec entry the recipe's parser refused: the `args` element, or the `recipe` key, it came from (args
+    first: they come after the recipe's flags, and argparse keeps the last value)."""
+    problem, help_fix = f"{cls.script} refuses it: {exc}", f"`python recipes/{cls.script} --help` lists its flags"
+    if exc.token is not None:  # an unknown flag or a stray value: recipe keys were checked already, so it is in args
+        index = len(spec.args) - 1 - spec.args[::-1].index(exc.token) if exc.token in spec.args else None
         fix = (f"did you mean {exc.guess}? " if exc.guess else "remove it; ") + help_fix
-        return Refusal(("args", index) if index is not None else ("args",), problem, exc.token, fix=fix)
-    options = _options(cls)
+        return Refusal(("args",) if index is None else ("args", index), problem, exc.token, fix=fix)
+    options = option_strings(cls)
+    every = {o for opts in options.values() for o in opts}
     dest = next((d for d, opts in options.items() if exc.flag and exc.flag.split("/")[0] in opts), None)
-    if dest is not None and dest in spec.recipe:
-        return Refusal(("recipe", dest), problem, spec.recipe[dest], fix=f"change recipe.{dest}; {help_fix}")
-    index = token_for(spec.args, options[dest]) if dest is not None else _mentioned(spec.args, str(exc))
+    index = token_for(spec.args, options[dest], every) if dest is not None else _mentioned(spec.args, str(exc))
     if index is not None:
         return Refusal(("args", index), problem, spec.args[index], fix=f"change it; {help_fix}")
+    if dest is not None and dest in spec.recipe:
+        return Refusal(("recipe", dest), problem, spec.recipe[dest], fix=f"change recipe.{dest}; {help_fix}")
     return Refusal(("args",) if spec.args else ("recipe",), problem, spec.args or spec.recipe, fix=help_fix)
 
 

@@ -19,6 +19,9 @@ from hvdtrain.job.hosts import parse_hosts
 from hvdtrain.job.load import load_spec
 from hvdtrain.job.model import JobSpec
 from hvdtrain.job.plan import build_plan
+from hvdtrain.job.recipe import settings_of
+from hvdtrain.settings.parse import ArgsError
+from hvdtrain.settings.recipes import RecipeConfig
 from hvdtrain.textfile import read_text
 
 # Where the images in docker/ keep the checkout and its venv, and the sshd port they listen on (Kubernetes).
@@ -168,3 +171,13 @@ def load_for_cluster(path: str | Path, remote_dir: str, overrides: Sequence[str]
     find = _local_file(Path(path).resolve().parent, remote_dir)
     return load_spec(text, str(path), base_dir=remote_dir, overrides=overrides, read_text=lambda p: read_text(find(p)),
                      check_files=False, local_file=find)
+
+
+def recipe_settings(spec: JobSpec) -> RecipeConfig | None:
+    """A shipped recipe's settings (`hvdtrain.job.recipe.settings_of`: NOTE [one reader of recipe settings]); a spec
+    that did not come through load_spec may still hold arguments the recipe refuses: a RenderError."""
+    try:
+        return settings_of(spec)
+    except ArgsError as exc:
+        raise RenderError(f"{spec.script}: its arguments are refused by the recipe: {exc}; `hvdtrain validate` "
+                          "shows the spec entry") from None

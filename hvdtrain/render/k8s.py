@@ -28,7 +28,7 @@ import yaml
 from pydantic import ValidationError
 
 from hvdtrain.job.model import JobSpec, Kubernetes, quantity_bytes
-from hvdtrain.job.recipe import settings_of, shipped_settings
+from hvdtrain.job.recipe import shipped_settings
 from hvdtrain.render.common import (
     IMAGE_PYTHON,
     IMAGE_ROOT,
@@ -41,6 +41,7 @@ from hvdtrain.render.common import (
     horovodrun_argv,
     ignored_keys,
     placement,
+    recipe_settings,
 )
 from hvdtrain.render.credentials import credential_problem
 from hvdtrain.render.podpaths import pod_needs
@@ -227,7 +228,7 @@ def _render(spec: JobSpec, cluster: ClusterOptions, opts: K8sOptions) -> Rendere
     name = check_name(cluster.name)
     k8s = _check(spec, spec.controller or cluster.controller or "gloo")  # horovodrun_argv's controller
     grace, dataset = None, None
-    settings = settings_of(spec)  # NOTE [one reader of recipe settings]
+    settings = recipe_settings(spec)  # NOTE [one reader of recipe settings]
     if settings is not None:
         grace, dataset = (settings.sigterm_grace if settings.stops_on_sigterm else None), settings.dataset
         problem = _run_dir_problem(spec, settings.run_dir, spec.workdir or k8s.run_mount, k8s.run_mount) \

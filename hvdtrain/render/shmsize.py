@@ -16,8 +16,7 @@ import math
 from dataclasses import dataclass
 
 from hvdtrain.job.model import JobSpec
-from hvdtrain.job.recipe import settings_of
-from hvdtrain.render.common import RenderError
+from hvdtrain.render.common import RenderError, recipe_settings
 from hvdtrain.settings.loader import PREFETCH, SLOT_BYTES
 from hvdtrain.settings.recipes import SHIPPED, RecipeConfig
 
@@ -66,7 +65,7 @@ def shm_size(spec: JobSpec, ranks_per_pod: int, gpus_per_pod: int) -> ShmSize:
     """The worker pods' /dev/shm size: the spec's `kubernetes.shm_size`, or (auto) what its loaders need."""
     if spec.kubernetes.shm_size != "auto":
         return ShmSize(spec.kubernetes.shm_size, "kubernetes.shm_size")
-    settings = settings_of(spec)  # NOTE [one reader of recipe settings]
+    settings = recipe_settings(spec)  # NOTE [one reader of recipe settings]
     fix = ("set kubernetes.shm_size (e.g. -o kubernetes.shm_size=16Gi): each rank's ShmLoader needs num_workers x "
            f"{PREFETCH + 1} slots (prefetch + 1) x one batch's bytes, x{HEADROOM} for batches the trainer still holds, "
            f"for each of the {ranks_per_pod} rank(s) of a worker pod")

@@ -16,7 +16,7 @@ import difflib
 import re
 import types
 import typing
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
@@ -94,15 +94,24 @@ def given_settings(cls: type[DataclassInstance], argv: Sequence[str]) -> dict[st
     return {name: options[name] for name in vars(ns)}
 
 
-def token_for(argv: Sequence[str], options: Sequence[str]) -> int | None:
-    """The index of the last `argv` element that gives one of `options` (or an abbreviation of one, as argparse
-    takes it: `--batch 64`, `--batch-size=64`), or None."""
+def token_for(argv: Sequence[str], options: Sequence[str], every: Collection[str]) -> int | None:
+    """The index of the last `argv` element that gives one of `options`, exactly or abbreviated as argparse takes
+    it (`--batch 64`, `--batch-size=64`: a prefix of one option alone among `every` option of the parser), or
+    None."""
     found = None
     for i, token in enumerate(argv):
         name = token.split("=", 1)[0]
-        if name.startswith("--") and len(name) > 2 and any(o.startswith(name) for o in options):
+        if not name.startswith("--") or len(name) < 3:
+            continue
+        matches = {name} if name in every else {o for o in every if o.startswith(name)}
+        if len(matches) == 1 and matches <= set(options):
             found = i
     return found
+
+
+def option_strings(cls: type[DataclassInstance]) -> dict[str, tuple[str, ...]]:
+    """Each field's option strings (`--resume`, `--no-resume`)."""
+    return {a.dest: tuple(a.option_strings) for a in config_parser(cls)._actions if a.dest != "help"}
 
 
 def setting_argv(settings: Mapping[str, Any]) -> list[str]:
@@ -114,12 +123,9 @@ def setting_argv(settings: Mapping[str, Any]) -> list[str]:
         flag = "--" + name.replace("_", "-")
         if isinstance(value, bool):
             argv.append(flag if value else "--no-" + flag[2:])
-        elif value is None:
-            argv += [flag, "none"]
-        elif isinstance(value, list | tuple):
-            argv += [flag, ",".join(str(v) for v in value)]
-        else:
-            argv += [flag, str(value)]
+            continue
+        text = "none" if value is None else ",".join(map(str, value)) if isinstance(value, list | tuple) else str(value)
+        argv += [f"{flag}={text}"] if text.startswith("-") else [flag, text]  # argparse takes "-1" alone as a flag
     return argv
 
 
@@ -139,14 +145,22 @@ def setting_problem(cls: type[DataclassInstance], name: str, value: Any) -> str 
     return None if _is(value, kind) else f"expected {_TYPE_WORDS.get(kind, kind.__name__)}"
 
 
+def _is_float(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
 _TYPE_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
 
 
 def _is(value: Any, kind: Any) -> bool:
     if kind is bool or isinstance(value, bool):
         return kind is bool and isinstance(value, bool)
-    if kind is float:
-        return isinstance(value, int | float)
+    if kind is float:  # YAML 1.1 reads 1e-5 (no dot) as text: taken as the number it is
+        return isinstance(value, int | float) or (isinstance(value, str) and _is_float(value))
     if kind is str:  # a number is taken as written: shuffle_block: 2, run_dir: 2024
         return isinstance(value, str | int | float)
     return isinstance(value, kind)

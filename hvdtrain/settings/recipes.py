@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from hvdtrain.settings.parse import parse_bytes
 
@@ -39,8 +39,9 @@ def _lr_flags(cfg: TorchConfig | KerasTrainConfig) -> None:
         raise ValueError(f"--base-lr must be a finite number > 0, got {cfg.base_lr}")
     try:
         check_schedule(cfg.warmup_epochs, cfg.lr_milestones, cfg.lr_gamma)
-    except ValueError as e:
-        raise ValueError(f"LR flags (--warmup-epochs, --lr-milestones, --lr-gamma): {e}") from None
+    except ValueError as e:  # "milestones must be ...": say which flag
+        flag = {"warmup_epochs": "--warmup-epochs", "milestones": "--lr-milestones", "gamma": "--lr-gamma"}
+        raise ValueError(f"{flag[str(e).split()[0]]}: {e}") from None
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,10 @@ class RecipeConfig:
     script: ClassVar[str] = ""
     accumulates: ClassVar[bool] = False
     stops_on_sigterm: ClassVar[bool] = True
+    if TYPE_CHECKING:  # every recipe has these; each declares them where its --help lists them
+        run_dir: str
+        batch_size: int
+        num_workers: int
 
     dataset: str = field(default="digits", metadata={
         "help": "digits | synthetic | DIR of .npz/.npy shards | MDS dataset root (train/ and val/, streamed): a "
@@ -84,9 +89,6 @@ class RecipeConfig:
     synthetic_samples: int = field(default=1024, metadata={"help": "training samples (synthetic)"})
     num_classes: int | None = field(default=None, metadata={
         "help": "classes; labels must be below it (none: 10 for digits and synthetic, from the labels of shards)"})
-    run_dir: str = field(default="runs", metadata={"help": "checkpoints, TensorBoard, summary.json"})
-    batch_size: int = field(default=32, metadata={"help": "samples per rank per step"})
-    num_workers: int = field(default=1, metadata={"help": "data producer processes per rank"})
     keep_checkpoints: int = field(default=3, metadata={"help": "newest checkpoints kept"})
     resume: bool = field(default=True, metadata={"help": "resume from the newest intact checkpoint"})
     stop_after_epoch: int | None = field(default=None, metadata={
@@ -102,7 +104,7 @@ class RecipeConfig:
 
     def __post_init__(self) -> None:
         self.shuffle_block_shards  # noqa: B018 (checked now, as cache_limit below)
-        for name in ("synthetic_samples", "keep_checkpoints", "batch_size", "num_workers"):
+        for name in ("synthetic_samples", "keep_checkpoints"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         for name in ("threads", "stop_after_epoch"):
@@ -165,6 +167,7 @@ class TorchConfig(RecipeConfig):
     warmup_epochs: float = field(default=2.0, metadata={"help": "linear LR warmup (Goyal et al.)"})
     backward_passes_per_step: int = field(default=1, metadata={
         "help": "accumulate this many batches locally before each allreduce"})
+    num_workers: int = field(default=1, metadata={"help": "data producer processes per rank"})
     progress: bool = field(default=True, metadata={"help": "tqdm progress bar on rank 0"})
     stall_plot: bool = field(default=False, metadata={
         "help": "rank 0 plots its wait-for-data and step time per step to <run-dir>/stall.png"})
@@ -178,7 +181,7 @@ class TorchConfig(RecipeConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _at_least_one(self, "epochs", "backward_passes_per_step")
+        _at_least_one(self, "epochs", "batch_size", "backward_passes_per_step", "num_workers")
         if self.model_width is not None and self.model_width < 1:
             raise ValueError(f"--model-width must be >= 1 (or none), got {self.model_width}")
         if not self.weight_decay >= 0:
@@ -224,6 +227,8 @@ class KerasTrainConfig(RecipeConfig):
     epochs: int = field(default=10, metadata={"help": "total epochs"})
     scale_epochs_by_size: bool = field(default=False, metadata={
         "help": "run ceil(epochs / world size) epochs, as Horovod's Keras examples do"})
+    batch_size: int = field(default=32, metadata={"help": "samples per rank per step"})
+    num_workers: int = field(default=1, metadata={"help": "data producer processes per rank"})
     base_lr: float = field(default=0.05, metadata={"help": "single-process LR; × world size"})
     warmup_epochs: int = field(default=2, metadata={"help": "epochs of linear LR warmup (0: none)"})
     run_dir: str = field(default="runs/keras", metadata={"help": "checkpoints, TensorBoard, summary.json"})
@@ -234,7 +239,7 @@ class KerasTrainConfig(RecipeConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _at_least_one(self, "width", "epochs")
+        _at_least_one(self, "width", "epochs", "batch_size", "num_workers")
         if self.warmup_epochs < 0:
             raise ValueError(f"--warmup-epochs must be >= 0, got {self.warmup_epochs}")
         _lr_flags(self)

@@ -50,6 +50,13 @@ def test_recipe_settings_are_typed_and_unknown_ones_refused_with_the_list():
     assert refusal("recipe: {epochs: 2}\nargs: [--dataset, digits, --epochs, '3']\n")[:3] == [
         "job.yaml:4: args[2]: --epochs is set twice: here and by recipe.epochs", "  got: '--epochs'",
         "  fix: keep one: remove it from args, or remove recipe.epochs"]
+    # args come after the recipe's flags: a flag in both is refused, before any value is judged.
+    assert refusal("recipe: {epochs: 8}\nargs: [--epochs, '0']\n")[0] == (
+        "job.yaml:4: args[0]: --epochs is set twice: here and by recipe.epochs")
+    assert refusal("recipe: {model_width: 8}\nargs: [--model-width, '16', --model, cnn]\n")[0] == (
+        "job.yaml:4: args[0]: --model-width is set twice: here and by recipe.model_width")  # not --model's entry
+    assert refusal("args: [--epochs, '3', '3']\n")[0] == (
+        "job.yaml:3: args[2]: pytorch_train.py refuses it: unrecognized argument: 3")
     assert refusal("args: []\n", overrides=["recipe.epochs=two"])[0] == (
         "override -o recipe.epochs=two: recipe.epochs: expected an integer (the recipe's --epochs)")
 
@@ -77,12 +84,22 @@ def test_other_scripts_keep_free_args_and_cannot_take_recipe(tmp_path):
     mine = tmp_path / "pytorch_train.py"
     mine.write_text(RECIPE.read_text() + "# mine\n")
     assert recipe_class(str(mine)) is None and load("args: [--my-flag, '1']\n", mine).args == ["--my-flag", "1"]
-    assert "its bytes differ: your own copy" in refusal("recipe: {epochs: 2}\n", mine)[0]
+    assert "(not the same file: your own copy)" in refusal("recipe: {epochs: 2}\n", mine)[0]
     same = tmp_path / "copy" / "pytorch_train.py"
     same.parent.mkdir()
     shutil.copy(RECIPE, same)
     assert recipe_class(str(same)) is PytorchTrainConfig  # the same bytes: checked
     assert recipe_class("/opt/hvdtrain/recipes/pytorch_train.py") is PytorchTrainConfig  # not here: by name
+
+
+def test_without_a_checkout_a_local_file_of_a_recipes_name_is_the_users(tmp_path, monkeypatch):
+    """An installed hvdtrain has no recipes/ to compare with: a file here named like a recipe may be anything, so
+    its args are its own (a path that is not here, such as the image's, is still taken by name)."""
+    monkeypatch.setattr("hvdtrain.job.recipe.checkout", lambda: None)
+    same = tmp_path / "pytorch_train.py"
+    shutil.copy(RECIPE, same)
+    assert recipe_class(str(same)) is None and recipe_class("/opt/hvdtrain/recipes/pytorch_train.py") is not None
+    assert load("args: [--anything]\n", same).args == ["--anything"]
 
 
 def test_the_shipped_jobs_set_their_recipes_settings_with_recipe():

@@ -259,7 +259,7 @@ def test_recipe_config_parses_typed_flags(recipe_module):
 @pytest.mark.parametrize("argv,message", [
     (["--epochs", "0"], "--epochs must be >= 1, got 0"),
     (["--threads", "0"], "--threads must be >= 1"),
-    (["--lr-milestones", "5,3"], "--lr-milestones, --lr-gamma): milestones must be strictly increasing"),
+    (["--lr-milestones", "5,3"], "--lr-milestones: milestones must be strictly increasing"),
     (["--base-lr", "-1"], "--base-lr must be a finite number > 0, got -1.0"),
     (["--val-fraction", "1"], "--val-fraction must be in (0, 1), got 1.0"),
 ])

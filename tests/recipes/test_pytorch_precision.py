@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from hvdtrain.settings.parse import parse_config
-from hvdtrain.train import checkpoint, divergence
+from hvdtrain.train import checkpoint, divergence, torchkit
 from hvdtrain.train.metrics import MetricSums
 from hvdtrain.train.precision import MIN_SCALE, Precision, as_input, prepare_model
 from hvdtrain.train.stepflags import LateReads
@@ -141,7 +141,7 @@ def test_channels_last_without_a_gpu_is_refused_saying_why(capsys):
     finally:
         sys.path.remove(str(REPO / "recipes"))
     with pytest.raises(SystemExit) as exc:
-        parse_config(pytorch_train.Config, ["--channels-last"])
+        parse_config(pytorch_train.Config, ["--channels-last"], check=torchkit.check_device)  # as the recipe does
     err = capsys.readouterr().err
     assert exc.value.code == 2 and "--channels-last needs a CUDA GPU" in err and "leave --channels-last out" in err
 

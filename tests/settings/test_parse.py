@@ -15,6 +15,7 @@ from hvdtrain.settings.parse import (
     check_args,
     config_parser,
     given_settings,
+    option_strings,
     parse_config,
     setting_argv,
     setting_problem,
@@ -45,7 +46,10 @@ def test_a_typed_mapping_becomes_the_argv_the_recipe_parses_to_the_same_values()
     (["--batch-size", "0"], "--batch-size must be >= 1, got 0", "--batch-size", None, None),
     (["--model", "vit"], "invalid choice: 'vit'", "--model", None, None),
     (["--epochs"], "expected one argument", "--epochs", None, None),
-    (["--lr-milestones", "5,3"], "milestones must be strictly increasing", "--warmup-epochs", None, None),
+    (["--lr-milestones", "5,3"], "--lr-milestones: milestones must be strictly increasing", "--lr-milestones", None,
+     None),
+    (["--lr-gamma", "2"], "--lr-gamma: gamma must be a number in (0, 1]", "--lr-gamma", None, None),
+    (["--epochs", "3", "3"], "unrecognized argument: 3", None, "3", None),
 ])
 def test_check_args_refuses_what_the_recipe_would_exit_2_on_naming_the_flag(argv, message, flag, token, guess,
                                                                             capsys):
@@ -82,10 +86,23 @@ def test_setting_types_are_checked_as_yaml_gives_them(name, value, problem):
 
 
 def test_given_settings_and_token_for_find_what_args_set_and_where():
-    args = ["--dataset", "digits", "--run", "a", "--no-resume", "--epochs=3"]
+    args = ["--dataset", "digits", "--run", "a", "--no-resume", "--epochs=3", "--model", "cnn", "--model-w", "8"]
     given = given_settings(PytorchTrainConfig, args)
-    assert sorted(given) == ["dataset", "epochs", "resume", "run_dir"]
-    assert [token_for(args, given[name]) for name in ("dataset", "run_dir", "resume", "epochs")] == [0, 2, 4, 5]
+    assert sorted(given) == ["dataset", "epochs", "model", "model_width", "resume", "run_dir"]
+    every = {o for opts in option_strings(PytorchTrainConfig).values() for o in opts}
+    assert [token_for(args, given[name], every) for name in ("dataset", "run_dir", "resume", "epochs", "model",
+                                                              "model_width")] == [0, 2, 4, 5, 6, 8]
+    assert token_for(["--model", "cnn"], given["model_width"], every) is None  # --model is an option of its own
+    assert token_for(["--b", "4"], given.get("batch_size", ("--batch-size",)), every) is None  # ambiguous
+
+
+def test_values_that_look_like_flags_or_yaml_text_numbers_reach_the_recipe():
+    argv = setting_argv({"dataset": "-odd-name", "base_lr": "1e-5", "lr_milestones": [2]})
+    assert argv == ["--dataset=-odd-name", "--base-lr", "1e-5", "--lr-milestones", "2"]
+    cfg = check_args(PytorchTrainConfig, argv)
+    assert (cfg.dataset, cfg.base_lr) == ("-odd-name", 1e-5)
+    assert setting_problem(PytorchTrainConfig, "base_lr", "1e-5") is None  # YAML 1.1 reads 1e-5 as text
+    assert setting_problem(PytorchTrainConfig, "base_lr", "fast") == "expected a number"
 
 
 # ---- one definition, one parser -------------------------------------------------------------------------------
