@@ -26,7 +26,7 @@ TIMEOUT_S = 300  # a bound, not an expectation: a 3-epoch digits run takes 15-40
 
 WRAPPER = r'''
 import json, os, runpy, sys
-writes, recording = [], [True]
+recording, log_fd, main_pid = [True], [-1], os.getpid()
 WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
 
 def under_watch(path):
@@ -34,23 +34,29 @@ def under_watch(path):
         path = path.decode()
     return isinstance(path, str) and os.path.realpath(path).startswith(watch + os.sep)
 
+def record(entry):
+    # One line per write, as it happens: a rank that horovodrun kills on its way out (143) leaves its record whole.
+    os.write(log_fd[0], (json.dumps(entry) + "\n").encode())
+
 def hook(event, args):
-    if not recording[0]:
+    if not recording[0] or os.getpid() != main_pid:  # not in forked data producers
         return
     if event == "open" and under_watch(args[0]):
         mode, flags = args[1], args[2]
         if (isinstance(mode, str) and set(mode) & set("wax+")) or (isinstance(flags, int) and flags & WRITE_FLAGS):
-            writes.append(["open", os.path.realpath(args[0])])
+            record(["open", os.path.realpath(args[0])])
     elif event == "os.rename" and under_watch(args[1]):
-        writes.append(["rename", os.path.realpath(args[1])])
+        record(["rename", os.path.realpath(args[1])])
     elif event == "os.mkdir" and under_watch(args[0]):
-        writes.append(["mkdir", os.path.realpath(args[0])])
+        record(["mkdir", os.path.realpath(args[0])])
 
 ''' + SIGNAL_AT + r'''
 if __name__ == "__main__":  # not in the recipe's data producer processes, which may re-import the main module
     log_path, script, watch = sys.argv[1], sys.argv[2], os.path.realpath(sys.argv[3])
     rank = int(os.environ.get("HOROVOD_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "-1")))
     signal_at(rank)
+    log_fd[0] = os.open(f"{log_path}.rank{rank}.jsonl", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
+    record({"pid": main_pid})
     sys.addaudithook(hook)
     sys.argv = [script, *sys.argv[4:]]
     sys.path.insert(0, os.path.dirname(script))
@@ -58,8 +64,6 @@ if __name__ == "__main__":  # not in the recipe's data producer processes, which
         runpy.run_path(script, run_name="__main__")
     finally:
         recording[0] = False
-        with open(f"{log_path}.rank{rank}.json", "w") as f:
-            json.dump({"pid": os.getpid(), "writes": writes}, f)
 '''
 
 
@@ -94,9 +98,9 @@ def run_recipe(recipe: Path, tmp: Path, run_dir: Path, *args: str, controller: s
         expect_ok(result)
     elif result.returncode != exit_code:
         pytest.fail(f"expected exit code {exit_code}\n{result.describe()}", pytrace=False)
-    logs = {int(p.name.rsplit(".rank", 1)[1].split(".")[0]): json.loads(p.read_text())
-            for p in tmp.glob(f"{log.name}.rank*.json")}
-    return Run(result, run_dir, {r: v["writes"] for r, v in logs.items()}, {r: v["pid"] for r, v in logs.items()})
+    logs = {int(p.name.rsplit(".rank", 1)[1].split(".")[0]): [json.loads(line) for line in p.read_text().splitlines()]
+            for p in tmp.glob(f"{log.name}.rank*.jsonl")}  # {"pid": ...}, then one [event, path] per write
+    return Run(result, run_dir, {r: v[1:] for r, v in logs.items()}, {r: v[0]["pid"] for r, v in logs.items()})
 
 
 def epoch_lines(output: str) -> list[int]:
