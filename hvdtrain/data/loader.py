@@ -1,8 +1,8 @@
 """ShmLoader: persistent producer processes hand batches to the trainer through shared memory, without pickling.
 
-The producer side is workers.py, the messages between the two protocol.py, one pass over an epoch (receiving and
-ordering the batches) epoch.py, the loader's errors errors.py. Process and segment lifetimes and shutdown: NOTE
-[loader shutdown] in resources.py.
+The producer side is workers.py, the messages between the two protocol.py, the trainer's end of the wire and the
+receive state of a pass over an epoch receiver.py (NOTE [one receiver]), the loader's errors errors.py. Process and
+segment lifetimes and shutdown: NOTE [loader shutdown] in resources.py.
 
 NOTE [epoch ahead]
 The order of the epoch that comes next is known, so the loader starts it before it is asked for: otherwise every
@@ -29,24 +29,21 @@ produce) that the trainer waits for on each epoch's first step.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import socket
 import warnings
-import weakref
-from collections.abc import Callable
-from typing import Any, NoReturn
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 
-from hvdtrain.data import forked, ring, shm
+from hvdtrain.data import forked, ring
 from hvdtrain.data.boot import ProducerProcess, start_producer
 from hvdtrain.data.channel import Channel
-from hvdtrain.data.epoch import EpochIterator, EpochLink, Key
-from hvdtrain.data.errors import LoaderError, SharedMemoryFullError, WorkerDiedError
-from hvdtrain.data.lending import Lender
-from hvdtrain.data.protocol import Batch, EpochMessage, FreeSlot, StartEpoch, ToWorker
-from hvdtrain.data.resources import Resources, Watch, describe_exit, trainer_fds
+from hvdtrain.data.errors import LoaderError
+from hvdtrain.data.protocol import FreeSlot
+from hvdtrain.data.receiver import END, Receiver
+from hvdtrain.data.resources import Resources, trainer_fds
 from hvdtrain.data.sharding import ShardSampler, check_positive, check_rank, check_unconsumed
 from hvdtrain.data.workers import WorkerConfig
 from hvdtrain.settings.loader import PREFETCH, SLOT_BYTES  # SLOT_BYTES: each slot's first segment
@@ -149,7 +146,8 @@ class ShmLoader:
         self.batches_per_epoch, self.ordered, self.epochs = batches_per_epoch, ordered, base.epochs
         self.dataset, self.collate, self.fetch, self.generator = base.dataset, base.collate, base.fetch, base.generator
         self.epoch, self._gen = 0, 0  # _gen numbers the iterations: StartEpoch and every EpochMessage carry it
-        self._consumed = 0  # generator mode's resume position: batches of this epoch consumed (else the sampler's)
+        self._consumed = 0  # generator mode's position: batches of this epoch consumed (else the sampler's)
+        self._settled = 0  # of the receiver's `consumed`, what is in the position already (`_settle`)
         self._resume_pending = False
         self._completed_epoch: int | None = None
         # NOTE [epoch ahead]: the iteration started before `iter()` asked for it, as (generation, sampler state),
@@ -158,26 +156,12 @@ class ShmLoader:
         self._last_epoch: int | None = None
         self._advancing = True
         self._spw = prefetch + 1  # slots per worker: prefetch ahead + the one the step holds
-        self_ref = weakref.ref(self)  # the lender must not keep the loader (and its workers) alive
-
-        def give_back(slot: int) -> None:
-            loader = self_ref()
-            if loader is not None and not loader._closed:
-                loader._give_back(slot, quiet=True)
-
-        self._lender = Lender(self._spw, give_back)
-        # The current iteration's messages received ahead of their turn: its EpochIterator's `stash`, kept here so
-        # that the next iteration gives their slots back even if that iterator is gone.
-        self._unclaimed: dict[Key, EpochMessage] = {}
-        # Per worker, state the EpochIterators use (EpochLink) that outlives them: layout number -> that layout,
-        # made ready to read (protocol.Batch); its ring's `sent` count at our last socket read (NOTE [ring]).
-        self._layouts: list[dict[int, shm.CompiledLayout]] = [{} for _ in range(self.num_workers)]
-        self._seen = [0] * self.num_workers
-        self._res = Resources()
-        self._finalizer = weakref.finalize(self, _shut_down, self._res, self._lender)
-        self._closed = False
+        self._res = Resources()  # the workers start into it; the receiver reads from it and shuts it down
+        self._rx = Receiver(self._res, rank=self.rank, num_workers=self.num_workers, slots_per_worker=self._spw,
+                            ordered=ordered, timeout=timeout, poll_s=self.poll_s, cap=batches_per_epoch)
         try:
             self._start(base, start[1])
+            self._rx.connected()
         except BaseException:
             self.close()
             raise
@@ -188,7 +172,7 @@ class ShmLoader:
             for w in range(self.num_workers):
                 base.local_id = w
                 if ring.SUPPORTED:  # NOTE [ring] in ring.py
-                    seg = self._new_segment(ring.Ring.nbytes(self._spw), "ring")
+                    seg = self._rx.new_segment(ring.Ring.nbytes(self._spw), "ring")
                     self._res.rings.append(ring.Ring(seg, self._spw))
                     base.ring, base.ring_capacity = self._res.rings[-1].seg.name, self._spw
                 mine, theirs = Channel.pair()
@@ -200,12 +184,11 @@ class ShmLoader:
                 finally:
                     theirs.close()
                 for slot in range(w * self._spw, (w + 1) * self._spw):  # slot memory up front: SLOT_BYTES
-                    seg = self._res.segments[slot] = self._new_segment(SLOT_BYTES, "first slot")
+                    seg = self._res.segments[slot] = self._rx.new_segment(SLOT_BYTES, "first slot")
                     mine.send(FreeSlot(slot, seg.name, seg.size))
         finally:
             for end in gate or ():
                 end.close()  # the producers have their copies: only producer 0's can signal or close it
-        self._watch = Watch(self._res.conns, self._res.procs)
 
     def _start_one(self, base: WorkerConfig, theirs: Channel, started: socket.socket | None,
                    wait_for: socket.socket | None, gate: tuple[socket.socket, socket.socket] | None,
@@ -227,6 +210,7 @@ class ShmLoader:
         a loaded resume state dropped), the same one keeps its position (as `ShardSampler.set_epoch`)."""
         if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
             raise ValueError(f"epoch must be an integer >= 0, got {epoch!r}")
+        self._settle()
         if epoch != self.epoch:
             self._consumed, self._resume_pending = 0, False
         self.epoch = epoch
@@ -239,12 +223,14 @@ class ShmLoader:
         `unconsumed=k`: the state before the last `k` batches yielded, for a caller that has taken `k` batches it
         has not trained on yet (DevicePrefetcher's look-ahead); resuming from it yields those `k` again.
         ValueError unless 0 <= k <= batches consumed."""
+        self._settle()
         if self.sampler is not None:
             return self.sampler.state_dict(unconsumed=unconsumed)
         return {"epoch": self.epoch, "batches_consumed": self._consumed - check_unconsumed(unconsumed, self._consumed)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """The next iteration resumes after the consumed batches (generator mode: they are produced and skipped)."""
+        self._settle()  # the armed iteration's count belongs to the position this replaces
         if self.sampler is not None:
             self.sampler.load_state_dict(state)
             self.epoch = self.sampler.epoch
@@ -259,8 +245,9 @@ class ShmLoader:
             raise TypeError("a generator ShmLoader has no length unless batches_per_epoch is given")
         return self.batches_per_epoch - (self._consumed if self._resume_pending else 0)
 
-    def __iter__(self) -> EpochIterator:
+    def __iter__(self) -> Iterator[Any]:
         self._check_open()
+        self._settle()
         if (self._completed_epoch == self.epoch and not self._resume_pending and self.sampler is not None
                 and self.sampler.shuffle):
             warnings.warn(f"ShmLoader: iterating epoch {self.epoch} again with the same order; call "
@@ -278,38 +265,42 @@ class ShmLoader:
         self._last_epoch = self.epoch
         if not adopt:
             self._gen += 1
-        it = EpochIterator(self._link(self._gen), self._gen, skip)
-        with self._lender:
-            for msg in self._unclaimed.values():  # received by the previous iteration, never yielded
-                if isinstance(msg, Batch):
-                    self._give_back(msg.slot)
-            self._unclaimed.clear()
-            self._unclaimed = it.stash
-            if not adopt:
-                for w in range(self.num_workers):
-                    self._send(w, StartEpoch(self._gen, self.epoch, state))
-        return it
+        self._rx.arm(self._gen, self.epoch, skip)
+        self._settled = 0
+        if not adopt:
+            self._rx.start_epoch(self._gen, self.epoch, state)
+        return self._iterate(self._gen)
 
-    def _link(self, gen: int) -> EpochLink:
-        """What the EpochIterator of iteration `gen` may use of this loader (epoch.py never imports loader.py)."""
-        return EpochLink(
-            rank=self.rank, num_workers=self.num_workers, ordered=self.ordered, timeout=self.timeout,
-            poll_s=self.poll_s, batches_per_epoch=self.batches_per_epoch, conns=self._res.conns,
-            rings=self._res.rings, segments=self._res.segments, watch=self._watch, layouts=self._layouts,
-            seen=self._seen, lender=self._lender, current=lambda: not self._closed and self._gen == gen,
-            epoch=lambda: self.epoch, consumed=lambda: self._consumed, count_consumed=self._count_consumed,
-            finished=self._finished, give_back=self._give_back, grow=self._grow, fail_dead=self._fail_dead)
-
-    def _finished(self, ended: bool) -> None:
-        """An iteration stopped: at its cap, or `ended` (every EpochDone in): NOTE [epoch ahead] (a)."""
+    def _iterate(self, gen: int) -> Iterator[Any]:
+        """What `iter()` returns: iteration `gen`'s batches from the receiver while it is armed for it (NOTE [one
+        receiver] in receiver.py), then, when every worker ended it, the next epoch ahead (NOTE [epoch ahead] (a))."""
+        rx = self._rx
+        while True:
+            if rx.closed or rx.gen != gen:
+                raise LoaderError("this iterator is stale: the loader was closed or iterated again")
+            batch = rx.next_batch()
+            if batch is END:
+                break
+            yield batch
         self._completed_epoch = self.epoch
-        if ended:
+        if rx.ended:
             self._start_ahead()
+
+    def _settle(self) -> None:
+        """Add what the armed iteration consumed since the last call to this loader's position (the sampler's in
+        dataset mode): the receiver counts the batches, the loader keeps the position (NOTE [one receiver])."""
+        counted = self._rx.consumed - self._settled
+        if counted:
+            self._settled = self._rx.consumed
+            if self.sampler is not None:  # its epoch's batch count is never passed: the workers make exactly that
+                self.sampler.advance(counted)
+            else:
+                self._consumed += counted
 
     def _start_ahead(self) -> None:
         """Have the workers start the epoch the next `iter()` is expected to ask for, from its beginning, so that its
         first batches are ready when it is (NOTE [epoch ahead]). Called when an epoch ends; dataset mode only."""
-        if self.sampler is None or self._closed:
+        if self.sampler is None or self._rx.closed:
             return
         epoch = self.epoch + 1 if self._advancing else self.epoch
         if self.epochs is not None and epoch >= self.epochs:
@@ -320,16 +311,11 @@ class ShmLoader:
         state = start.state_dict()
         self._gen += 1
         self._ahead = (self._gen, state)
-        for conn in self._res.conns:  # a dead worker is reported by the next iteration's wait, not here
-            with contextlib.suppress(OSError):
-                conn.send(StartEpoch(self._gen, epoch, state))
+        self._rx.start_epoch(self._gen, epoch, state, quiet=True)  # a dead worker: the next iteration's wait says so
 
     def close(self) -> None:
         """Stop the workers and free every segment (idempotent; see NOTE [loader shutdown])."""
-        self._closed = True
-        self._lender.close()
-        self._unclaimed.clear()
-        self._finalizer()
+        self._rx.close()
 
     def __enter__(self) -> ShmLoader:
         return self
@@ -356,69 +342,5 @@ class ShmLoader:
     # ---- internals -----------------------------------------------------------------------------------------
 
     def _check_open(self) -> None:
-        if self._closed:
+        if self._rx.closed:
             raise LoaderError("this ShmLoader is closed")
-
-    def _send(self, w: int, msg: ToWorker) -> None:
-        try:
-            self._res.conns[w].send(msg)
-        except OSError:
-            self._fail_dead(w, "when the trainer wrote to it")
-
-    def _give_back(self, slot: int, *, quiet: bool = False) -> None:
-        """Hand `slot` back to its worker. quiet: a dead worker is left for the epoch iterator's wait to report (its
-        sentinel)."""
-        seg = self._res.segments.get(slot)
-        w, msg = slot // self._spw, FreeSlot(slot, seg.name if seg else None, seg.size if seg else 0)
-        if not quiet:
-            self._send(w, msg)
-            return
-        with contextlib.suppress(OSError):
-            self._res.conns[w].send(msg)
-
-    def _grow(self, slot: int, nbytes: int, full: str = "") -> None:
-        """Answer a GrowSlot: a new segment, made sparse (its producer reserves it: NOTE [shm reservation] in
-        shm.py); `full`: the producer could not reserve the last one."""
-        old = self._res.segments.pop(slot, None)
-        if old is not None:
-            self._res.drop_segment(old)
-        try:
-            if full:
-                raise self._full(SharedMemoryFullError(full), nbytes, "batch")
-            self._res.segments[slot] = self._new_segment(max(nbytes, 1), reserve=False)
-        except SharedMemoryFullError:
-            self.close()  # the producers wait for this slot: no batch can come
-            raise
-        self._give_back(slot)
-
-    def _full(self, exc: SharedMemoryFullError, nbytes: int, what: str) -> SharedMemoryFullError:
-        text = shm.full_message(exc, rank=self.rank, batch_bytes=SLOT_BYTES if what != "batch" else nbytes,
-                                workers=self.num_workers, slots_per_worker=self._spw, first=what != "batch")
-        return SharedMemoryFullError(text)
-
-    def _new_segment(self, nbytes: int, what: str = "batch", *, reserve: bool = True) -> shm.Segment:
-        try:
-            return shm.create_segment(nbytes, what, reserve=reserve)
-        except SharedMemoryFullError as exc:  # NOTE [shm reservation] in shm.py: before any producer wrote
-            raise self._full(exc, nbytes, what) from None
-
-    def _fail_dead(self, w: int, when: str) -> NoReturn:
-        proc = self._res.procs[w]
-        proc.join(timeout=1.0)
-        msg = (f"data worker {w} (pid {proc.pid}) of rank {self.rank} died with {describe_exit(proc.exitcode)} "
-               f"{when} (epoch {self.epoch}); the loader is closed")
-        self.close()
-        raise WorkerDiedError(msg)
-
-    def _count_consumed(self) -> None:
-        """One more batch of this epoch consumed (yielded, or produced and skipped when resuming)."""
-        if self.sampler is not None:  # its epoch's batch count is never passed: the workers make exactly that many
-            self.sampler.batches_consumed += 1
-        else:
-            self._consumed += 1
-
-
-def _shut_down(res: Resources, lender: Lender) -> None:
-    """The loader's finalizer (close(), GC or interpreter exit): batches released later go nowhere."""
-    lender.close()
-    res.shutdown()

@@ -69,7 +69,7 @@ class Resources:
     def fds(self) -> list[int]:
         """The trainer's fds of this loader that a forked producer must not hold (NOTE [forked producers] (a))."""
         segs = [*self.segments.values(), *(r.seg for r in self.rings)]
-        return [*(c.fileno() for c in self.conns), *(p.sentinel for p in self.procs), *(s._fd for s in segs)]
+        return [*(c.fileno() for c in self.conns), *(p.sentinel for p in self.procs), *(s.fd for s in segs)]
 
     def drop_segment(self, seg: shm.Segment) -> None:
         """Unlink and unmap a slot segment, after the release hooks saw its address."""

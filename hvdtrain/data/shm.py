@@ -49,6 +49,11 @@ class Segment(shared_memory.SharedMemory):
         return self._buf
 
     @property
+    def fd(self) -> int:
+        """The segment's file descriptor in this process (-1 once closed)."""
+        return self._fd
+
+    @property
     def address(self) -> int:
         """Where this process maps the segment (read once, from a view dropped at once)."""
         if self._address is None:

@@ -9,11 +9,13 @@ the source, which may be read-only or shared.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import threading
 import warnings
 from collections import OrderedDict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -161,7 +163,24 @@ class StreamingDataset:
         return self._ranged.read(self, missing, self._local)  # (nothing missing still counts as a first take)
 
     def _local(self, s: int) -> bool:
-        return s in self._readers or self._in_place(s) or self.node.path(s).exists()
+        return s in self._readers or self.on_node(s)
+
+    # ---- what the fetcher and the range reads use (fetcher.FetchSource, ranged.RangedSource) --------------------
+
+    def on_node(self, s: int) -> bool:
+        """Shard `s` can be read on this node without a fetch: in place, or in the node cache."""
+        return self._in_place(s) or self.node.path(s).exists()
+
+    def wait_for_range_reads(self, stop: threading.Event | None = None) -> None:
+        """While a cold start's first batches are read by range (NOTE [first batches by range] in ranged.py), wait
+        for them (at most ranged.HOLD_S), or until `stop` is set."""
+        self._ranged.wait(stop)
+
+    @contextlib.contextmanager
+    def mapped(self, s: int) -> Iterator[mds.ShardReader | None]:
+        """Shard `s`'s reader if it is mapped in this process now (else None), kept mapped for the `with` block."""
+        with self._lock:
+            yield self._readers.get(s)
 
     def _read_rows(self, s: int, rows: np.ndarray) -> dict[str, np.ndarray]:
         with self._lock:  # a reader may be unmapped by another thread's _reader() otherwise

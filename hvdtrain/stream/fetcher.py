@@ -33,7 +33,6 @@ from hvdtrain.datasets import cachedir
 
 if TYPE_CHECKING:
     from hvdtrain.stream.nodecache import NodeCache
-    from hvdtrain.stream.ranged import RangedReads
 
 
 class FetchSource(Protocol):
@@ -41,9 +40,9 @@ class FetchSource(Protocol):
 
     fetch_threads: int
     node: NodeCache
-    _ranged: RangedReads
 
-    def _in_place(self, s: int) -> bool: ...
+    def on_node(self, s: int) -> bool: ...
+    def wait_for_range_reads(self, stop: threading.Event | None = None) -> None: ...
     def fetch_raw(self, s: int) -> bytes | memoryview: ...
     def shard_name(self, s: int) -> str: ...
 
@@ -82,9 +81,8 @@ class Fetcher:
 
     def _pass(self) -> None:
         """Fetch what `NodeCache.to_fetch()` lists now, skipping shards in flight elsewhere."""
-        self.ds._ranged.wait(self._stop)  # a cold start's first batches are read by range: they have the link
-        present = lambda s: self.ds._in_place(s) or self.ds.node.path(s).exists()  # noqa: E731
-        for s in self.ds.node.to_fetch(present):
+        self.ds.wait_for_range_reads(self._stop)  # a cold start's first batches are read by range: they have the link
+        for s in self.ds.node.to_fetch(self.ds.on_node):
             if self._stop.is_set():
                 return
             try:

@@ -50,7 +50,6 @@ import os
 import threading
 import time
 import zlib
-from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
@@ -75,10 +74,10 @@ class RangedSource(Protocol):
     node: NodeCache
     fields: tuple[str, ...]
     store: Store
-    _lock: threading.Lock
-    _readers: OrderedDict[int, mds.ShardReader]
 
     def shard_name(self, s: int) -> str: ...
+    def mapped(self, s: int) -> contextlib.AbstractContextManager[mds.ShardReader | None]: ...
+
 
 T = TypeVar("T")
 LEDGER = ".ranged"  # starts with a dot: not a shard (NodeCache.usage skips it)
@@ -229,10 +228,9 @@ class RangedReads:
     def _note(self, ds: RangedSource, s: int, sums: dict[int, int]) -> None:
         """Keep the CRCs of shard `s`'s rows read by range until it is mapped; if another thread mapped it
         meanwhile (its `_reader` found nothing to check), check them now."""
-        with ds._lock:
+        with ds.mapped(s) as reader:
             with self.lock:
                 self.unchecked.setdefault(s, {}).update(sums)
-            reader = ds._readers.get(s)
             if reader is not None:
                 self.check(ds, s, reader)
 

@@ -82,14 +82,14 @@ def test_keeping_every_batch_is_correct_bounded_and_never_deadlocks(workers: int
         kept = list(ld)  # the user holds all 25 batches: more than the 2-9 slots of the ring
         ids = [sample_ids(b) for b in kept]
         assert ids == expect
-        assert ld._lender.copies == len(kept) - workers * prefetch  # `prefetch` per worker zero-copy, then copies
-        assert len(ld._lender.held_slots()) <= workers * prefetch  # at most `prefetch` slots of each worker held
+        assert ld._rx.lender.copies == len(kept) - workers * prefetch  # `prefetch` per worker zero-copy, then copies
+        assert len(ld._rx.lender.held_slots()) <= workers * prefetch  # at most `prefetch` slots of each worker held
         del kept, ids
         gc.collect()
         ld.set_epoch(1)
         sampler.set_epoch(1)
         assert [sample_ids(b) for b in ld] == [b.tolist() for b in sampler.batches()]  # the slots came back
-        assert not ld._lender.held_slots()
+        assert not ld._rx.lender.held_slots()
 
 
 def test_a_plain_loop_stays_zero_copy_and_a_batch_kept_past_the_next_is_intact() -> None:
@@ -98,7 +98,7 @@ def test_a_plain_loop_stays_zero_copy_and_a_batch_kept_past_the_next_is_intact()
         seg_ranges = []
         for b in ld:  # the loop variable still holds batch k while batch k+1 is requested
             seg_ranges.append(any(seg._mmap is not None and _inside(b[0], seg) for seg in ld._res.segments.values()))
-        assert all(seg_ranges) and ld._lender.copies == 0  # no copy in a plain loop with prefetch=2
+        assert all(seg_ranges) and ld._rx.lender.copies == 0  # no copy in a plain loop with prefetch=2
         it = iter(ld)
         first, second = next(it), next(it)
         rest = [sample_ids(b) for b in it]
@@ -117,7 +117,7 @@ def test_torch_views_of_views_keep_the_slot_across_epochs() -> None:
         x, y = next(iter(tl))
         tail = x[1:, 0]  # a tensor view of a tensor view of the numpy view: only this is kept
         del x, y
-        assert len(tl.loader._lender.held_slots()) == 1  # held by `tail` alone
+        assert len(tl.loader._rx.lender.held_slots()) == 1  # held by `tail` alone
         for epoch in range(1, 4):
             tl.set_epoch(epoch)
             assert [y.tolist() for _, y in tl] == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]
@@ -144,9 +144,9 @@ def test_batches_released_in_another_thread_come_back() -> None:
         handed.put(None, timeout=30)
         thread.join(timeout=30)
         gc.collect()
-        assert not ld._lender.held_slots()  # every slot was released in the consumer thread
-        copies = ld._lender.copies
+        assert not ld._rx.lender.held_slots()  # every slot was released in the consumer thread
+        copies = ld._rx.lender.copies
         ld.set_epoch(1)
         assert [len(sample_ids(b)) for b in ld] == [4] * 30  # the released slots were given back to the worker:
-        assert ld._lender.copies == copies  # a plain loop after them is all zero-copy, no slot missing
+        assert ld._rx.lender.copies == copies  # a plain loop after them is all zero-copy, no slot missing
     assert checked == [list(range(i, i + 4)) for i in range(0, 120, 4)]

@@ -56,7 +56,7 @@ def test_the_next_epoch_is_produced_before_iter_and_taken_as_it_is(tmp_path: Pat
         for epoch in (0, 1, 2):  # every batch of every epoch produced exactly once: the early ones were used
             assert sorted(i for (e, i), n in counts.items() if e == epoch for _ in range(n)) == \
                 sorted(b[0] for b in expected(epoch))
-        assert ld._lender.copies == 0  # still zero-copy
+        assert ld._rx.lender.copies == 0  # still zero-copy
 
 
 @pytest.mark.filterwarnings("ignore:ShmLoader. iterating epoch")
@@ -76,7 +76,7 @@ def test_a_wrong_guess_is_dropped_and_every_iteration_is_still_exact(tmp_path: P
         assert [y.tolist() for _, y in ld] == expected(5, consumed=3)
         ld.set_epoch(6)
         assert [y.tolist() for _, y in ld] == expected(6)
-        assert ld._lender.copies == 0
+        assert ld._rx.lender.copies == 0
 
 
 def test_an_epoch_started_early_by_a_user_who_repeats_epochs_is_the_same_epoch(tmp_path: Path,

@@ -19,7 +19,7 @@ def test_torch_loader_tensors_view_the_shared_memory_slot() -> None:
         shm_loader = tl.loader
         for x, y in tl:
             assert isinstance(x, torch.Tensor) and x.dtype == torch.float32 and y.dtype == torch.int64
-            (slot,) = shm_loader._lender.held_slots()
+            (slot,) = shm_loader._rx.lender.held_slots()
             seg = shm_loader._res.segments[slot]
             base = np.frombuffer(seg.buf, np.uint8)
             start = base.ctypes.data

@@ -301,7 +301,7 @@ def test_a_shm_loader_with_two_workers_feeds_the_right_samples(stream: str, regi
             assert seen == len(expected)
             assert torch.stack(bad).cpu().tolist() == [0] * seen
             assert torch.stack(sums).cpu().tolist() == [0.0] * seen
-            assert ld._lender.held_slots() == []  # the epoch's last slots went back after their copies
+            assert ld._rx.lender.held_slots() == []  # the epoch's last slots went back after their copies
         assert pf.slots_registered is register_slots, pf.slots_failed
         assert bool(pf._slots and pf._slots.regions) is register_slots
     assert pf._slots is None or pf._slots.regions == {}  # close() unregistered every slot
