@@ -162,7 +162,7 @@ class LoaderFeed:
 
 def hvdtrain_feed(root: Path, workers: int, batch: int, seed: int, epochs: int) -> LoaderFeed:
     from hvdtrain.data import ShmLoader
-    from hvdtrain.datasets import arrays
+    from hvdtrain.formats import arrays
     from hvdtrain.train.streamed import load_splits
 
     train = load_splits(root, num_classes=None, image_size=SIZE, augment=True).train

@@ -34,7 +34,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 sys.path.insert(0, {recipes!r})
 from pytorch_models import make_model
-from hvdtrain.datasets import arrays
+from hvdtrain.formats import arrays
 
 dist.init_process_group("gloo")
 rank, size = dist.get_rank(), dist.get_world_size()

@@ -129,7 +129,7 @@ Epoch = Callable[[int], Iterator[Batch]]  # a feed: epoch number -> that epoch's
 def hvdtrain_feed(root: Path, args: argparse.Namespace, device: torch.device) -> tuple[Epoch, Any]:
     """The recipe's loader (recipes/pytorch_train.py shard_loader) over the decoding StreamSplit; (feed, loader)."""
     from hvdtrain.data import DevicePrefetcher, ShmLoader
-    from hvdtrain.datasets import arrays
+    from hvdtrain.formats import arrays
     from hvdtrain.train.streamed import load_splits
 
     with warnings.catch_warnings():  # "shards cannot be verified": written without hashes, on purpose

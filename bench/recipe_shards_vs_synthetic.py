@@ -12,12 +12,12 @@ two datasets in one horovodrun job:
   starts and removed after: `--format mds` (default) MDS shards (`--shard-files` of them), which the recipe
   streams: the loader's producers read memory-mapped shards batch by batch, shuffle block by shuffle block; `npy`:
   `NAME_x.npy` + `NAME_y.npy` pairs, `npz`: `NAME.npz` files with arrays x and y, both memory-mapped and read batch
-  by batch in the producers too (hvdtrain/datasets/npyshards.py; an `.npz` is CRC-checked once at load).
+  by batch in the producers too (hvdtrain/formats/npyshards.py; an `.npz` is CRC-checked once at load).
 The shards hold exactly the samples and labels that the synthetic side generates (same shape, seed, count), so
 the model, batches and work per step are identical; the job checks that the two training sets are equal. Each
 side trains one warmup epoch, then `--num-iters` (16) epochs of `--num-batches-per-iter` (20) steps per rank (more
 than recipe_vs_synthetic.py's Horovod defaults of 10 x 10: the goal is a 5% threshold), alternating
-which side goes first, so machine load drifts hit both alike. "load s" is the median time of the `datasets.load()`
+which side goes first, so machine load drifts hit both alike. "load s" is the median time of the `recipe_data.load()`
 call setup() makes, timed on rank 0 (npy: headers and labels; npz: also the CRC check of each archive; mds: the
 index only; the samples are read while training; synthetic: generating the data).
 
@@ -76,7 +76,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def write_shards(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
     """train/ and val/ shards holding the recipe's synthetic data for this configuration; returns what was written."""
-    from hvdtrain.datasets import arrays
+    from hvdtrain.formats import arrays
 
     n = args.batch_size * args.num_batches_per_iter * args.np  # as recipe_side sizes the synthetic side
     splits = arrays.synthetic(args.shape, n, num_classes=args.num_classes, seed=SEED)
@@ -129,14 +129,14 @@ def training_set(split: Any) -> tuple[np.ndarray, np.ndarray]:
 # ---- inside horovodrun ----------------------------------------------------------------------------------------
 
 def load_seconds(cfg: Any, repeats: int = 3) -> float:
-    """Median seconds of the `datasets.load()` call the recipe's setup() makes for this config (reading the shards,
+    """Median seconds of the `recipe_data.load()` call the recipe's setup() makes for this config (reading the shards,
     or generating the synthetic data)."""
-    from hvdtrain.train import datasets
+    from hvdtrain.train import recipe_data
 
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        datasets.load(cfg.dataset, val_fraction=cfg.val_fraction, split_seed=0, synthetic_shape=cfg.synthetic_shape,
+        recipe_data.load(cfg.dataset, val_fraction=cfg.val_fraction, split_seed=0, synthetic_shape=cfg.synthetic_shape,
                       synthetic_samples=cfg.synthetic_samples, num_classes=cfg.num_classes, seed=cfg.seed)
         times.append(time.perf_counter() - start)
     return statistics.median(times)

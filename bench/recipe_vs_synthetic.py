@@ -93,11 +93,11 @@ def recipe_side(args: argparse.Namespace, dataset: str, run_dir: Path) -> tuple[
     import torch
 
     from hvdtrain.data import DevicePrefetcher, ShmLoader
-    from hvdtrain.datasets import arrays
+    from hvdtrain.formats import arrays
     from hvdtrain.train import preempt
-    from hvdtrain.train.datasets import load_splits
     from hvdtrain.train.metrics import MetricSums
     from hvdtrain.train.precision import Precision
+    from hvdtrain.train.recipe_data import load_splits
     from hvdtrain.train.torchkit import Meters, epoch_seed, model_name, setup_process, sgd
 
     if str(RECIPES) not in sys.path:

@@ -41,11 +41,11 @@ import pytorch_train as recipe  # noqa: E402  (the recipe is a script beside its
 from _common import write_json  # noqa: E402  (bench/, this script's folder, is on sys.path)
 
 from hvdtrain.data import DevicePrefetcher, ShmLoader  # noqa: E402
-from hvdtrain.datasets import arrays  # noqa: E402
+from hvdtrain.formats import arrays  # noqa: E402
 from hvdtrain.train import preempt  # noqa: E402
-from hvdtrain.train.datasets import load_splits  # noqa: E402
 from hvdtrain.train.metrics import MetricSums  # noqa: E402
 from hvdtrain.train.precision import Precision  # noqa: E402
+from hvdtrain.train.recipe_data import load_splits  # noqa: E402
 from hvdtrain.train.stepflags import LateReads  # noqa: E402
 from hvdtrain.train.torchkit import Meters, forward_backward, setup_process, sgd  # noqa: E402
 

@@ -168,7 +168,7 @@ def _cmd_data_inspect(args: argparse.Namespace) -> int:
 def _cmd_data_verify(args: argparse.Namespace) -> int:
     import json
 
-    from hvdtrain.stream.check import messages, verdict, verify_dataset
+    from hvdtrain.stream.verify import messages, verdict, verify_dataset
 
     results = []
     try:
@@ -301,7 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ssh-identity-file", default=None, metavar="KEY", help="private key for ssh")
     p.set_defaults(func=_cmd_doctor)
 
-    from hvdtrain.launch.command import add_parser as add_run_parser
+    from hvdtrain.launch.cmd_run import add_parser as add_run_parser
 
     add_run_parser(sub, _add_job_args)
 
@@ -312,7 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("schema", help="print the JSON Schema of job specs")
     p.set_defaults(func=_cmd_schema)
 
-    from hvdtrain.render.command import add_parser as add_render_parser
+    from hvdtrain.render.cmd_render import add_parser as add_render_parser
 
     add_render_parser(sub)
     _add_data_parser(sub)
@@ -350,7 +350,7 @@ def _main(argv: Sequence[str] | None) -> int:
     args = parser.parse_args(argv)  # argparse exits with 2 on bad usage
     from hvdtrain.job.hosts import HostError
     from hvdtrain.job.load import SpecError
-    from hvdtrain.launch.runner import LaunchError
+    from hvdtrain.launch.preflight import LaunchError
 
     func: Callable[[argparse.Namespace], int] = args.func  # set_defaults(func=...) of each subcommand
     try:

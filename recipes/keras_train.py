@@ -54,22 +54,26 @@ import gc
 import math
 import os
 import sys
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hvdtrain import exitcodes, records, rundir, tfkeras
 from hvdtrain.data import LoaderError, ShmLoader, expected_batches
-from hvdtrain.datasets import arrays
+from hvdtrain.formats import arrays
 from hvdtrain.settings.parse import parse_config
 from hvdtrain.settings.recipes import KerasTrainConfig as Config  # every flag, defined once
 from hvdtrain.train import checkpoint, preempt
 from hvdtrain.train.channels_last import channels_last_shape, take_channels_last
-from hvdtrain.train.datasets import load_splits
 from hvdtrain.train.entry import exit_with
 from hvdtrain.train.lr import LRSchedule, scaled_epochs
 from hvdtrain.train.metrics import History, build_summary, write_summary
+from hvdtrain.train.recipe_data import load_splits
 from hvdtrain.train.report import images_note, log, nothing_to_train, run_config, same_weights, versions
+
+if TYPE_CHECKING:  # imported in main(), after TensorFlow
+    from hvdtrain.train.kerasstop import Leg
 
 
 def import_tensorflow() -> Any:
@@ -88,17 +92,31 @@ def lr_schedule(cfg: Config, lr: float) -> LRSchedule:
                       milestones=cfg.lr_milestones, gamma=cfg.lr_gamma)
 
 
-@dataclass(frozen=True)
-class Leg:
-    """One `model.fit`: Keras epochs data.first..data.epochs-1 of `data` (hvdtrain.train.keraskit.LoaderEpochs),
-    `steps` per epoch; after a stop mid-epoch, the rest of that epoch is a leg of its own: `first_step` steps of it
-    were trained before (`steps`: the batches left) and `metrics` are this rank's metric sums then (NOTE [Keras stops
-    mid-epoch] in hvdtrain/train/kerasstop.py)."""
+@dataclass
+class Run:
+    """What this run's fits share, made once by main() (after it imported TensorFlow and Horovod); the Horovod calls
+    stay in the functions that use it."""
 
-    data: Any
-    steps: int
-    first_step: int = 0
-    metrics: list[float] | None = None
+    cfg: Config
+    hvd: Any  # horovod.tensorflow.keras
+    hvd_tf: Any  # horovod.tensorflow: broadcast_object, allgather_object
+    request: preempt.StopRequest
+    where: str  # the device line: a GPU, or the CPU threads of this rank
+    run_dir: Path
+    run_lock: rundir.RunDirLock | None
+    splits: arrays.Splits
+    steps: int  # per epoch, the same on every rank
+    epochs: int
+    model: Any
+    lr: float  # the peak LR, scaled by the world size
+    schedule: LRSchedule
+    first: int = 0  # the first epoch this run trains (after a resume: rank 0's checkpoint's)
+    history: History = field(default_factory=History)
+    recorder: Any = None  # keraskit.Recorder, made by train()
+
+    @property
+    def ckpt_dir(self) -> Path:
+        return self.run_dir / "checkpoints"
 
 
 def lr_callback(hvd: Any, schedule: LRSchedule, leg: Leg) -> Any:
@@ -161,14 +179,32 @@ def compile_model(model: Any, optimizer: Any) -> None:
     model.optimizer.build(model.trainable_variables)
 
 
-def start_line(cfg: Config, size: int, where: str, splits: arrays.Splits, first: int, epochs: int, steps: int,
-               lr: float) -> str:
+def set_up_process(cfg: Config, tf: Any, hvd: Any, hvd_tf: Any) -> tuple[str, Path, rundir.RunDirLock | None]:
+    """This rank's device (its GPU, or its share of the CPU cores) and the run directory, locked by rank 0."""
     from hvdtrain.train import keraskit
 
-    return (f"{size} ranks on {where}  dataset {splits.name}: {len(splits.train)} train / {len(splits.val)} val  "
-            f"{tfkeras.keras_info(keraskit.tf).describe()}  epochs {first + 1}..{epochs}  batch {cfg.batch_size}×"
-            f"{size} ranks  {steps} steps/epoch  peak lr {lr:g}  {cfg.precision}"
-            f"{images_note(splits, cpu=not where.startswith('GPU'))}")
+    # Horovod: pin one GPU per process (visible device = the local rank's), its memory allocated as needed.
+    gpus = tf.config.list_physical_devices("GPU")
+    for gpu in gpus:
+        tf.config.experimental.set_memory_growth(gpu, True)
+    if gpus:
+        tf.config.set_visible_devices(gpus[hvd.local_rank()], "GPU")
+    where = keraskit.setup_process(cfg.threads, hvd.local_size())  # CPU threads per rank; stale /dev/shm swept
+    run_dir = Path(cfg.run_dir).absolute()
+    # Horovod: rank 0 alone writes the run directory and locks it; if another job holds it, every rank stops: exit 2.
+    run_lock = rundir.claim(run_dir, hvd.rank(), lambda v: hvd_tf.broadcast_object(v, root_rank=0,
+                                                                                   name="run_dir.lock"))
+    return where, run_dir, run_lock
+
+
+def start_line(run: Run) -> str:
+    from hvdtrain.train import keraskit
+
+    cfg, splits, size = run.cfg, run.splits, run.hvd.size()
+    return (f"{size} ranks on {run.where}  dataset {splits.name}: {len(splits.train)} train / {len(splits.val)} val  "
+            f"{tfkeras.keras_info(keraskit.tf).describe()}  epochs {run.first + 1}..{run.epochs}  batch "
+            f"{cfg.batch_size}×{size} ranks  {run.steps} steps/epoch  peak lr {run.lr:g}  {cfg.precision}"
+            f"{images_note(splits, cpu=not run.where.startswith('GPU'))}")
 
 
 def rank_0_callbacks(cfg: Config, run_dir: Path, history: History) -> list[Any]:
@@ -196,41 +232,30 @@ def stop_vote(hvd_tf: Any, request: preempt.StopRequest) -> preempt.StopVote:
         lambda result: [int(v) for v in result.numpy()])
 
 
-def save_stop(cfg: Config, hvd_tf: Any, ckpt_dir: Path, model: Any, history: History, leg: Leg, epoch: int,
-              step: int, trained: int) -> str:
+def save_stop(run: Run, leg: Leg, epoch: int, step: int, trained: int) -> str:
     """Every rank, after the step the ranks agreed to stop at (`step` of epoch `epoch`, `trained` of them in this
     leg): rank 0 writes the checkpoint of this point in the epoch; returns its path."""
     from hvdtrain.train import keraskit, kerasstop
 
+    hvd_tf = run.hvd_tf
     # Horovod: rank 0 keeps what of every rank no collective has made equal (its metric sums): gather it.
-    ranks = hvd_tf.allgather_object(kerasstop.metric_state(model), name="stop.ranks")
+    ranks = hvd_tf.allgather_object(kerasstop.metric_state(run.model), name="stop.ranks")
     path = ""
     if hvd_tf.rank() == 0:  # the loader's position: the epoch's start + the steps trained (tf.data reads ahead)
         loader = kerasstop.advanced(leg.data.loader.sampler, leg.data.starts[epoch], trained)
         position = {"epoch": epoch, "step": step, "loader": loader, "ranks": ranks}
-        path = str(keraskit.save_checkpoint(ckpt_dir, cfg.keep_checkpoints, model, history, epoch, position))
+        path = str(keraskit.save_checkpoint(run.ckpt_dir, run.cfg.keep_checkpoints, run.model, run.history, epoch,
+                                            position))
     # Horovod: no rank exits before the checkpoint is written (under horovodrun the first exit ends the job).
     return str(hvd_tf.broadcast_object(path, root_rank=0, name="stop.saved"))
 
 
-def legs(loader: ShmLoader, first: int, epochs: int, steps: int, position: dict[str, Any] | None,
-         metrics: list[float] | None, ckpt_dir: Path) -> list[Leg]:
-    """The fits from epoch `first` (from `position` if a stop mid-epoch left one: its rest, then the others)."""
-    from hvdtrain.train import keraskit
-
-    if position is None:
-        return [Leg(keraskit.LoaderEpochs(loader, first, epochs), steps)]
-    checkpoint.resume_loader(loader, position["loader"], ckpt_dir)  # the next iteration: after the batches trained
-    rest = Leg(keraskit.LoaderEpochs(loader, first, first + 1), len(loader), position["step"], metrics)
-    return [rest] + ([Leg(keraskit.LoaderEpochs(loader, first + 1, epochs), steps)] if first + 1 < epochs else [])
-
-
-def fit(cfg: Config, model: Any, splits: arrays.Splits, rank: int, size: int, first: int, epochs: int, steps: int,
-        position: dict[str, Any] | None, metrics: list[float] | None, callbacks: Any) -> None:
-    """Keras epochs first..epochs-1 on this rank's shard of the training set, validating on its share of the
+def fit(run: Run, position: dict[str, Any] | None, callbacks: Callable[[Leg], list[Any]]) -> None:
+    """Keras epochs run.first..run.epochs-1 on this rank's shard of the training set, validating on its share of the
     validation split; `callbacks(leg)` gives each fit's."""
-    from hvdtrain.train import keraskit
+    from hvdtrain.train import keraskit, kerasstop
 
+    cfg, splits, model, rank, size = run.cfg, run.splits, run.model, run.hvd.rank(), run.hvd.size()
     # Horovod: each rank reads only its shard (ShardSampler: strided over a per-epoch permutation that is the same on
     # every rank; padded so that every rank runs the same `steps`: an uneven shard would leave one rank waiting in an
     # allreduce), built by producer processes into shared memory (an MDS dataset is read there, shuffle block by
@@ -239,8 +264,9 @@ def fit(cfg: Config, model: Any, splits: arrays.Splits, rank: int, size: int, fi
     # re-raised as itself (exit 2 with its message).
     with ShmLoader(splits.train, rank=rank, size=size, batch_size=cfg.batch_size, num_workers=cfg.num_workers,
                    seed=cfg.seed, fetch=take_channels_last, order=splits.train.order,
-                   epochs=epochs) as loader, keraskit.data_errors_reraised():
-        todo = legs(loader, first, epochs, steps, position, metrics, Path(cfg.run_dir).absolute() / "checkpoints")
+                   epochs=run.epochs) as loader, keraskit.data_errors_reraised():
+        todo = kerasstop.legs(loader, run.first, run.epochs, run.steps, position,
+                              kerasstop.resumed_metrics(position, rank, size), run.ckpt_dir)
         for i, leg in enumerate(todo):
             model.fit(keraskit.train_input(leg.data, channels_last_shape(splits.train.sample_shape)),
                       steps_per_epoch=leg.steps, epochs=leg.data.epochs, initial_epoch=leg.data.first,
@@ -255,52 +281,101 @@ def fit(cfg: Config, model: Any, splits: arrays.Splits, rank: int, size: int, fi
                                   f"{loader.timeout:g} s of their last step")
 
 
-def resumed_metrics(position: dict[str, Any] | None, rank: int, size: int) -> list[float] | None:
-    """This rank's metric sums from a checkpoint written mid-epoch; None if there are none to match to it."""
-    if position is None:
-        return None
-    ranks = position["ranks"]
-    if len(ranks) != size:  # the loader re-shards; what was each rank's own cannot be matched to a rank
-        log(rank, f"the checkpoint stopped mid-epoch with {len(ranks)} ranks, this run has {size}: each rank's "
-                  "metric sums start afresh (the epoch's metrics cover only its rest)")
-        return None
-    return [float(v) for v in ranks[rank]]
-
-
-def finish(cfg: Config, run_dir: Path, splits: arrays.Splits, model: Any, lr: float, first: int, epochs: int,
-           history: History, recorder: Any, run_lock: rundir.RunDirLock | None) -> None:
-    """Every rank: compare the weights; rank 0: summary.json, or nothing if this run trained nothing; then the run
-    directory is released."""
-    import horovod.tensorflow as hvd_tf
-    import horovod.tensorflow.keras as hvd
-
+def resume(run: Run) -> dict[str, Any] | None:
+    """Rank 0 restores the newest intact checkpoint (unless --no-resume); every rank starts from rank 0's epoch,
+    history, weights and optimizer state. Returns the position of a checkpoint written mid-epoch, else None."""
     from hvdtrain.train import keraskit
 
-    tf, rank, size = keraskit.tf, hvd.rank(), hvd.size()
+    hvd_tf = run.hvd_tf
+    first, rows, position = (keraskit.load_latest(run.ckpt_dir, run.model) if hvd_tf.rank() == 0 and run.cfg.resume
+                             else (0, [], None))
+    # Horovod: every rank starts at rank 0's epoch and history, and with its weights and optimizer state: before fit
+    # too (the callback below broadcasts after the first batch, which would average in gradients at other weights);
+    # from a checkpoint written mid-epoch, at its step with each rank's own metric sums (NOTE [Keras stops
+    # mid-epoch] in hvdtrain/train/kerasstop.py).
+    run.first = hvd_tf.broadcast_object(first, root_rank=0, name="resume.epoch")
+    run.history = History(hvd_tf.broadcast_object(rows, root_rank=0, name="resume.history"))
+    position = hvd_tf.broadcast_object(position, root_rank=0, name="resume.position")
+    if run.first or position is not None:
+        hvd_tf.broadcast_variables(run.model.variables + keraskit.optimizer_state(run.model.optimizer),
+                                   root_rank=0)  # fp16's scale too
+    return position
+
+
+def leg_callbacks(run: Run, leg: Leg, broadcast: Any, vote: preempt.StopVote) -> list[Any]:
+    """A fit's callbacks, in Horovod's order."""
+    from hvdtrain.train import keraskit, kerasstop
+
+    hvd, schedule, recorder = run.hvd, run.schedule, run.recorder
+    if leg.first_step:  # the rest of a stopped epoch: its share of the samples, its first step's LR
+        recorder.resumed(leg.steps / (leg.first_step + leg.steps),
+                         schedule.lr_for_step(leg.data.first, 0, leg.first_step + leg.steps))
+    return [
+        broadcast,  # Horovod: rank 0's weights and optimizer state
+        hvd.callbacks.MetricAverageCallback(),  # Horovod: each epoch's metrics averaged over all ranks
+        lr_callback(hvd, schedule, leg),  # Horovod: the LR of every step (warmup, milestones)
+        *([keraskit.StopOnNonFinite(leg.first_step + leg.steps, leg.first_step)] if run.cfg.check_finite
+          else []),  # NaN/Inf: every rank stops at the same step
+        recorder,  # each epoch's (averaged) metrics, LR and timing into the history, on every rank
+        *(rank_0_callbacks(run.cfg, run.run_dir, run.history) if hvd.rank() == 0 else []),  # Horovod: rank 0 only
+        kerasstop.StopAtBoundary(  # last: a stop request on any rank stops every rank after the same step
+            vote, lambda epoch, step, trained: save_stop(run, leg, epoch, step, trained),
+            lambda done: str(checkpoint.checkpoint_path(run.ckpt_dir, done)), run.epochs, first_step=leg.first_step,
+            metrics=leg.metrics),
+    ]
+
+
+def train(run: Run, position: dict[str, Any] | None) -> str:
+    """The fits, with their callbacks; the checkpoint to resume from if the ranks agreed to stop (exit 75), else
+    ""."""
+    from hvdtrain.train import keraskit, kerasstop
+
+    rank, size = run.hvd.rank(), run.hvd.size()
+    samples = math.ceil(len(run.splits.train) / size) * size  # per epoch, over all ranks
+    run.recorder = keraskit.Recorder(run.history, samples, rank, run.epochs, run.cfg.stop_after_epoch)
+    broadcast = run.hvd.callbacks.BroadcastGlobalVariablesCallback(0)  # one for every fit: it broadcasts once
+    vote = stop_vote(run.hvd_tf, run.request)  # SIGUSR1/SIGTERM: checkpoint at the next step boundary, exit 75
+    try:
+        fit(run, position, lambda leg: leg_callbacks(run, leg, broadcast, vote))
+    except kerasstop.Preempted as stop:  # every rank, after the same step; checkpointed
+        return stop.path
+    return ""
+
+
+def finish(run: Run) -> None:
+    """Every rank: compare the weights; rank 0: summary.json, or nothing if this run trained nothing; then the run
+    directory is released."""
+    from hvdtrain.train import keraskit
+
+    cfg, hvd, tf, history = run.cfg, run.hvd, keraskit.tf, run.history
+    rank, size, first, epochs = hvd.rank(), hvd.size(), run.first, run.epochs
     # Horovod: every rank must end with identical weights; gather each rank's digest and compare.
-    digests = hvd_tf.allgather_object(keraskit.weights_digest(model), name="final.digest")
+    digests = run.hvd_tf.allgather_object(keraskit.weights_digest(run.model), name="final.digest")
     log(rank, same_weights(digests, size))
     done = int(history.epochs[-1]["epoch"]) if history.epochs else first
     if rank == 0 and done == first:
-        print(nothing_to_train(epochs, run_dir / "checkpoints", run_dir), flush=True)
+        print(nothing_to_train(epochs, run.ckpt_dir, run.run_dir), flush=True)
     elif rank == 0:
         # Horovod: rank 0 writes the summary, with what the run was; its world: hvd.size() ranks, hvd.local_size()
         # on this host, on hvd.cross_size() hosts (the ranks whose local rank is 0, as this one's).
         keras = tfkeras.keras_info(tf)  # keras (3) or tf_keras (2), its version
-        config = run_config(cfg, splits, model=keraskit.model_info(model, cfg.width), epochs=epochs, peak_lr=lr,
+        config = run_config(cfg, run.splits, model=keraskit.model_info(run.model, cfg.width), epochs=epochs,
+                            peak_lr=run.lr,
                             world={"size": size, "local_size": hvd.local_size(), "hosts": hvd.cross_size()},
                             versions=versions(tensorflow=tf.__version__, **{keras.package: keras.version}))
+        recorder = run.recorder
         summary = build_summary(
             epochs_completed=done, epochs_total=epochs, history=history, stall=None, config=config,
-            samples_per_sec=recorder.trained_samples / recorder.trained_s if recorder.trained_s else math.nan,
+            samples_per_sec=recorder.trained_samples / recorder.trained_s if recorder and recorder.trained_s
+            else math.nan,
             extra={"world_size": size, "resumed_from_epoch": first, "weights_sha256_by_rank": digests,
                    "keras": keras.describe()})
-        path = write_summary(run_dir, summary)
+        path = write_summary(run.run_dir, summary)
         last = summary["val_accuracy"]
         print(f"done: {done}/{epochs} epochs, validation accuracy {'n/a' if last is None else format(last, '.2%')}"
               f"\nsummary:    {path}", flush=True)
-    if run_lock is not None:
-        run_lock.release()
+    if run.run_lock is not None:
+        run.run_lock.release()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -311,84 +386,34 @@ def main(argv: list[str] | None = None) -> int:
     import horovod.tensorflow as hvd_tf  # broadcast_object / allgather_object
     import horovod.tensorflow.keras as hvd
 
-    from hvdtrain.train import keraskit, kerasstop
     # ---- 1. processes and devices
     hvd.init()  # Horovod: join the job; rank/size come from horovodrun (or mpirun).
     # Asked to stop (SIGUSR1, SIGTERM, hvdtrain run's stop file) from now on: acted on at the first step boundary.
     request = preempt.StopRequest(records.directory(), sigterm_grace_s=cfg.sigterm_grace).install()
-    rank, size = hvd.rank(), hvd.size()
-    # Horovod: pin one GPU per process (visible device = the local rank's), its memory allocated as needed.
-    gpus = tf.config.list_physical_devices("GPU")
-    for gpu in gpus:
-        tf.config.experimental.set_memory_growth(gpu, True)
-    if gpus:
-        tf.config.set_visible_devices(gpus[hvd.local_rank()], "GPU")
-    where = keraskit.setup_process(cfg.threads, hvd.local_size())  # CPU threads per rank; stale /dev/shm swept
-    run_dir = Path(cfg.run_dir).absolute()
-    ckpt_dir = run_dir / "checkpoints"
-    # Horovod: rank 0 alone writes the run directory and locks it; if another job holds it, every rank stops: exit 2.
-    run_lock = rundir.claim(run_dir, rank, lambda v: hvd_tf.broadcast_object(v, root_rank=0, name="run_dir.lock"))
+    where, run_dir, run_lock = set_up_process(cfg, tf, hvd, hvd_tf)
     # ---- 2. data (each rank's shard is read in fit, below), model, LR, optimizer
     splits = load_splits(cfg)
-    steps = expected_batches(len(splits.train), size, cfg.batch_size)  # per epoch, the same on every rank
+    steps = expected_batches(len(splits.train), hvd.size(), cfg.batch_size)  # per epoch, the same on every rank
     model = build_model(cfg, splits)
     # Horovod: scale the LR by the number of workers (the effective batch is hvd.size() × larger; Goyal et al.).
     lr = cfg.base_lr * hvd.size()
     schedule = lr_schedule(cfg, lr)  # warmup from lr / hvd.size() to lr, then the milestones
     compile_model(model, make_optimizer(cfg, hvd, schedule.lr_at(0)))
-    epochs = scaled_epochs(cfg.epochs, size, cfg.scale_epochs_by_size)  # Horovod: ceil(epochs / size) if asked
+    epochs = scaled_epochs(cfg.epochs, hvd.size(), cfg.scale_epochs_by_size)  # Horovod: ceil(epochs / size) if asked
+    run = Run(cfg, hvd, hvd_tf, request, where, run_dir, run_lock, splits, steps, epochs, model, lr, schedule)
     # ---- 3. resume: rank 0 restores the newest intact checkpoint; every rank starts from rank 0's
-    first, rows, position = (keraskit.load_latest(ckpt_dir, model) if rank == 0 and cfg.resume else (0, [], None))
-    # Horovod: every rank starts at rank 0's epoch and history, and with its weights and optimizer state: before fit
-    # too (the callback below broadcasts after the first batch, which would average in gradients at other weights);
-    # from a checkpoint written mid-epoch, at its step with each rank's own metric sums (NOTE [Keras stops
-    # mid-epoch] in hvdtrain/train/kerasstop.py).
-    first = hvd_tf.broadcast_object(first, root_rank=0, name="resume.epoch")
-    history = History(hvd_tf.broadcast_object(rows, root_rank=0, name="resume.history"))
-    position = hvd_tf.broadcast_object(position, root_rank=0, name="resume.position")
-    if first or position is not None:
-        hvd_tf.broadcast_variables(model.variables + keraskit.optimizer_state(model.optimizer),
-                                   root_rank=0)  # fp16's scale too
-    log(rank, start_line(cfg, size, where, splits, first, epochs, steps, lr))
+    position = resume(run)
+    log(hvd.rank(), start_line(run))
     # ---- 4. callbacks in Horovod's order, then fit on this rank's shard
-    samples = math.ceil(len(splits.train) / size) * size  # per epoch, over all ranks
-    recorder = keraskit.Recorder(history, samples, rank, epochs, cfg.stop_after_epoch)
-    broadcast = hvd.callbacks.BroadcastGlobalVariablesCallback(0)  # one for every fit: it broadcasts once
-    vote = stop_vote(hvd_tf, request)  # SIGUSR1/SIGTERM: checkpoint at the next step boundary, exit 75
-
-    def callbacks(leg: Leg) -> list[Any]:
-        if leg.first_step:  # the rest of a stopped epoch: its share of the samples, its first step's LR
-            recorder.resumed(leg.steps / (leg.first_step + leg.steps),
-                             schedule.lr_for_step(leg.data.first, 0, leg.first_step + leg.steps))
-        return [
-            broadcast,  # Horovod: rank 0's weights and optimizer state
-            hvd.callbacks.MetricAverageCallback(),  # Horovod: each epoch's metrics averaged over all ranks
-            lr_callback(hvd, schedule, leg),  # Horovod: the LR of every step (warmup, milestones)
-            *([keraskit.StopOnNonFinite(leg.first_step + leg.steps, leg.first_step)] if cfg.check_finite
-              else []),  # NaN/Inf: every rank stops at the same step
-            recorder,  # each epoch's (averaged) metrics, LR and timing into the history, on every rank
-            *(rank_0_callbacks(cfg, run_dir, history) if rank == 0 else []),  # Horovod: checkpoints on rank 0 only
-            kerasstop.StopAtBoundary(  # last: a stop request on any rank stops every rank after the same step
-                vote, lambda epoch, step, trained: save_stop(cfg, hvd_tf, ckpt_dir, model, history, leg, epoch, step,
-                                                             trained),
-                lambda done: str(checkpoint.checkpoint_path(ckpt_dir, done)), epochs, first_step=leg.first_step,
-                metrics=leg.metrics),
-        ]
-
-    if first < epochs:
-        stopped = False
-        try:
-            fit(cfg, model, splits, rank, size, first, epochs, steps, position,
-                resumed_metrics(position, rank, size), callbacks)
-        except kerasstop.Preempted as stop:  # every rank, after the same step; checkpointed
-            if rank == 0:
-                print(preempt.stop_line(request, stop.path), flush=True)
-            stopped = True
-        if stopped:
+    if run.first < run.epochs:
+        stop = train(run, position)
+        if stop:
+            if hvd.rank() == 0:
+                print(preempt.stop_line(request, stop), flush=True)
             gc.collect()  # the stopped fit's tf.data iterator ends now: at interpreter exit TensorFlow warns of it
             return exitcodes.PREEMPTED
     # ---- 5. the end: identical weights everywhere; rank 0 writes summary.json
-    finish(cfg, run_dir, splits, model, lr, first, epochs, history, recorder, run_lock)
+    finish(run)
     return 0
 
 

@@ -62,16 +62,16 @@ from torch import nn
 from hvdtrain import exitcodes, records, rundir
 from hvdtrain.atomic import atomic_write
 from hvdtrain.data import DevicePrefetcher, ShmLoader, StallMeter
-from hvdtrain.datasets import arrays
+from hvdtrain.formats import arrays
 from hvdtrain.settings.parse import parse_config
 from hvdtrain.settings.recipes import PytorchElasticConfig as Config  # every flag, defined once
 from hvdtrain.train import checkpoint, divergence, preempt, torchkit
 from hvdtrain.train.checkpoint import CheckpointMismatch
-from hvdtrain.train.datasets import load_splits
 from hvdtrain.train.entry import exit_with
 from hvdtrain.train.lr import LRSchedule
 from hvdtrain.train.metrics import History, MetricSums, build_summary, combine_stall
 from hvdtrain.train.precision import Precision, prepare_model
+from hvdtrain.train.recipe_data import load_splits
 from hvdtrain.train.report import log, nothing_to_train, run_config, same_weights, versions, wait_share
 
 EVENTS_NAME = "elastic.jsonl"
@@ -120,16 +120,8 @@ def make_loader(cfg: Config, splits: arrays.Splits, rank: int, size: int, device
         epochs=cfg.epochs), device)
 
 
-def lr_schedule(cfg: Config, lr: float) -> LRSchedule:
-    """Per step: a linear warmup over --warmup-epochs from the single-worker LR (× backward passes: lr / size) up to
-    the scaled `lr` (Goyal et al.; Horovod's ImageNet example), then × --lr-gamma from each --lr-milestones epoch."""
-    return LRSchedule(peak_lr=lr, start_lr=cfg.base_lr * cfg.backward_passes_per_step,
-                      warmup_epochs=cfg.warmup_epochs, milestones=cfg.lr_milestones, gamma=cfg.lr_gamma)
-
-
-def allreduce_sum(values: np.ndarray) -> np.ndarray:
-    # Horovod: sum a small vector of local metric sums over all ranks.
-    return hvd.allreduce(torch.from_numpy(values), op=hvd.Sum).numpy()
+# Horovod: sum a small vector of local metric sums over all ranks (MetricSums.reduce takes numpy arrays).
+allreduce_sum = torchkit.on_numpy(lambda values: hvd.allreduce(values, op=hvd.Sum))
 
 
 def write_worker_file(run_dir: Path, rank: int, size: int) -> None:
@@ -186,7 +178,7 @@ def on_reset(j: Job, state: hvd.elastic.TorchState) -> None:
     j.rank, j.size = rank, size
     # Horovod: rescale the LR by the new number of workers, at the committed position's fractional epoch.
     lr = j.cfg.base_lr * hvd.size() * j.cfg.backward_passes_per_step
-    j.schedule = lr_schedule(j.cfg, lr)
+    j.schedule = torchkit.lr_schedule(j.cfg, lr)
     for group in j.optimizer.param_groups:
         group["lr"] = j.schedule.lr_at(state.epoch + min(samples / max(len(j.splits.train), 1), 1.0))
     # Horovod: sync() broadcasts rank 0's last *saved* state, so record the reset and save (a commit without the
@@ -399,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     # Horovod: scale the LR by the number of workers and the batches accumulated per allreduce (the effective batch);
     # the reset callback rescales it when the world changes.
     lr = cfg.base_lr * hvd.size() * cfg.backward_passes_per_step
-    schedule = lr_schedule(cfg, lr)  # warmup from lr / hvd.size() to lr, then the milestones
+    schedule = torchkit.lr_schedule(cfg, lr)  # warmup from lr / hvd.size() to lr, then the milestones
     # Horovod: wrap the optimizer: gradients are averaged over all ranks by allreduce inside step().
     optimizer = hvd.DistributedOptimizer(
         torchkit.sgd(cfg, model, schedule.lr_at(0)), named_parameters=model.named_parameters(),

@@ -44,28 +44,27 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import horovod.torch as hvd
-import numpy as np
 import torch
 from pytorch_models import make_model
 from torch import nn
 
 from hvdtrain import exitcodes, records, rundir
 from hvdtrain.data import DevicePrefetcher, ShmLoader
-from hvdtrain.datasets import arrays
+from hvdtrain.formats import arrays
 from hvdtrain.settings.parse import parse_config
 from hvdtrain.settings.recipes import PytorchTrainConfig as Config  # every flag, defined once
 from hvdtrain.train import checkpoint, divergence, preempt, torchkit
-from hvdtrain.train.datasets import load_splits
 from hvdtrain.train.entry import exit_with
 from hvdtrain.train.lr import LRSchedule, scaled_epochs
 from hvdtrain.train.metrics import History, MetricSums, build_summary, combine_stall
 from hvdtrain.train.precision import Precision, prepare_model
 from hvdtrain.train.progress import progress_bar
+from hvdtrain.train.recipe_data import load_splits
 from hvdtrain.train.report import images_note, log, nothing_to_train, run_config, same_weights, versions
 from hvdtrain.train.startup import StartupClock
 from hvdtrain.train.stepflags import LateReads
@@ -116,16 +115,8 @@ def build_model(cfg: Config, splits: arrays.Splits, device: torch.device) -> tup
     return model, prepare_model(model, cfg.channels_last, cfg.compile), Precision(cfg.precision, device)
 
 
-def lr_schedule(cfg: Config, lr: float) -> LRSchedule:
-    """Per step: a linear warmup over --warmup-epochs from the single-worker LR (× backward passes: lr / size) up to
-    the scaled `lr` (Goyal et al.; Horovod's ImageNet example), then × --lr-gamma from each --lr-milestones epoch."""
-    return LRSchedule(peak_lr=lr, start_lr=cfg.base_lr * cfg.backward_passes_per_step,
-                      warmup_epochs=cfg.warmup_epochs, milestones=cfg.lr_milestones, gamma=cfg.lr_gamma)
-
-
-def allreduce_sum(values: np.ndarray) -> np.ndarray:
-    # Horovod: sum a small vector of local metric sums over all ranks.
-    return hvd.allreduce(torch.from_numpy(values), op=hvd.Sum).numpy()
+# Horovod: sum a small vector of local metric sums over all ranks (MetricSums.reduce takes numpy arrays).
+allreduce_sum = torchkit.on_numpy(lambda values: hvd.allreduce(values, op=hvd.Sum))
 
 
 def stop_vote(request: preempt.StopRequest, every_s: float | None = None) -> preempt.StopVote:
@@ -147,6 +138,53 @@ class Stopped:
     sums: MetricSums
 
 
+@dataclass
+class Run:
+    """What this run's epochs share, made once by main(); the Horovod calls stay in the functions that use it."""
+
+    cfg: Config
+    clock: StartupClock
+    request: preempt.StopRequest
+    device: torch.device
+    where: str  # the device line: a GPU, or the CPU threads of this rank
+    run_dir: Path
+    splits: arrays.Splits
+    epochs: int
+    loader: DevicePrefetcher
+    model: nn.Module
+    net: nn.Module  # what trains: `model`, channels-last and/or compiled (sharing its parameters)
+    precision: Precision
+    lr: float  # the peak LR, scaled by the world size
+    schedule: LRSchedule
+    optimizer: HvdOptimizer
+    first: int = 0  # the first epoch this run trains (after a resume: rank 0's checkpoint's)
+    history: History = field(default_factory=History)
+    done: int = 0  # epochs completed; samples trained and seconds spent in this run
+    samples: float = 0.0
+    seconds: float = 0.0
+    # made when training starts (train_epochs)
+    meters: Meters = field(init=False)
+    writer: Any = field(init=False)
+    vote: preempt.StopVote = field(init=False)
+
+    @property
+    def ckpt_dir(self) -> Path:
+        return self.run_dir / "checkpoints"
+
+
+def set_up_process(cfg: Config) -> tuple[torch.device, str, Path]:
+    """This rank's device (its GPU, or its share of the CPU cores) and the run directory, locked by rank 0."""
+    # Horovod: pin one GPU per process, chosen by its local rank (Horovod never sets CUDA_VISIBLE_DEVICES).
+    if torch.cuda.is_available():
+        torch.cuda.set_device(hvd.local_rank())
+    device = torch.device("cuda", hvd.local_rank()) if torch.cuda.is_available() else torch.device("cpu")
+    where = torchkit.setup_process(cfg.threads, hvd.local_size())  # CPU threads per rank; stale /dev/shm swept
+    run_dir = Path(cfg.run_dir).absolute()
+    # Horovod: rank 0 alone writes the run directory and locks it; if another job holds it, every rank stops: exit 2.
+    rundir.claim(run_dir, hvd.rank(), lambda v: hvd.broadcast_object(v, root_rank=0, name="run_dir.lock"))
+    return device, where, run_dir
+
+
 def step_values(cfg: Config, net: nn.Module, optimizer: HvdOptimizer, precision: Precision,
                 losses: list[torch.Tensor]) -> torch.Tensor:
     """[diverged, each backward pass's loss] of this step, on the device, for LateReads (nothing waits for it)."""
@@ -157,28 +195,27 @@ def step_values(cfg: Config, net: nn.Module, optimizer: HvdOptimizer, precision:
     return torchkit.step_vector(bad, losses, 1 + cfg.backward_passes_per_step)
 
 
-def train_epoch(cfg: Config, epoch: int, epochs: int, net: nn.Module, optimizer: HvdOptimizer,
-                schedule: LRSchedule, loader: DevicePrefetcher, meters: Meters, precision: Precision,
-                sums: MetricSums, start: int, vote: preempt.StopVote) -> int | None:
+def train_epoch(run: Run, epoch: int, sums: MetricSums, start: int) -> int | None:
     """Train the epoch from step `start` (0, or where a stop left it), adding to `sums`; the steps done if the ranks
     agreed to stop before the epoch's end, else None. Nothing in a step makes the host wait for the GPU: the step's
     checks are read one step later (NOTE [flags read a step late] in hvdtrain/train/stepflags.py)."""
+    cfg, net, optimizer, loader, precision = run.cfg, run.net, run.optimizer, run.loader, run.precision
     net.train()
     steps = start + len(loader)
     # Horovod: only rank 0 shows progress (every rank's bar would interleave in the output).
-    bar = progress_bar(meters.wrap(loader), steps - start, f"epoch {epoch + 1}/{epochs}",
+    bar = progress_bar(run.meters.wrap(loader), steps - start, f"epoch {epoch + 1}/{run.epochs}",
                        enabled=hvd.rank() == 0 and cfg.progress)
     late = LateReads(next(net.parameters()).device, 1 + cfg.backward_passes_per_step)
-    lr = schedule.lr_at(epoch)
+    lr = run.schedule.lr_at(epoch)
     for step, (x, y) in enumerate(bar, start):  # meters time the host's wait for each batch and the GPU's idle gap
-        lr = schedule.lr_for_step(epoch, step, steps)
+        lr = run.schedule.lr_for_step(epoch, step, steps)
         for group in optimizer.param_groups:
             group["lr"] = lr
         optimizer.zero_grad()
         # Horovod: backward_passes_per_step chunks, each a backward() DistributedOptimizer accumulates locally
         # (under --precision's autocast; fp16 scales the loss: NOTE [fp16 with Horovod] in precision.py).
         losses = forward_backward(net, x, y, cfg.backward_passes_per_step, sums, precision, cfg.channels_last)
-        meters.ahead(loader)  # the next batch's copy is queued while the GPU runs this backward pass
+        run.meters.ahead(loader)  # the next batch's copy is queued while the GPU runs this backward pass
         # Horovod: wait for the allreduce of the gradients, note whether the averages are finite, then apply them
         # (skip_synchronize: step() must not wait for the allreduce a second time).
         optimizer.synchronize()
@@ -186,24 +223,23 @@ def train_epoch(cfg: Config, epoch: int, epochs: int, net: nn.Module, optimizer:
         torchkit.read_back(late.push(step, step_values(cfg, net, optimizer, precision, losses)), epoch, steps, bar, lr)
         with optimizer.skip_synchronize():
             precision.step(optimizer)
-        if vote.after_step() and step + 1 < steps:  # Horovod: every rank gets the same maximum, so all stop here
+        if run.vote.after_step() and step + 1 < steps:  # Horovod: every rank gets the same maximum: all stop here
             torchkit.read_back(late.drain(), epoch, steps, bar, lr)
             bar.close()
             return step + 1
     torchkit.read_back(late.drain(), epoch, steps, bar, lr)
     bar.close()
-    vote.drain()
+    run.vote.drain()
     return None
 
 
-def evaluate(cfg: Config, model: nn.Module, val_set: arrays.Split, device: torch.device,
-             precision: Precision) -> dict[str, float]:
+def evaluate(run: Run) -> dict[str, float]:
     # Horovod: gradients are averaged but BatchNorm running statistics are not; average them too, so every rank
     # validates and rank 0 checkpoints the same model.
-    average_buffers(model, lambda buf, name: hvd.allreduce(buf, op=hvd.Average, name=name))
+    average_buffers(run.model, lambda buf, name: hvd.allreduce(buf, op=hvd.Average, name=name))
     # Horovod: validation metrics over the whole validation set = sums over every rank's shard.
-    return validation_sums(model, val_set, hvd.rank(), hvd.size(), device, precision,
-                           cfg.channels_last).reduce(allreduce_sum)
+    return validation_sums(run.model, run.splits.val, hvd.rank(), hvd.size(), run.device, run.precision,
+                           run.cfg.channels_last).reduce(allreduce_sum)
 
 
 def resume_rank(position: dict[str, Any] | None, model: nn.Module) -> tuple[MetricSums, int]:
@@ -219,44 +255,69 @@ def resume_rank(position: dict[str, Any] | None, model: nn.Module) -> tuple[Metr
     return restore_rank_state(ranks[hvd.rank()], model), position["step"]
 
 
-def train_and_validate(cfg: Config, epoch: int, epochs: int, model: nn.Module, net: nn.Module,
-                       optimizer: HvdOptimizer, schedule: LRSchedule, precision: Precision,
-                       loader: DevicePrefetcher, meters: Meters, val_set: arrays.Split, device: torch.device,
-                       history: History, vote: preempt.StopVote, position: dict[str, Any] | None
+def train_and_validate(run: Run, epoch: int, position: dict[str, Any] | None
                        ) -> tuple[dict[str, float], float, float] | Stopped:
-    """One epoch (from `position`, where a stop mid-epoch left it): train, validate, check, record in `history`.
+    """One epoch (from `position`, where a stop mid-epoch left it): train, validate, check, record in the history.
     Returns (the epoch's row, samples trained, seconds), or Stopped if the ranks agreed to stop inside it."""
-    torch.manual_seed(epoch_seed(cfg.seed, epoch, hvd.rank()))
-    loader.set_epoch(epoch)  # a new shuffle each epoch, the same permutation on every rank (a resumed one: its place)
-    sums, first_step = resume_rank(position, model)
-    start, mark = time.perf_counter(), meters.mark()
-    steps = first_step + len(loader)
-    stopped = train_epoch(cfg, epoch, epochs, net, optimizer, schedule, loader, meters, precision, sums, first_step,
-                          vote)
+    torch.manual_seed(epoch_seed(run.cfg.seed, epoch, hvd.rank()))
+    run.loader.set_epoch(epoch)  # a new shuffle each epoch, the same permutation on every rank (resumed: its place)
+    sums, first_step = resume_rank(position, run.model)
+    start, mark = time.perf_counter(), run.meters.mark()
+    steps = first_step + len(run.loader)
+    stopped = train_epoch(run, epoch, sums, first_step)
     if stopped is not None:
         return Stopped(stopped, sums)
     # Horovod: average loss and accuracy over all ranks' samples (one allreduce).
     train = sums.reduce(allreduce_sum)
     took = time.perf_counter() - start
-    val = evaluate(cfg, model, val_set, device, precision)
-    if cfg.check_finite:  # before anything records or checkpoints the epoch (NOTE [divergence checks])
+    val = evaluate(run)
+    if run.cfg.check_finite:  # before anything records or checkpoints the epoch (NOTE [divergence checks])
         divergence.check_epoch(epoch, {"train_loss": train["loss"], "val_loss": val["loss"]})
     # the epoch's LR: its first step's and its last step's (they differ during the warmup)
-    row = history.record(epoch + 1, train_loss=train["loss"], train_accuracy=train["accuracy"],
-                         val_loss=val["loss"], val_accuracy=val["accuracy"],
-                         lr_first=schedule.lr_for_step(epoch, 0, steps), lr=optimizer.param_groups[0]["lr"],
-                         samples_per_sec=train["samples"] * (steps - first_step) / steps / took,
-                         **meters.epoch_shares(mark))
+    row = run.history.record(epoch + 1, train_loss=train["loss"], train_accuracy=train["accuracy"],
+                             val_loss=val["loss"], val_accuracy=val["accuracy"],
+                             lr_first=run.schedule.lr_for_step(epoch, 0, steps),
+                             lr=run.optimizer.param_groups[0]["lr"],
+                             samples_per_sec=train["samples"] * (steps - first_step) / steps / took,
+                             **run.meters.epoch_shares(mark))
     return row, train["samples"] * (steps - first_step) / steps, took
 
 
-def start_line(cfg: Config, where: str, splits: arrays.Splits, model: nn.Module, first: int, epochs: int,
-               lr: float) -> str:
-    return (f"{hvd.size()} ranks on {where}  dataset {splits.name}: {len(splits.train)} train / {len(splits.val)} "
-            f"val  model {type(model).__name__}  epochs {f'{first + 1}..{epochs}' if first < epochs else 'all done'}"
-            f"  batch {cfg.batch_size}×{hvd.size()} ranks  peak lr {lr:g}  {cfg.precision}"
+def resume(run: Run) -> dict[str, Any] | None:
+    """Rank 0 loads the newest intact checkpoint (unless --no-resume); every rank starts from rank 0's epoch,
+    history, optimizer state and weights. Returns the position of a checkpoint written mid-epoch, else None."""
+    cfg, ckpt_dir = run.cfg, run.ckpt_dir
+    first, rows, position = (load_latest(ckpt_dir, run.model, run.optimizer, run.precision)
+                             if hvd.rank() == 0 and cfg.resume else (0, [], None))
+    # Horovod: every rank resumes at rank 0's epoch, with rank 0's history; from a checkpoint written mid-epoch,
+    # at its step with each rank's own state (NOTE [stop requests] in hvdtrain/train/preempt.py).
+    run.first = run.done = hvd.broadcast_object(first, root_rank=0, name="resume.epoch")
+    run.history = History(hvd.broadcast_object(rows, root_rank=0, name="resume.history"))
+    position = hvd.broadcast_object(position, root_rank=0, name="resume.position")
+    if position is not None and "ranks" not in position:  # pytorch_elastic.py's: no rank's own state to put back
+        raise checkpoint.CheckpointMismatch(
+            f"the newest checkpoint in {ckpt_dir} was written mid-epoch by recipes/pytorch_elastic.py when it was "
+            "asked to stop: resume it with that recipe, or train this one in a new --run-dir")
+    if position is not None:
+        checkpoint.resume_loader(run.loader, position["loader"], ckpt_dir)
+    # Horovod: start every rank from rank 0's optimizer state (momentum buffers, LR), then its weights: on a rank with
+    # an empty state, broadcast_optimizer_state takes a zero-gradient step, which with weight decay moves the weights.
+    hvd.broadcast_optimizer_state(run.optimizer, root_rank=0)
+    hvd.broadcast_parameters(run.model.state_dict(), root_rank=0)
+    # Horovod: fp16's loss scale too (NOTE [fp16 with Horovod]): every rank skips the same overflowing steps.
+    run.precision.load_state_dict(hvd.broadcast_object(run.precision.state_dict(), root_rank=0,
+                                                       name="resume.precision"))
+    return position
+
+
+def start_line(run: Run) -> str:
+    cfg, splits, size = run.cfg, run.splits, hvd.size()
+    return (f"{size} ranks on {run.where}  dataset {splits.name}: {len(splits.train)} train / {len(splits.val)} "
+            f"val  model {type(run.model).__name__}  epochs "
+            f"{f'{run.first + 1}..{run.epochs}' if run.first < run.epochs else 'all done'}"
+            f"  batch {cfg.batch_size}×{size} ranks  peak lr {run.lr:g}  {cfg.precision}"
             f"{'  channels-last' if cfg.channels_last else ''}{'  compiled' if cfg.compile else ''}"
-            f"{images_note(splits, cpu=where.startswith('cpu'))}")
+            f"{images_note(splits, cpu=run.where.startswith('cpu'))}")
 
 
 def stop_asked(cfg: Config, done: int, epochs: int) -> bool:
@@ -267,53 +328,85 @@ def stop_asked(cfg: Config, done: int, epochs: int) -> bool:
     return False
 
 
-def save_stop(cfg: Config, ckpt_dir: Path, epoch: int, stopped: Stopped, model: nn.Module, optimizer: HvdOptimizer,
-              history: History, precision: Precision, loader: DevicePrefetcher) -> str:
+def save_stop(run: Run, epoch: int, stopped: Stopped) -> str:
     """Every rank, after the step the ranks agreed to stop at: rank 0 writes the checkpoint of this point in the
     epoch; returns its path."""
     # Horovod: rank 0 keeps what of every rank no collective has made equal (NOTE [stop requests]): gather it.
-    ranks = hvd.allgather_object(rank_state(model, stopped.sums), name="stop.ranks")
+    ranks = hvd.allgather_object(rank_state(run.model, stopped.sums), name="stop.ranks")
     path = ""
     if hvd.rank() == 0:  # the loader's position: the batches trained on (its look-ahead given back)
-        position = {"epoch": epoch, "step": stopped.step, "loader": loader.state_dict(), "ranks": ranks}
-        path = str(save_checkpoint(cfg, ckpt_dir, epoch, model, optimizer, history, precision, position))
+        position = {"epoch": epoch, "step": stopped.step, "loader": run.loader.state_dict(), "ranks": ranks}
+        path = str(save_checkpoint(run.cfg, run.ckpt_dir, epoch, run.model, run.optimizer, run.history,
+                                   run.precision, position))
     # Horovod: no rank exits before the checkpoint is written (under horovodrun the first exit ends the job).
     return str(hvd.broadcast_object(path, root_rank=0, name="stop.saved"))
 
 
-def finish(cfg: Config, run_dir: Path, first: int, done: int, epochs: int, model: nn.Module, lr: float,
-           splits: arrays.Splits, history: History, meters: Meters, samples: float, seconds: float,
-           writer: Any, clock: StartupClock) -> None:
-    """Every rank: compare the weights; rank 0: summary.json (`samples` trained in `seconds` in this run), or nothing
-    if this run trained nothing."""
-    rank, size, ckpt_dir = hvd.rank(), hvd.size(), run_dir / "checkpoints"
+def train_epochs(run: Run, position: dict[str, Any] | None) -> str:
+    """Every epoch from `run.first` (the first from `position`); rank 0 reports and checkpoints each. Returns the
+    checkpoint to resume from if the ranks agreed to stop (SIGUSR1/SIGTERM: exit 75), else ""."""
+    rank, cfg = hvd.rank(), run.cfg
+    run.meters = Meters.on(run.device, run.clock)  # the host's wait for data and, on a GPU, its idle gap, per step
+    run.writer = tensorboard_writer(rank == 0 and cfg.tensorboard, run.run_dir)  # Horovod: TensorBoard on rank 0.
+    run.vote = stop_vote(run.request)  # SIGUSR1/SIGTERM: checkpoint at the next step boundary, exit 75
+    run.clock.mark("logging")
+    run.clock.on_first_step = lambda c: log(rank, c.line())  # rank 0 says how long the first step took to come
+    try:
+        for epoch in range(run.first, run.epochs):
+            result = train_and_validate(run, epoch, position if epoch == run.first else None)
+            if isinstance(result, Stopped):
+                stop = save_stop(run, epoch, result)
+                run.request.disarm()  # checkpointed: SIGTERM's deadline may no longer end this rank
+                return stop
+            row, trained, took = result
+            run.done, run.samples, run.seconds = epoch + 1, run.samples + trained, run.seconds + took
+            if rank == 0:  # Horovod: only rank 0 reports and writes checkpoints (all ranks hold the same weights).
+                report_epoch(row, run.epochs, run.writer)
+                save_checkpoint(cfg, run.ckpt_dir, run.done, run.model, run.optimizer, run.history, run.precision)
+            if stop_asked(cfg, run.done, run.epochs):
+                break
+            if run.done < run.epochs and run.vote.now():  # asked during validation or the epoch's last step
+                run.request.disarm()
+                return str(checkpoint.checkpoint_path(run.ckpt_dir, run.done))
+    finally:
+        run.loader.close()  # stops the producer processes, frees the shared memory
+        if run.writer is not None:
+            run.writer.close()
+    return ""
+
+
+def finish(run: Run) -> None:
+    """Every rank: compare the weights; rank 0: summary.json (what this run trained), or nothing if it trained
+    nothing."""
+    rank, size, cfg, model = hvd.rank(), hvd.size(), run.cfg, run.model
     # Horovod: every rank must end with identical weights: gather each rank's digest and compare.
     digests = hvd.allgather_object(weights_digest(model), name="final.digest")
     log(rank, same_weights(digests, size))
     # Horovod: gather every rank's data-wait statistics for the summary.
-    stall = combine_stall(hvd.allgather_object(meters.summary(), name="final.stall"))
+    stall = combine_stall(hvd.allgather_object(run.meters.summary(), name="final.stall"))
     if rank != 0:
         return
-    if done == first:  # nothing trained in this run: keep the summary of the run that did the training
-        print(nothing_to_train(epochs, ckpt_dir, run_dir), flush=True)
+    if run.done == run.first:  # nothing trained in this run: keep the summary of the run that did the training
+        print(nothing_to_train(run.epochs, run.ckpt_dir, run.run_dir), flush=True)
         return
     # Horovod: rank 0 writes the summary, with what the run was; its world: hvd.size() ranks, hvd.local_size() on
     # this host, on hvd.cross_size() hosts (the ranks whose local rank is 0, as this one's).
-    config = run_config(cfg, splits, model=model_info(model_name(cfg, splits), model, cfg.model_width),
-                        epochs=epochs, peak_lr=lr,
+    config = run_config(cfg, run.splits, model=model_info(model_name(cfg, run.splits), model, cfg.model_width),
+                        epochs=run.epochs, peak_lr=run.lr,
                         world={"size": size, "local_size": hvd.local_size(), "hosts": hvd.cross_size()},
                         versions=versions(torch=torch.__version__))
-    summary = build_summary(epochs_completed=done, epochs_total=epochs, history=history,
-                            samples_per_sec=samples / seconds if seconds else math.nan,
+    summary = build_summary(epochs_completed=run.done, epochs_total=run.epochs, history=run.history,
+                            samples_per_sec=run.samples / run.seconds if run.seconds else math.nan,
                             stall=stall, config=config,
-                            extra={"world_size": size, "resumed_from_epoch": first, "weights_sha256_by_rank": digests,
-                                   "startup": clock.report()})
-    path = write_run_summary(run_dir, summary, meters.stall, cfg.stall_plot, size)
-    newest, last = checkpoint.list_checkpoints(ckpt_dir), summary["val_accuracy"]
-    print(f"done: {done}/{epochs} epochs, validation accuracy {'n/a' if last is None else format(last, '.2%')}\n"
+                            extra={"world_size": size, "resumed_from_epoch": run.first,
+                                   "weights_sha256_by_rank": digests, "startup": run.clock.report()})
+    path = write_run_summary(run.run_dir, summary, run.meters.stall, cfg.stall_plot, size)
+    newest, last = checkpoint.list_checkpoints(run.ckpt_dir), summary["val_accuracy"]
+    print(f"done: {run.done}/{run.epochs} epochs, validation accuracy "
+          f"{'n/a' if last is None else format(last, '.2%')}\n"
           f"checkpoint: {newest[-1][1] if newest else '(none)'}\nsummary:    {path}", flush=True)
-    if writer is not None:
-        print(f"tensorboard --logdir {run_dir / 'tensorboard'}", flush=True)
+    if run.writer is not None:
+        print(f"tensorboard --logdir {run.run_dir / 'tensorboard'}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -325,90 +418,37 @@ def main(argv: list[str] | None = None) -> int:
     clock.mark("rendezvous")
     # Asked to stop (SIGUSR1, SIGTERM, hvdtrain run's stop file) from now on: acted on at the first step boundary.
     request = preempt.StopRequest(records.directory(), sigterm_grace_s=cfg.sigterm_grace).install()
-    rank, size = hvd.rank(), hvd.size()
-    # Horovod: pin one GPU per process, chosen by its local rank (Horovod never sets CUDA_VISIBLE_DEVICES).
-    if torch.cuda.is_available():
-        torch.cuda.set_device(hvd.local_rank())
-    device = torch.device("cuda", hvd.local_rank()) if torch.cuda.is_available() else torch.device("cpu")
-    where = torchkit.setup_process(cfg.threads, hvd.local_size())  # CPU threads per rank; stale /dev/shm swept
-    run_dir = Path(cfg.run_dir).absolute()
-    ckpt_dir = run_dir / "checkpoints"
-    # Horovod: rank 0 alone writes the run directory and locks it; if another job holds it, every rank stops: exit 2.
-    rundir.claim(run_dir, rank, lambda v: hvd.broadcast_object(v, root_rank=0, name="run_dir.lock"))
+    device, where, run_dir = set_up_process(cfg)
     clock.mark("setup")
     # ---- 2. data: Horovod: each rank reads only its shard (with --scale-epochs-by-size, ceil(epochs / size)).
     splits = load_splits(cfg)
-    epochs = scaled_epochs(cfg.epochs, size, cfg.scale_epochs_by_size)
-    loader = shard_loader(cfg, splits, rank, size, epochs, device)
+    epochs = scaled_epochs(cfg.epochs, hvd.size(), cfg.scale_epochs_by_size)
+    loader = shard_loader(cfg, splits, hvd.rank(), hvd.size(), epochs, device)
     clock.mark("data")
     # ---- 3. model, LR, optimizer
     model, net, precision = build_model(cfg, splits, device)
     # Horovod: scale the LR by the number of workers and the batches accumulated per allreduce (the effective batch).
     lr = cfg.base_lr * hvd.size() * cfg.backward_passes_per_step
-    schedule = lr_schedule(cfg, lr)  # warmup from lr / hvd.size() to lr, then the milestones
+    schedule = torchkit.lr_schedule(cfg, lr)  # warmup from lr / hvd.size() to lr, then the milestones
     # Horovod: wrap the optimizer: gradients are averaged over all ranks by allreduce inside step().
     optimizer = hvd.DistributedOptimizer(
         sgd(cfg, model, schedule.lr_at(0)), named_parameters=model.named_parameters(),
         compression=hvd.Compression.fp16 if cfg.fp16_allreduce else hvd.Compression.none,
         backward_passes_per_step=cfg.backward_passes_per_step)
+    run = Run(cfg, clock, request, device, where, run_dir, splits, epochs, loader, model, net, precision, lr,
+              schedule, optimizer)
     # ---- 4. resume on rank 0, then the same starting point on every rank
-    first, rows, position = (load_latest(ckpt_dir, model, optimizer, precision) if rank == 0 and cfg.resume
-                             else (0, [], None))
-    # Horovod: every rank resumes at rank 0's epoch, with rank 0's history; from a checkpoint written mid-epoch,
-    # at its step with each rank's own state (NOTE [stop requests] in hvdtrain/train/preempt.py).
-    first = hvd.broadcast_object(first, root_rank=0, name="resume.epoch")
-    history = History(hvd.broadcast_object(rows, root_rank=0, name="resume.history"))
-    position = hvd.broadcast_object(position, root_rank=0, name="resume.position")
-    if position is not None and "ranks" not in position:  # pytorch_elastic.py's: no rank's own state to put back
-        raise checkpoint.CheckpointMismatch(
-            f"the newest checkpoint in {ckpt_dir} was written mid-epoch by recipes/pytorch_elastic.py when it was "
-            "asked to stop: resume it with that recipe, or train this one in a new --run-dir")
-    if position is not None:
-        checkpoint.resume_loader(loader, position["loader"], ckpt_dir)
-    # Horovod: start every rank from rank 0's optimizer state (momentum buffers, LR), then its weights: on a rank with
-    # an empty state, broadcast_optimizer_state takes a zero-gradient step, which with weight decay moves the weights.
-    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    # Horovod: fp16's loss scale too (NOTE [fp16 with Horovod]): every rank skips the same overflowing steps.
-    precision.load_state_dict(hvd.broadcast_object(precision.state_dict(), root_rank=0, name="resume.precision"))
+    position = resume(run)
     clock.mark("model")
-    log(rank, start_line(cfg, where, splits, model, first, epochs, lr))
+    log(hvd.rank(), start_line(run))
     # ---- 5. train and validate; checkpoint each epoch on rank 0
-    meters = Meters.on(device, clock)  # the host's wait for data and, on a GPU, the GPU's idle gap, per step
-    writer = tensorboard_writer(rank == 0 and cfg.tensorboard, run_dir)  # Horovod: TensorBoard on rank 0 only.
-    vote = stop_vote(request)  # SIGUSR1/SIGTERM: checkpoint at the next step boundary, exit 75
-    clock.mark("logging")
-    clock.on_first_step = lambda c: log(rank, c.line())  # rank 0 says how long the first step took to come
-    done, samples, seconds, stop = first, 0.0, 0.0, ""
-    try:
-        for epoch in range(first, epochs):
-            result = train_and_validate(cfg, epoch, epochs, model, net, optimizer, schedule, precision, loader,
-                                        meters, splits.val, device, history, vote, position if epoch == first else None)
-            if isinstance(result, Stopped):
-                stop = save_stop(cfg, ckpt_dir, epoch, result, model, optimizer, history, precision, loader)
-                request.disarm()  # checkpointed: SIGTERM's deadline may no longer end this rank
-                break
-            row, trained, took = result
-            done, samples, seconds = epoch + 1, samples + trained, seconds + took
-            if rank == 0:  # Horovod: only rank 0 reports and writes checkpoints (all ranks hold the same weights).
-                report_epoch(row, epochs, writer)
-                save_checkpoint(cfg, ckpt_dir, done, model, optimizer, history, precision)
-            if stop_asked(cfg, done, epochs):
-                break
-            if done < epochs and vote.now():  # asked during validation or the epoch's last step: stop here
-                stop = str(checkpoint.checkpoint_path(ckpt_dir, done))
-                request.disarm()
-                break
-    finally:
-        loader.close()  # stops the producer processes, frees the shared memory
-        if writer is not None:
-            writer.close()
+    stop = train_epochs(run, position)
     if stop:
-        if rank == 0:
-            print(preempt.stop_line(vote.request, stop), flush=True)
+        if hvd.rank() == 0:
+            print(preempt.stop_line(request, stop), flush=True)
         return exitcodes.PREEMPTED
     # ---- 6. the end: identical weights everywhere; rank 0 writes summary.json
-    finish(cfg, run_dir, first, done, epochs, model, lr, splits, history, meters, samples, seconds, writer, clock)
+    finish(run)
     return 0
 
 

@@ -29,9 +29,9 @@ CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing
 
 def write_digits(out: Path) -> None:
     """The digits as .npz train/val parts, converted with `hvdtrain data convert` (zstd, ~28 KB shards)."""
-    from hvdtrain.train import datasets
+    from hvdtrain.train import recipe_data
 
-    splits = datasets.load("digits")
+    splits = recipe_data.load("digits")
     for name, split in (("train", splits.train), ("val", splits.val)):
         (out / "npz" / name).mkdir(parents=True)
         for i, part in enumerate(np.array_split(np.arange(len(split)), 3)):

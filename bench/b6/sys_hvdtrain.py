@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from _harness import main
 
 from hvdtrain.data import ShmLoader
-from hvdtrain.datasets import arrays
+from hvdtrain.formats import arrays
 from hvdtrain.stream import StreamingDataset
 
 

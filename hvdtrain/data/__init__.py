@@ -1,8 +1,23 @@
-"""Data-parallel input pipeline: sharding, shared-memory producer processes, device prefetch, stall metrics.
+"""Data-parallel input pipeline, format-blind: sharding, shared-memory producer processes, device prefetch, stall
+metrics.
+
+- `sharding`: `ShardSampler`, each rank's shard of an index space (deterministic, even, resumable).
+- `loader`: `ShmLoader`, persistent producer processes handing batches over in shared memory; `receiver`: its end
+  of the wire and an epoch's receive state (NOTE [one receiver]).
+- `protocol`: the typed messages between the trainer and a producer; `channel`: their socket; `ring`: batch
+  announcements in shared memory.
+- `workers`: the producer process; `boot`: a producer in a fresh interpreter; `forked`: one forked from the
+  trainer (the default on Linux).
+- `shm`: shared-memory segments and the batch layout; `lending`: batches lent to the user (NOTE [batch
+  lifetime]); `resources`: the processes' and segments' lifetimes (NOTE [loader shutdown]).
+- `prefetch`: `DevicePrefetcher`, host -> GPU on a side stream; `pinning`: page-locked slots.
+- `stall`, `idle`: how long a step waited for its batch, and the GPU idle between steps.
+- `torch_adapter`, `tf_adapter`: the loader's batches as torch tensors, or as a tf.data dataset.
+- `errors`: `DataError` (the data is at fault) and the loader's errors.
 
 Nothing here imports horovod: loaders take `rank` and `size` as arguments. Every name is imported when first used
 (`from hvdtrain.data import ShmLoader` imports the loader then), so a producer process importing its own modules
-(boot.py, workers.py) does not import the trainer's, and torch and TensorFlow are imported only when
+(boot, workers) does not import the trainer's, and torch and TensorFlow are imported only when
 `TorchLoader`/`DevicePrefetcher`/`to_torch` or `to_tf_dataset` are first used.
 """
 

@@ -1,4 +1,4 @@
-"""The data package's errors: DataError, the one error base for data at fault (the formats in hvdtrain.datasets
+"""The data package's errors: DataError, the one error base for data at fault (the formats in hvdtrain.formats
 and streaming, hvdtrain.stream, extend it), and the loader's: LoaderError, and WorkerError, WorkerDiedError and
 LoaderTimeoutError derived from it (a producer raised, died or went silent), and SharedMemoryFullError (/dev/shm
 cannot hold the batches)."""

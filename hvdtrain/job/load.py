@@ -19,10 +19,10 @@ from pydantic import BaseModel, ValidationError
 
 from hvdtrain import textfile
 from hvdtrain.job import recipe
+from hvdtrain.job.allocation import Allocation
 from hvdtrain.job.flags import extra_args_problems, modeled_flags
 from hvdtrain.job.hosts import MAX_SLOTS, Host, HostError, check_np, parse_hostfile, parse_hosts, total_slots
 from hvdtrain.job.model import JobSpec
-from hvdtrain.job.slurm import Allocation
 
 KeyPath = tuple[str | int, ...]
 _NO_VALUE = object()

@@ -1,15 +1,13 @@
 """Run a LaunchPlan: start horovodrun (argv list, new session), stream rank-prefixed output, per-rank log files,
 forward SIGINT/SIGTERM/SIGHUP, turn SIGUSR1 into a request that the ranks checkpoint and stop (exit 75), leave no
-process behind (also when hvdtrain itself is killed), and exit with the job's exit code.
-
-Also the two look-ups a plan needs from this machine: the default controller and the horovodrun executable.
+process behind (also when hvdtrain itself is killed), and exit with the job's exit code. What this machine must
+have before a job starts (Horovod, horovodrun, a free run directory) is checked first, by preflight.py.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
-import importlib.util
 import os
 import shlex
 import shutil
@@ -25,90 +23,23 @@ from pathlib import Path
 import psutil
 
 from hvdtrain import exitcodes, records
-from hvdtrain.doctor import probe
 from hvdtrain.job.model import Logs, Ssh
-from hvdtrain.job.plan import RANK_MODULE, LaunchPlan
+from hvdtrain.job.plan import LaunchPlan
 from hvdtrain.launch.console import OutputRouter, pump
 from hvdtrain.launch.failures import FailureTracker
 from hvdtrain.launch.lifeline import DONE, die_with_parent, group_alive
+from hvdtrain.launch.preflight import LaunchError
 from hvdtrain.launch.stops import STOP_REASONS, StopRequests
 from hvdtrain.launch.verdict import doctor_argv, exit_code, find_lost_hosts
 
 GRACE_S = 20.0  # horovodrun gives ranks 5 s after SIGTERM, a rank's shell 5 s more to end, then 5 s before SIGKILL
 POLL_S = 0.5
-HVDRUN = "hvdtrain-horovodrun"  # console script of hvdtrain.launch.hvdrun
 GUARD_MODULE = "hvdtrain.launch.lifeline"  # `python -m hvdtrain.launch.lifeline PGID`: see NOTE [no orphans]
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # each stops the whole job; exit 128 + N
 RECORDS_TMP = "hvdtrain-records-"  # the ranks' records without logs.dir: a temporary directory
 SWEEP_POLL_S = 0.05  # how often the sweep looks whether horovodrun's group has stopped
 SRUN_ABORT_S = 10.0  # after SIGTERM, how long srun may take to kill its step through Slurm before SIGKILL
 SNAPSHOT_S = 2.0  # a process-tree walk costs CPU that the ranks need: not every poll
-
-
-class LaunchError(RuntimeError):
-    """The job cannot be started on this machine (no horovodrun, Horovod not importable); exit code 2."""
-
-
-def default_controller(python: str, *, save: bool = True) -> str:
-    """Gloo when `python`'s Horovod has it (it also runs elastic jobs), else MPI (hvdtrain.doctor.probe; `save=False`
-    writes no cache)."""
-    build = probe.horovod_build(python, save=save)
-    built = build.controllers()
-    if built.get("gloo"):
-        return "gloo"
-    if built.get("mpi"):
-        return "mpi"
-    if not build.built:
-        why = "; ".join(f"{part}: {error}" for part, error in build.errors.items()) or "no framework's ops are built"
-        raise LaunchError(no_horovod(python, why))
-    raise LaunchError(f"Horovod under {python} was built with neither Gloo nor MPI; rerun scripts/setup.sh")
-
-
-def no_horovod(python: str, why: str) -> str:
-    """The interpreter the ranks would run cannot import Horovod: which one was probed, and the two fixes."""
-    path = python if "/" in python else (shutil.which(python) or python)  # a bare name is looked up on PATH
-    other = "" if os.path.abspath(path) == os.path.abspath(sys.executable) else (
-        f" (e.g. {sys.executable}, the one running hvdtrain, if it has Horovod)")
-    venv = Path(path).absolute().parent.parent
-    install = (f"`HVDTRAIN_VENV={venv} bash scripts/setup.sh` installs Horovod into that venv"
-               if (venv / "pyvenv.cfg").is_file() else
-               "`bash scripts/setup.sh` makes .venv with Horovod in it: point `python:` at its bin/python")
-    return (f"the job's interpreter {python} cannot import Horovod ({why}); it is the spec's `python:` key (default: "
-            f"the Python running hvdtrain): set `python:` to an interpreter that has Horovod{other}; or, from the "
-            f"hvdtrain checkout, {install}")
-
-
-def check_rank_module(python: str) -> None:
-    """Every rank runs `python -m hvdtrain.rank`: say so before starting anything if `python` lacks hvdtrain (not
-    asked of the interpreter running this, which has it: the same file in the same folder, a venv's included)."""
-    here = Path(sys.executable).absolute()
-    if "/" in python and Path(python).parent == here.parent and os.path.realpath(python) == os.path.realpath(here):
-        return
-    try:
-        proc = subprocess.run([python, "-c", f"import {RANK_MODULE}"], capture_output=True, text=True,
-                              timeout=probe.PROBE_TIMEOUT_S, check=False, stdin=subprocess.DEVNULL)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise LaunchError(f"cannot run the job's interpreter {python}: {exc}") from None
-    if proc.returncode != 0:
-        last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
-        raise LaunchError(f"{python} cannot import {RANK_MODULE}, which starts every rank ({last}); install "
-                          f"hvdtrain into that interpreter (pip install -e <hvdtrain checkout>) or set `python:` "
-                          f"in the spec to one that has it")
-
-
-def find_horovodrun() -> str:
-    """What starts the ranks: hvdtrain-horovodrun next to this interpreter when it has Horovod (horovodrun without
-    its build probe: hvdtrain.launch.hvdrun), else horovodrun next to it (the venv's), else the one on PATH."""
-    here = Path(sys.executable).parent
-    if os.access(here / HVDRUN, os.X_OK) and importlib.util.find_spec("horovod") is not None:
-        return str(here / HVDRUN)
-    sibling = here / "horovodrun"
-    if os.access(sibling, os.X_OK):
-        return str(sibling)
-    found = shutil.which("horovodrun")
-    if found is None:
-        raise LaunchError("horovodrun not found next to this Python or on PATH; run scripts/setup.sh")
-    return found
 
 
 # NOTE [job shutdown]: how a job ends without orphans.

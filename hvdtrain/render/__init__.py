@@ -1,4 +1,10 @@
-"""Render a job spec for a cluster: a Kubeflow MPIJob (`k8s.py`) or an sbatch script (`slurm.py`).
+"""Render a job spec for a cluster: a Kubeflow MPIJob or an sbatch script.
+
+- `common`: what both renderers share: cluster options, the placement on nodes, the horovodrun argv.
+- `k8s`: JobSpec -> a Kubeflow MPI Operator `MPIJob` manifest; `credentials`: which env values it must not write;
+  `podpaths`: which of the job's files a pod has; `shmsize`: how big a worker pod's /dev/shm must be.
+- `sbatch`: JobSpec -> an sbatch script for Slurm.
+- `cmd_render`: `hvdtrain render k8s|slurm JOB.yaml` (its argparse wiring).
 
 Both are pure functions (spec + options -> text) over the same loaded `JobSpec`: the sbatch script runs `hvdtrain
 run` on the spec (or srun on its script), the MPIJob the horovodrun argv `hvdtrain run` would
@@ -14,7 +20,7 @@ from pathlib import Path
 from hvdtrain.render.common import IMAGE_REMOTE_DIR, ClusterOptions, RenderError, job_name, load_for_cluster
 from hvdtrain.render.k8s import K8sOptions, render_k8s
 from hvdtrain.render.podpaths import script_in_image
-from hvdtrain.render.slurm import SlurmOptions, SpecOnCluster, render_slurm
+from hvdtrain.render.sbatch import SlurmOptions, SpecOnCluster, render_slurm
 
 TARGETS = ("k8s", "slurm")
 

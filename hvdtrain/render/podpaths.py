@@ -22,7 +22,7 @@ from hvdtrain.render.common import IMAGE_ROOT
 
 IMAGE_DIRS = ("recipes", "jobs", "hostfiles", "docker", "scripts", "hvdtrain")
 IMAGE_RECIPES = f"{IMAGE_ROOT}/recipes"
-BUILTIN_DATASETS = ("digits", "synthetic")  # hvdtrain.train.datasets: made in memory, no files
+BUILTIN_DATASETS = ("digits", "synthetic")  # hvdtrain.train.recipe_data: made in memory, no files
 
 
 def shipped_recipe(local: Path) -> str | None:

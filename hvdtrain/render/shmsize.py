@@ -25,7 +25,7 @@ HEADROOM = 2  # a lent batch's segment plus its slot's new one
 BASE_MIB = 256  # small segments (rings, epoch orders), Python's multiprocessing, the rest of the pod's /dev/shm users
 NCCL_MIB = 1024  # NCCL's shared-memory transport within a pod with GPUs
 LABEL_BYTES = 8  # int64
-SAMPLE_BYTES = {"digits": 1 * 8 * 8 * 4}  # float32 1×8×8 (hvdtrain.datasets.arrays.digits)
+SAMPLE_BYTES = {"digits": 1 * 8 * 8 * 4}  # float32 1×8×8 (hvdtrain.formats.arrays.digits)
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ class ShmSize:
 
 def _sample_bytes(settings: RecipeConfig) -> int | None:
     if settings.dataset == "synthetic":
-        return math.prod(settings.synthetic_shape) * 4  # float32 (hvdtrain.datasets.arrays.synthetic)
+        return math.prod(settings.synthetic_shape) * 4  # float32 (hvdtrain.formats.arrays.synthetic)
     return SAMPLE_BYTES.get(settings.dataset)
 
 

@@ -2,7 +2,7 @@
 
 Sources (a split layout when SRC has both `train/` and `val/`; else SRC is the one, training split):
 - arrays: `*.npz` files holding `x` (samples, N × ...) and `y` (integer labels, N), and/or `NAME_x.npy` +
-  `NAME_y.npy` pairs (hvdtrain/datasets/npyshards.py's shard directory). `x` keeps its dtype; one file is in memory at a
+  `NAME_y.npy` pairs (hvdtrain/formats/npyshards.py's shard directory). `x` keeps its dtype; one file is in memory at a
   time.
 - images: `<class>/**/*.jpg|jpeg|png|...` (class directories directly under SRC or under each split, images at any
   depth below them, as torchvision's ImageFolder finds them; hvdtrain/stream/imagefolder.py). Every image is

@@ -22,9 +22,9 @@ from typing import Any
 import numpy as np
 
 from hvdtrain.data.errors import DataError
-from hvdtrain.datasets import cachedir
-from hvdtrain.datasets.openfiles import MAX_OPEN
-from hvdtrain.stream import encodings, mds, store, verify
+from hvdtrain.formats import cachedir
+from hvdtrain.formats.openfiles import MAX_OPEN
+from hvdtrain.stream import encodings, integrity, mds, store
 from hvdtrain.stream.errors import StreamError
 from hvdtrain.stream.fetcher import Fetcher
 from hvdtrain.stream.nodecache import NodeCache
@@ -82,7 +82,7 @@ class StreamingDataset:
         self._fetcher = Fetcher(self)
         self._ranged = RangedReads(default_share() if ranged is None else ranged)
         in_place = [s.raw for i, s in enumerate(self.index.shards) if self._in_place(i)]
-        if note := verify.unverifiable(in_place, str(self.source)):
+        if note := integrity.unverifiable(in_place, str(self.source)):
             warnings.warn(note, stacklevel=2)
         self._ranged.eligible = self._ranged.share > 0 and self.store.local_dir is None and all(
             info.zip is None and mds.stacks(info, self.fields) for info in self.index.shards)
@@ -214,9 +214,9 @@ class StreamingDataset:
         if cached is not None:
             self._readers.move_to_end(s)
             return cached
-        if self._in_place(s):  # NOTE [local shards verified] in verify.py
+        if self._in_place(s):  # NOTE [local shards verified] in integrity.py
             marker = self.node.dir.with_name(f"{self.node.dir.name}-verified") / self._cache_name(s)
-            verify.verify_once(self.local_file(s), self.index.shards[s].raw, marker, self.shard_name(s))
+            integrity.verify_once(self.local_file(s), self.index.shards[s].raw, marker, self.shard_name(s))
         for attempt in range(3):
             try:
                 reader = mds.ShardReader(self.local_file(s), self.index.shards[s])

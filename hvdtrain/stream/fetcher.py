@@ -29,7 +29,7 @@ import threading
 from typing import TYPE_CHECKING, Protocol
 
 from hvdtrain.data.errors import DataError
-from hvdtrain.datasets import cachedir
+from hvdtrain.formats import cachedir
 
 if TYPE_CHECKING:
     from hvdtrain.stream.nodecache import NodeCache

@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from hvdtrain.datasets.npyfiles import IMAGE_SUFFIXES
+from hvdtrain.formats.npyfiles import IMAGE_SUFFIXES
 from hvdtrain.stream.errors import StreamError
 
 ENCODED_SUFFIXES = (".jpg", ".jpeg", ".png")  # kept as files by --encoded (a jpeg/png column; OpenCV decodes them)

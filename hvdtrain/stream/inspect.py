@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from hvdtrain.data.errors import DataError
-from hvdtrain.stream import check, labels, mds, store
+from hvdtrain.stream import labels, mds, store, verify
 from hvdtrain.stream.splits import find_splits, human_bytes
 
 LABEL_SHARDS = 8
@@ -54,7 +54,7 @@ def _labels(name: str, where: str, index: mds.Index, missing: list[str], field: 
             break
         shard = source.url(present[i].remote_file.basename)
         try:
-            reader, nbytes = check.open_shard(source, present[i], check=False)
+            reader, nbytes = verify.open_shard(source, present[i], check=False)
             try:
                 values = labels.shard_labels(reader, field)
             finally:

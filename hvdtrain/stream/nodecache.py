@@ -47,7 +47,7 @@ from typing import Any
 
 import numpy as np
 
-from hvdtrain.datasets import cachedir
+from hvdtrain.formats import cachedir
 from hvdtrain.stream import cachereaders
 from hvdtrain.stream.errors import StreamError
 from hvdtrain.stream.order import BlockShuffle

@@ -57,7 +57,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 import numpy as np
 
 from hvdtrain.data.errors import DataError
-from hvdtrain.datasets import cachedir
+from hvdtrain.formats import cachedir
 from hvdtrain.stream import mds
 from hvdtrain.stream.errors import StreamError
 from hvdtrain.stream.store import env_number

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from hvdtrain.data.errors import DataError
-from hvdtrain.datasets.npyfiles import IMAGE_SUFFIXES
+from hvdtrain.formats.npyfiles import IMAGE_SUFFIXES
 from hvdtrain.stream import encodings, imagefolder
 from hvdtrain.stream.errors import StreamError
 
@@ -65,7 +65,7 @@ def scan(dirs: dict[str, Path], image_size: tuple[int, int] | None, encoded: boo
 
 def _scan_arrays(dirs: dict[str, Path]) -> Source:
     """Every shard's x header and labels checked (x's data is not read); one x dtype and sample shape in all."""
-    from hvdtrain.datasets.npyfiles import shard_files
+    from hvdtrain.formats.npyfiles import shard_files
 
     items: dict[str, list[Any]] = {}
     counts: dict[str, int] = {}
@@ -105,7 +105,7 @@ def _where(src: ShardSrc, key: str) -> tuple[Path, str]:
 
 def _x_header(src: ShardSrc) -> tuple[tuple[int, ...], np.dtype]:
     """x's shape and dtype from its .npy header (its data is not read); StreamError when MDS cannot store it."""
-    from hvdtrain.datasets.npyfiles import UNREADABLE, unreadable
+    from hvdtrain.formats.npyfiles import UNREADABLE, unreadable
 
     path, name = _where(src, "x")
     try:
@@ -151,7 +151,7 @@ def _check_labels(src: ShardSrc, samples: int, y: np.ndarray) -> None:
 
 def _npz(path: Path, key: str) -> Any:
     """The open .npz archive `path`, which holds `key`; StreamError otherwise."""
-    from hvdtrain.datasets.npyfiles import np_load
+    from hvdtrain.formats.npyfiles import np_load
 
     data = np_load(path)
     if not isinstance(data, np.lib.npyio.NpzFile):
@@ -164,7 +164,7 @@ def _npz(path: Path, key: str) -> Any:
 
 
 def load_array(src: ShardSrc, key: str) -> np.ndarray:
-    from hvdtrain.datasets.npyfiles import UNREADABLE, np_load, unreadable
+    from hvdtrain.formats.npyfiles import UNREADABLE, np_load, unreadable
 
     path, name = _where(src, key)
     if isinstance(src, tuple):

@@ -31,12 +31,15 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from hvdtrain.data import ShardSampler
-from hvdtrain.train import preempt
+from hvdtrain.data import ShardSampler, ShmLoader
+from hvdtrain.train import checkpoint, preempt
 from hvdtrain.train.checkpoint import CheckpointMismatch
-from hvdtrain.train.keraskit import KERAS3, Callback, tf
+from hvdtrain.train.keraskit import KERAS3, Callback, LoaderEpochs, tf
+from hvdtrain.train.report import log
 
 
 class Preempted(Exception):  # not an error: the ranks agreed to stop and checkpointed
@@ -45,6 +48,41 @@ class Preempted(Exception):  # not an error: the ranks agreed to stop and checkp
     def __init__(self, path: str) -> None:
         super().__init__(f"stopped at a step boundary; checkpoint {path}")
         self.path = path
+
+
+@dataclass(frozen=True)
+class Leg:
+    """One `model.fit`: Keras epochs data.first..data.epochs-1 of `data` (keraskit.LoaderEpochs),
+    `steps` per epoch; after a stop mid-epoch, the rest of that epoch is a leg of its own: `first_step` steps of it
+    were trained before (`steps`: the batches left) and `metrics` are this rank's metric sums then (NOTE [Keras stops
+    mid-epoch])."""
+
+    data: Any
+    steps: int
+    first_step: int = 0
+    metrics: list[float] | None = None
+
+
+def legs(loader: ShmLoader, first: int, epochs: int, steps: int, position: dict[str, Any] | None,
+         metrics: list[float] | None, ckpt_dir: Path) -> list[Leg]:
+    """The fits from epoch `first` (from `position` if a stop mid-epoch left one: its rest, then the others)."""
+    if position is None:
+        return [Leg(LoaderEpochs(loader, first, epochs), steps)]
+    checkpoint.resume_loader(loader, position["loader"], ckpt_dir)  # the next iteration: after the batches trained
+    rest = Leg(LoaderEpochs(loader, first, first + 1), len(loader), position["step"], metrics)
+    return [rest] + ([Leg(LoaderEpochs(loader, first + 1, epochs), steps)] if first + 1 < epochs else [])
+
+
+def resumed_metrics(position: dict[str, Any] | None, rank: int, size: int) -> list[float] | None:
+    """This rank's metric sums from a checkpoint written mid-epoch; None if there are none to match to it."""
+    if position is None:
+        return None
+    ranks = position["ranks"]
+    if len(ranks) != size:  # the loader re-shards; what was each rank's own cannot be matched to a rank
+        log(rank, f"the checkpoint stopped mid-epoch with {len(ranks)} ranks, this run has {size}: each rank's "
+                  "metric sums start afresh (the epoch's metrics cover only its rest)")
+        return None
+    return [float(v) for v in ranks[rank]]
 
 
 def advanced(sampler: ShardSampler, start: dict[str, Any], batches: int) -> dict[str, Any]:

@@ -80,8 +80,8 @@ def dataset_info(source: str, splits: Any) -> dict[str, Any]:
 
 def dataset_kind(source: str) -> str:
     """digits, synthetic, mds (an MDS dataset root, a directory or a URL: streamed) or shards (a directory of
-    .npz/.npy shards), as hvdtrain.train.datasets.load tells them apart."""
-    from hvdtrain.datasets import arrays
+    .npz/.npy shards), as hvdtrain.train.recipe_data.load tells them apart."""
+    from hvdtrain.formats import arrays
     from hvdtrain.stream import store
     from hvdtrain.train import streamed
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from hvdtrain.data.errors import DataError
-from hvdtrain.datasets import arrays
+from hvdtrain.formats import arrays
 from hvdtrain.stream import StreamingDataset, store
 from hvdtrain.stream.images import ImageAugment, ImageDecodeError, decode_batch, jpeg_size
 from hvdtrain.stream.order import BlockShuffle

@@ -27,9 +27,10 @@ from torch import nn
 from hvdtrain.data import sweep_stale_segments
 from hvdtrain.data.idle import GpuIdleMeter
 from hvdtrain.data.stall import StallMeter
-from hvdtrain.datasets import arrays
+from hvdtrain.formats import arrays
 from hvdtrain.settings.recipes import TorchConfig
 from hvdtrain.train import checkpoint, divergence
+from hvdtrain.train.lr import LRSchedule
 from hvdtrain.train.metrics import History, MetricSums, write_summary
 from hvdtrain.train.precision import Precision, as_input
 from hvdtrain.train.report import lr_text, wait_share
@@ -103,6 +104,19 @@ def setup_process(threads: int | None, local_size: int) -> str:
     if not torch.cuda.is_available():
         torch.set_num_threads(cpu_threads(local_size, threads))
     return f"{'cuda' if torch.cuda.is_available() else 'cpu'} ({torch.get_num_threads()} threads each)"
+
+
+def lr_schedule(cfg: TorchConfig, lr: float) -> LRSchedule:
+    """Per step: a linear warmup over --warmup-epochs from the single-worker LR (× backward passes: lr / size) up to
+    the scaled `lr` (Goyal et al.; Horovod's ImageNet example), then × --lr-gamma from each --lr-milestones epoch."""
+    return LRSchedule(peak_lr=lr, start_lr=cfg.base_lr * cfg.backward_passes_per_step,
+                      warmup_epochs=cfg.warmup_epochs, milestones=cfg.lr_milestones, gamma=cfg.lr_gamma)
+
+
+def on_numpy(collective: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[np.ndarray], np.ndarray]:
+    """A collective on torch tensors (the recipe's Horovod call) as a function of numpy arrays, as
+    `MetricSums.reduce` takes it."""
+    return lambda values: collective(torch.from_numpy(values)).numpy()
 
 
 def sgd(cfg: TorchConfig, model: nn.Module, lr: float) -> torch.optim.SGD:

@@ -72,7 +72,8 @@ def test_run_plan_refuses_to_run_off_the_main_thread(tmp_path):
 
     from hvdtrain.job.model import Logs
     from hvdtrain.job.plan import LaunchPlan
-    from hvdtrain.launch.runner import LaunchError, run_plan
+    from hvdtrain.launch.preflight import LaunchError
+    from hvdtrain.launch.runner import run_plan
 
     raised: list[BaseException] = []
 

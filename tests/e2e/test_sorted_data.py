@@ -11,10 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hvdtrain.datasets import cachedir
+from hvdtrain.formats import cachedir
 from hvdtrain.stream import MDSWriter
 from hvdtrain.stream.order import AUTO_BLOCK_SAMPLES, auto_block_shards
-from hvdtrain.train import datasets
+from hvdtrain.train import recipe_data
 from tests.support.harness import REPO, expect_ok, run_bounded
 
 COLUMNS = {"x": "ndarray:float32:1,8,8", "y": "int64"}
@@ -31,7 +31,7 @@ def test_auto_block_spans_the_default_samples_and_fits_half_the_cache_limit() ->
 
 
 def _write(root: Path, order: str) -> Path:
-    splits = datasets.load("digits")
+    splits = recipe_data.load("digits")
     for name, split in (("train", splits.train), ("val", splits.val)):
         rows = (np.argsort(split.y, kind="stable") if order == "sorted"
                 else np.random.default_rng(0).permutation(len(split)))
@@ -42,7 +42,7 @@ def _write(root: Path, order: str) -> Path:
 
 
 def _converted_from_sorted(base: Path) -> Path:
-    splits = datasets.load("digits")
+    splits = recipe_data.load("digits")
     for name, split in (("train", splits.train), ("val", splits.val)):
         for label in range(10):  # one file per class, as per-class archives arrive
             keep = split.y == label

@@ -1,4 +1,4 @@
-"""hvdtrain.job.slurm from strings: Slurm's hostlist and tasks-per-node syntax, the allocation a spec runs on, and
+"""hvdtrain.job.allocation from strings: Slurm's hostlist and tasks-per-node syntax, the allocation a spec runs on, and
 `hvdtrain run` refusing to run once per srun task. tests/cluster/test_slurm.py runs the same against real Slurm
 daemons."""
 
@@ -9,15 +9,15 @@ import sys
 import pytest
 
 from hvdtrain.cli import main
-from hvdtrain.job.hosts import Host
-from hvdtrain.job.load import SpecError, load_spec
-from hvdtrain.job.slurm import (
+from hvdtrain.job.allocation import (
     SlurmError,
     allocation_from_env,
     expand_hostlist,
     expand_tasks_per_node,
     srun_task_problem,
 )
+from hvdtrain.job.hosts import Host
+from hvdtrain.job.load import SpecError, load_spec
 
 
 @pytest.mark.parametrize(("text", "names"), [

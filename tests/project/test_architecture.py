@@ -5,7 +5,7 @@ a function is still a circle. The layers (docs: docs/layout.md, which must name 
 
     both sides:     shared leaves < settings (the recipes' settings and the loader sizes the launcher reads)
     launcher side:  settings < job < doctor < launch;  job < render
-    rank side:      settings < data < datasets < stream < train
+    rank side:      settings < data < formats < stream < train
     entry points (cli, rank, rank_main) may import anything; nothing imports them.
 
 A new module must be placed in this table (the test fails for an unplaced one), so the layering is a decision.
@@ -32,9 +32,9 @@ BELOW = {
     "launch": {"job", "doctor", "settings"},
     "render": {"job", "settings"},
     "data": {"settings"},
-    "datasets": {"data", "settings"},
-    "stream": {"data", "datasets", "settings"},
-    "train": {"data", "datasets", "stream", "settings"},
+    "formats": {"data", "settings"},
+    "stream": {"data", "formats", "settings"},
+    "train": {"data", "formats", "stream", "settings"},
 }
 
 
@@ -149,8 +149,34 @@ def test_the_circle_finder_finds_circles(graph, expected):
 
 
 def test_the_import_reader_sees_function_level_and_type_checking_imports():
-    assert "hvdtrain.stream.store" in GRAPH["hvdtrain.train.datasets"]  # imported inside load()
-    assert "hvdtrain.doctor.probe" in GRAPH["hvdtrain.launch.runner"]  # `from hvdtrain.doctor import probe`
+    assert "hvdtrain.stream.store" in GRAPH["hvdtrain.train.recipe_data"]  # imported inside load()
+    assert "hvdtrain.doctor.probe" in GRAPH["hvdtrain.launch.preflight"]  # `from hvdtrain.doctor import probe`
+
+
+def package_doc_problems(package: Path) -> list[str]:
+    """A package's docstring names each of its modules as `name`, and the leading `names` of its "- `name`: ..."
+    lines are its modules (a module renamed or deleted leaves no signpost to nowhere)."""
+    doc = ast.get_docstring(ast.parse((package / "__init__.py").read_text())) or ""
+    modules = {m.stem for m in package.glob("*.py") if m.stem != "__init__"}
+    named = set(re.findall(r"`(\w+)`", doc))
+    listed = {n for line in doc.splitlines() if line.startswith("- `")
+              for n in re.findall(r"`(\w+)`", line.split(":")[0])}
+    return ([f"{package.name}: names no `{m}`" for m in sorted(modules - named)]
+            + [f"{package.name}: lists `{m}`, which is not one of its modules" for m in sorted(listed - modules)])
+
+
+def test_every_package_docstring_lists_its_modules():
+    problems = [p for package in sorted(PKG.iterdir()) if (package / "__init__.py").is_file()
+                for p in package_doc_problems(package)]
+    assert not problems, problems
+
+
+def test_the_package_doc_check_sees_a_missing_and_a_stale_module(tmp_path: Path):
+    (tmp_path / "__init__.py").write_text('"""The package.\n\n- `a`: one.\n- `gone`, `b`: two.\n"""\n')
+    for name in ("a", "b", "c"):
+        (tmp_path / f"{name}.py").write_text("")
+    assert package_doc_problems(tmp_path) == [f"{tmp_path.name}: names no `c`",
+                                               f"{tmp_path.name}: lists `gone`, which is not one of its modules"]
 
 
 LAYOUT = PKG.parent / "docs" / "layout.md"

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from hvdtrain.settings.parse import config_parser, default_text, parse_config, with_default
-from hvdtrain.train import datasets, report
+from hvdtrain.train import recipe_data, report
 from hvdtrain.train.lr import LRSchedule
 from hvdtrain.train.metrics import History, build_summary, write_summary
 from tests.support.harness import REPO
@@ -130,7 +130,7 @@ def test_the_summary_records_the_runs_config(recipes, tmp_path):
     cfg = parse_config(recipes["pytorch_train"].Config,
                        ["--batch-size", "16", "--backward-passes-per-step", "2", "--lr-milestones", "3,5",
                         "--seed", "7", "--precision", "bf16"])
-    splits = datasets.load("digits")
+    splits = recipe_data.load("digits")
     config = report.run_config(cfg, splits, model={"name": "cnn", "class": "SmallCNN", "width": None,
                                                    "parameters": 1234},
                                epochs=15, peak_lr=0.4, world={"size": 4, "local_size": 2, "hosts": 2},
@@ -153,7 +153,7 @@ def test_the_summary_records_the_runs_config(recipes, tmp_path):
 
 def test_the_keras_config_has_the_values_it_trains_with(recipes):
     cfg = parse_config(recipes["keras_train"].Config, ["--batch-size", "8"])
-    config = report.run_config(cfg, datasets.load("digits"), model={}, epochs=10, peak_lr=0.1,
+    config = report.run_config(cfg, recipe_data.load("digits"), model={}, epochs=10, peak_lr=0.1,
                                world={"size": 2, "local_size": 2, "hosts": 1}, versions={})
     assert config["batch_size"] == {"per_rank": 8, "backward_passes_per_step": 1, "global": 16}
     assert config["precision"] == "fp32" and config["lr"]["weight_decay"] == 0.0
@@ -169,6 +169,6 @@ def test_the_dataset_kind_and_a_local_source_made_absolute(tmp_path, monkeypatch
     assert [report.dataset_kind(s) for s in ("digits", "synthetic", str(shards), str(mds), "s3://bucket/data")] == \
         ["digits", "synthetic", "shards", "mds", "mds"]
     monkeypatch.chdir(tmp_path)
-    info = report.dataset_info("shards", datasets.load("shards", val_fraction=0.5))
+    info = report.dataset_info("shards", recipe_data.load("shards", val_fraction=0.5))
     assert info["source"] == str(shards) and info["kind"] == "shards" and info["train_samples"] == 2
     assert Path(info["source"]).is_absolute()

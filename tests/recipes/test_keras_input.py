@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from hvdtrain.data import ShardSampler, ShmLoader, WorkerError
-from hvdtrain.datasets import arrays, cachedir
+from hvdtrain.formats import arrays, cachedir
 from hvdtrain.train.channels_last import channels_last_shape, take_channels_last
 from tests.support.harness import REPO, expect_ok, horovodrun
 

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import yaml
 
-from hvdtrain.datasets import cachedir
+from hvdtrain.formats import cachedir
 from hvdtrain.stream import StreamingDataset
-from hvdtrain.train import datasets
+from hvdtrain.train import recipe_data
 from tests.support.datasets import write_digits
 from tests.support.harness import REPO, expect_ok, horovodrun, run_bounded
 
@@ -26,7 +26,7 @@ TIMEOUT = 300
 def digits_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The digits as .npz train/val shards, converted by `hvdtrain data convert` (zstd, ~28 KB shards)."""
     base = tmp_path_factory.mktemp("mds")
-    splits = datasets.load("digits")
+    splits = recipe_data.load("digits")
     for name, split in (("train", splits.train), ("val", splits.val)):
         (base / "npz" / name).mkdir(parents=True)
         for i, part in enumerate(np.array_split(np.arange(len(split)), 3)):

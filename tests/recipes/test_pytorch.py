@@ -17,13 +17,13 @@ import numpy as np
 import pytest
 import torch
 
-from hvdtrain.datasets.arrays import ArrayDataset, DatasetError
+from hvdtrain.formats.arrays import ArrayDataset, DatasetError
 from hvdtrain.settings.parse import parse_config
 from hvdtrain.settings.recipes import MODEL_CHOICES
 from hvdtrain.train import torchkit
-from hvdtrain.train.datasets import load, load_splits
 from hvdtrain.train.metrics import History, MetricSums, build_summary, combine_stall
 from hvdtrain.train.progress import LogLines
+from hvdtrain.train.recipe_data import load, load_splits
 from tests.support import recipes
 from tests.support.harness import horovodrun, run_bounded
 from tests.support.recipes import Run, checkpoint_state, epoch_lines, file_digest, history_without_timing

@@ -369,8 +369,8 @@ def test_a_mid_epoch_checkpoint_of_the_pytorch_recipe_stops_every_elastic_rank_w
         sys.path.remove(str(REPO / "recipes"))
     from hvdtrain.settings.parse import parse_config
     from hvdtrain.train import torchkit
-    from hvdtrain.train.datasets import load_splits
     from hvdtrain.train.metrics import History
+    from hvdtrain.train.recipe_data import load_splits
 
     cfg = parse_config(pytorch_elastic.Config, STOP_ARGS)
     splits = load_splits(cfg)

@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from hvdtrain.cli import main
-from hvdtrain.datasets.arrays import digits
+from hvdtrain.formats.arrays import digits
 from hvdtrain.job.load import SpecError
 from hvdtrain.job.model import quantity_bytes
 from hvdtrain.render import ClusterOptions, K8sOptions, RenderError, render_file
@@ -390,7 +390,7 @@ def test_the_digits_sample_size_is_the_datasets():
 LOADER = textwrap.dedent("""
     import os, sys
     from hvdtrain.data import ShmLoader, SharedMemoryFullError
-    from hvdtrain.datasets import arrays
+    from hvdtrain.formats import arrays
     splits = arrays.synthetic((3, 32, 32), 1024, seed=0)
     held = []
     try:

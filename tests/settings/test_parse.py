@@ -110,7 +110,8 @@ def test_values_that_look_like_flags_or_yaml_text_numbers_reach_the_recipe():
 RECIPE_FLAGS = {o for cls in SHIPPED.values() for a in config_parser(cls)._actions for o in a.option_strings
                 if o.startswith("--") and o != "--help"}
 PARSER_CALLS = {"ArgumentParser", "parse_args", "parse_known_args", "parse_intermixed_args"}
-OWN_CLI = {"hvdtrain/cli.py", "hvdtrain/launch/command.py", "hvdtrain/render/command.py", "hvdtrain/launch/hvdrun.py"}
+OWN_CLI = {"hvdtrain/cli.py", "hvdtrain/launch/cmd_run.py", "hvdtrain/render/cmd_render.py",
+           "hvdtrain/launch/hvdrun.py"}
 
 
 def parser_uses(path: Path) -> list[str]:

@@ -15,7 +15,7 @@ import pytest
 from PIL import Image
 
 from hvdtrain.data.errors import DataError
-from hvdtrain.datasets import cachedir
+from hvdtrain.formats import cachedir
 from hvdtrain.stream import StreamError, StreamingDataset
 from hvdtrain.stream.convert import convert, parse_image_size, parse_size
 from hvdtrain.stream.inspect import describe, render
@@ -93,14 +93,14 @@ def test_train_val_dirs_become_splits_and_num_classes_counts_both(tmp_path: Path
 
 
 def test_the_recipes_load_a_converted_dataset(tmp_path: Path) -> None:
-    """hvdtrain.train.datasets.load streams the converted root, with num_classes from the index's metadata."""
-    from hvdtrain.train import datasets
+    """hvdtrain.train.recipe_data.load streams the converted root, with num_classes from the index's metadata."""
+    from hvdtrain.train import recipe_data
 
     src = tmp_path / "src"
     x, y = _arrays(10, 10, shape=(1, 3, 3), dtype=np.uint8, classes=4)
     _npz(src / "a.npz", x=x, y=y)
     convert(src, tmp_path / "out", val_fraction=0.3, progress=False)
-    splits = datasets.load(str(tmp_path / "out"))
+    splits = recipe_data.load(str(tmp_path / "out"))
     assert splits.num_classes == int(y.max()) + 1 and splits.sample_shape == (1, 3, 3)
     assert (len(splits.train), len(splits.val)) == (7, 3)
 

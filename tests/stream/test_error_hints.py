@@ -20,11 +20,11 @@ import numpy as np
 import pytest
 
 from hvdtrain import cli, exitcodes
-from hvdtrain.datasets import arrays, cachedir
-from hvdtrain.launch.runner import LaunchError, default_controller
+from hvdtrain.formats import arrays, cachedir
+from hvdtrain.launch.preflight import LaunchError, default_controller
 from hvdtrain.stream import StreamError, StreamingDataset, store
 from hvdtrain.stream.upload import upload
-from hvdtrain.train import datasets
+from hvdtrain.train import recipe_data
 from hvdtrain.train.entry import exit_with
 from tests.support import harness
 from tests.support.stores import MotoS3, moto_bucket, point_at, write_dataset
@@ -55,7 +55,7 @@ def bucket_hint(s3: MotoS3) -> str:
 
 def test_training_on_a_missing_bucket_names_the_bucket_and_the_endpoint(on_s3: MotoS3) -> None:
     with pytest.raises(arrays.DatasetError) as err:
-        datasets.load(f"s3://{MISSING}/mds")
+        recipe_data.load(f"s3://{MISSING}/mds")
     assert str(err.value) == (f"cannot read the dataset's index: s3://{MISSING}/mds/train/index.json: "
                               + bucket_hint(on_s3))
     # an object missing from a bucket that exists keeps its message
@@ -97,12 +97,12 @@ def test_a_dataset_without_val_on_s3_says_how_to_convert_one(on_s3: MotoS3, tmp_
     url = f"s3://{BUCKET}/train-only"
     upload(tmp_path / "ds", url, progress=False)
     with pytest.raises(arrays.DatasetError) as err:
-        datasets.load(url)
+        recipe_data.load(url)
     assert str(err.value) == (f"{url} has no val/ split ({url}/val/index.json does not exist), and training "
                               f"validates on it: convert the source again holding out samples for validation, e.g. "
                               f"{VAL_HINT}")
     with pytest.raises(arrays.DatasetError, match=r"has no train/ split .*`hvdtrain data upload DST s3://"):
-        datasets.load(f"s3://{BUCKET}/nothing-here")
+        recipe_data.load(f"s3://{BUCKET}/nothing-here")
 
 
 # ---- item 4: a full cache disk -----------------------------------------------------------------------------------
@@ -256,9 +256,9 @@ def test_a_relative_dataset_path_that_is_not_there_names_where_it_looked(tmp_pat
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     with pytest.raises(arrays.DatasetError) as err:
-        datasets.load("mds")
+        recipe_data.load("mds")
     assert str(err.value).endswith(f"got 'mds', which is not a directory (looked for {tmp_path}/mds: a relative "
                                    "path is relative to the working directory, which a job spec sets with `workdir:`)")
     with pytest.raises(arrays.DatasetError) as err:
-        datasets.load(str(tmp_path / "mds"))
+        recipe_data.load(str(tmp_path / "mds"))
     assert str(err.value).endswith("which is not a directory")

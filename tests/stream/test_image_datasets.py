@@ -15,8 +15,8 @@ import torch
 from PIL import Image
 
 from hvdtrain.data import ShmLoader, WorkerError
-from hvdtrain.datasets import arrays, cachedir
-from hvdtrain.datasets.arrays import DatasetError
+from hvdtrain.formats import arrays, cachedir
+from hvdtrain.formats.arrays import DatasetError
 from hvdtrain.stream import StreamError, StreamingDataset
 from hvdtrain.stream.convert import convert
 from hvdtrain.stream.mds import MDSWriter

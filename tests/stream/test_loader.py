@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from hvdtrain.data import ShardSampler, ShmLoader, WorkerError
-from hvdtrain.datasets import arrays, cachedir
+from hvdtrain.formats import arrays, cachedir
 from hvdtrain.stream import BlockShuffle, MDSWriter, StreamingDataset
-from hvdtrain.train import datasets
+from hvdtrain.train import recipe_data
 from hvdtrain.train.streamed import load_splits
 
 SHARD_SIZES = [7, 0, 12, 5, 9, 3, 11, 8]  # uneven, one empty
@@ -170,23 +170,23 @@ def test_bad_label_in_a_shard_is_named_by_the_producer(tmp_path: Path) -> None:
 def test_a_root_without_splits_or_classes_says_what_to_do(tmp_path: Path) -> None:
     write_dataset(tmp_path / "one", 10)
     with pytest.raises(arrays.DatasetError, match="one MDS split; a dataset root holds train/ and val/"):
-        datasets.load(str(tmp_path / "one"))
+        recipe_data.load(str(tmp_path / "one"))
     write_dataset(tmp_path / "r" / "train", 10)
     with pytest.raises(arrays.DatasetError, match="has no val/ split"):
-        datasets.load(str(tmp_path / "r"))
+        recipe_data.load(str(tmp_path / "r"))
     with MDSWriter(tmp_path / "nc" / "train", {"x": "ndarray:float32:3", "y": "int64"}) as w:
         w.write({"x": np.zeros(3, np.float32), "y": 0})
     write_dataset(tmp_path / "nc" / "val", 4)
     with pytest.raises(arrays.DatasetError, match="pass --num-classes N"):
-        datasets.load(str(tmp_path / "nc"))
-    assert datasets.load(str(tmp_path / "nc"), num_classes=3).num_classes == 3
+        recipe_data.load(str(tmp_path / "nc"))
+    assert recipe_data.load(str(tmp_path / "nc"), num_classes=3).num_classes == 3
 
 
 def test_an_index_with_one_class_is_named(tmp_path: Path) -> None:
     write_dataset(tmp_path / "r" / "train", 4, classes=1)
     write_dataset(tmp_path / "r" / "val", 4, classes=1)
     with pytest.raises(arrays.DatasetError, match="its index says num_classes=1; training needs 2 or more"):
-        datasets.load(str(tmp_path / "r"))
+        recipe_data.load(str(tmp_path / "r"))
 
 
 def test_resuming_under_another_order_is_refused() -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hvdtrain.datasets import cachedir
+from hvdtrain.formats import cachedir
 from hvdtrain.stream import MDSWriter, StreamError, StreamingDataset, encodings, mds
 
 # Written by scripts/make_mosaic_fixtures.py (mosaicml-streaming).
@@ -107,7 +107,7 @@ def test_zstd_round_trip_and_one_decompression(tmp_path: Path, _cache_dir: Path)
 
 def _without_hashes(root: Path) -> Path:
     """The index without checksums (as Mosaic's MDSWriter writes by default), so that the structural checks of a
-    damaged shard are what meets it, not the checksum verified before first use (tests/stream/test_verify.py)."""
+    damaged shard are what meets it, not the checksum verified before first use (tests/stream/test_integrity.py)."""
     index = json.loads((root / "index.json").read_text())
     for shard in index["shards"]:
         shard["raw_data"]["hashes"] = {}

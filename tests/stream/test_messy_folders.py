@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from hvdtrain.datasets import cachedir
+from hvdtrain.formats import cachedir
 from hvdtrain.stream import MDSWriter, StreamError, StreamingDataset
 from hvdtrain.stream.convert import convert
 from tests.support.harness import BIN, run_bounded

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from hvdtrain.data import ShmLoader, WorkerError
-from hvdtrain.datasets import cachedir
+from hvdtrain.formats import cachedir
 from hvdtrain.stream import BlockShuffle, MDSWriter, StreamError, StreamingDataset, cachereaders, store
 from hvdtrain.stream.nodecache import CacheTooSmall, NodeCache
 from tests.support import harness

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hvdtrain.datasets import cachedir
+from hvdtrain.formats import cachedir
 from hvdtrain.stream import MDSWriter, labels
 from hvdtrain.stream.convert import convert
 from hvdtrain.stream.inspect import describe
@@ -187,10 +187,10 @@ def test_inspect_and_verify_warn_on_a_class_sorted_split_only(tmp_path: Path) ->
 def test_inspect_reads_few_shards_and_can_skip_labels(tmp_path: Path, monkeypatch) -> None:
     sorted_root, _ = _sorted_and_shuffled(tmp_path)
     opened = []
-    from hvdtrain.stream import check
+    from hvdtrain.stream import verify
 
-    real = check.open_shard
-    monkeypatch.setattr(check, "open_shard", lambda src, info, check: (opened.append(info), real(src, info, check))[1])
+    real = verify.open_shard
+    monkeypatch.setattr(verify, "open_shard", lambda src, info, check: (opened.append(info), real(src, info, check))[1])
     assert describe(sorted_root, label_shards=3)["splits"]["train"]["labels"]["shards_read"] == 3 and len(opened) == 3
     assert describe(sorted_root, label_shards=0)["splits"]["train"]["labels"]["note"] == "not read (--label-shards 0)"
     assert "no column 'label'" in describe(sorted_root, label_field="label")["splits"]["train"]["labels"]["note"]
@@ -238,7 +238,7 @@ def test_the_warning_says_when_a_sorted_split_spans_several_shuffle_blocks(tmp_p
 def test_a_failing_store_stops_verify_at_once_and_a_missing_shard_is_one_problem(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """An outage would otherwise cost every shard the store's retry window and be blamed on each shard."""
-    from hvdtrain.stream import check, mds, store
+    from hvdtrain.stream import mds, store, verify
     from hvdtrain.stream.errors import StreamError
 
     root = _converted(tmp_path, "zstd")  # compressed shards are read through the store's get()
@@ -250,11 +250,11 @@ def test_a_failing_store_stops_verify_at_once_and_a_missing_shard_is_one_problem
         raise StreamError(f"{name}: the store did not answer for 1 s of retries (connection refused)")
 
     monkeypatch.setattr(store.LocalStore, "get", down)
-    with pytest.raises(check.StoreFailed, match="did not answer"):
-        check.verify_split("train", str(root / "train"), index, "y", lambda n: None)
+    with pytest.raises(verify.StoreFailed, match="did not answer"):
+        verify.verify_split("train", str(root / "train"), index, "y", lambda n: None)
     assert len(asked) == 1, asked
     monkeypatch.undo()
     (root / "train" / "shard.00001.mds.zstd").unlink()
-    result = check.verify_split("train", str(root / "train"), index, "y", lambda n: None)
+    result = verify.verify_split("train", str(root / "train"), index, "y", lambda n: None)
     assert [p.shard for p in result.problems] == [str(root / "train" / "shard.00001.mds.zstd")], result.problems
     assert result.shards == len(index.shards) > 2

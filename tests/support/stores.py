@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hvdtrain.datasets import cachedir
+from hvdtrain.formats import cachedir
 from hvdtrain.stream import MDSWriter, store
 from tests.support import harness
 

@@ -1,6 +1,6 @@
 """Bad data is an error, not a silent result (issue 14.3).
 
-In-process: hvdtrain.train.datasets on shard directories written here — a stray label, labels out of a declared
+In-process: hvdtrain.train.recipe_data on shard directories written here — a stray label, labels out of a declared
 range, negative or float labels, unreadable shards (truncated/corrupt .npz, bad CRC, object arrays), NaN/Inf
 samples — each an error naming the file, the index and what to do. For real, with 2 Horovod ranks: the recipes
 refuse such data before training (exit 2, one message per rank, no traceback), and training that goes NaN/Inf
@@ -23,12 +23,12 @@ import pytest
 import yaml
 
 from hvdtrain import exitcodes
-from hvdtrain.datasets import arrays, npyshards
-from hvdtrain.datasets.arrays import DatasetError
+from hvdtrain.formats import arrays, npyshards
+from hvdtrain.formats.arrays import DatasetError
 from hvdtrain.job.model import Logs
 from hvdtrain.train import checkpoint, divergence
-from hvdtrain.train.datasets import load
 from hvdtrain.train.entry import exit_with
+from hvdtrain.train.recipe_data import load
 from tests.support.harness import REPO, JobResult, horovodrun, route, run_bounded
 
 PYTORCH = REPO / "recipes" / "pytorch_train.py"
@@ -209,7 +209,7 @@ def test_a_nan_or_inf_sample_is_named_with_its_index_and_position(tmp_path, bad)
     x = samples(20)
     x[13, 0, 2, 5] = bad
     np.savez(tmp_path / "b.npz", x=x, y=labels(20))
-    splits = load(str(tmp_path))  # samples are checked where their batch is read (tests/datasets/test_npy_shards.py)
+    splits = load(str(tmp_path))  # samples are checked where their batch is read (tests/formats/test_npy_shards.py)
     with pytest.raises(DatasetError, match=re.escape(
             f"{tmp_path / 'b.npz'}['x'][13]: sample holds {bad} at position (0, 2, 5); fix the data, or pass "
             "--no-check-finite")):

@@ -86,7 +86,7 @@ def test_the_launcher_starts_when_hvdtrain_does_even_when_a_script_execs_it() ->
 
 def test_the_digits_are_scikit_learns_without_importing_it() -> None:
     """arrays.digits() reads scikit-learn's file itself (importing scikit-learn took ~2 s of a rank's start)."""
-    code = ("import sys, numpy as np\nfrom hvdtrain.datasets import arrays\nimages, target = arrays._digits_file()\n"
+    code = ("import sys, numpy as np\nfrom hvdtrain.formats import arrays\nimages, target = arrays._digits_file()\n"
             "print('sklearn' in sys.modules)\nfrom sklearn.datasets import load_digits\nb = load_digits()\n"
             "print(np.array_equal(images, b.images) and images.dtype == b.images.dtype, "
             "np.array_equal(target, b.target) and target.dtype == b.target.dtype, images.shape)")

@@ -1,4 +1,4 @@
-"""The files of a `.npy`/`.npz` shard directory and the errors for unreadable ones (hvdtrain/datasets/npyshards.py reads
+"""The files of a `.npy`/`.npz` shard directory and the errors for unreadable ones (hvdtrain/formats/npyshards.py reads
 them, hvdtrain/stream/convert.py converts them)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import IO
 
 import numpy as np
 
-from hvdtrain.datasets.arrays import DatasetError
+from hvdtrain.formats.arrays import DatasetError
 
 # What numpy and zipfile raise for a file that is not (intact) numpy data: a truncated or corrupt .npy header,
 # a bad zip, a bad CRC-32, a corrupt deflate stream, object arrays (which would need pickle).

@@ -2,7 +2,7 @@
 
 Two launchers:
 - `horovodrun` (default): the script runs `hvdtrain run` on the spec file (with the render's overrides), which
-  takes the hosts and slots from the allocation (`hvdtrain.job.slurm`) and starts horovodrun over ssh between
+  takes the hosts and slots from the allocation (`hvdtrain.job.allocation`) and starts horovodrun over ssh between
   the nodes: the same console, logs, rank records, verdict and exit codes as anywhere else. Needs ssh between the
   allocated nodes and hvdtrain, the spec and its files at the same paths on every node (a shared filesystem: by
   default the spec's own folder and interpreter here, or `--remote-dir`/`--python`).

@@ -6,7 +6,7 @@ concatenated and split by a fixed permutation (`arrays.split_indices`: index arr
 
 At load only headers and labels are read: each array's .npy header (shape, dtype, where its data starts, whether the
 file holds all of it), and every label, streamed shard by shard through a map (class ids, the number of classes). An
-`.npz` archive is read through once per node, into the node cache (NOTE [cache files] in hvdtrain/datasets/cachedir.py,
+`.npz` archive is read through once per node, into the node cache (NOTE [cache files] in hvdtrain/formats/cachedir.py,
 under a name that includes the archive's path, size and mtime, so a rewritten archive is read again): a member
 stored uncompressed (`np.savez`) is CRC-32-checked and then mapped in place, at its offset inside the archive; a
 deflated one (`np.savez_compressed`) is decompressed into a `.npy` file there, which is mapped.
@@ -32,9 +32,9 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from hvdtrain.datasets import cachedir
-from hvdtrain.datasets.arrays import DatasetError, LabelStats, Splits, check_labels, check_samples, split_indices
-from hvdtrain.datasets.npyfiles import (
+from hvdtrain.formats import cachedir
+from hvdtrain.formats.arrays import DatasetError, LabelStats, Splits, check_labels, check_samples, split_indices
+from hvdtrain.formats.npyfiles import (
     UNREADABLE,
     ArrayRef,
     MappedArray,
@@ -45,7 +45,7 @@ from hvdtrain.datasets.npyfiles import (
     shard_files,
     unreadable,
 )
-from hvdtrain.datasets.openfiles import MAX_OPEN
+from hvdtrain.formats.openfiles import MAX_OPEN
 
 READ_CHUNK = 1 << 20  # bytes per read when an archive member is read through
 VERIFY_TIMEOUT_S = 3600.0  # how long a rank waits for another process of its node to read an archive through

@@ -21,9 +21,9 @@ import pytest
 
 from hvdtrain.data import ShmLoader
 from hvdtrain.data.errors import WorkerError
-from hvdtrain.datasets import arrays, cachedir
-from hvdtrain.datasets.arrays import DatasetError
-from hvdtrain.train.datasets import load
+from hvdtrain.formats import arrays, cachedir
+from hvdtrain.formats.arrays import DatasetError
+from hvdtrain.train.recipe_data import load
 
 RNG = np.random.default_rng(5)
 
@@ -247,7 +247,7 @@ def test_a_nan_sample_read_by_a_producer_is_bad_data_naming_it(tmp_path):
 CHILD = textwrap.dedent("""
     import json, resource, sys, time
     import numpy as np
-    from hvdtrain.train.datasets import load
+    from hvdtrain.train.recipe_data import load
 
     start = time.monotonic()
     splits = load(sys.argv[1])

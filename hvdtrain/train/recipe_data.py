@@ -7,7 +7,7 @@
 - a directory of shards: `*.npz` files holding arrays `x` (samples) and `y` (integer labels), and/or pairs of
   `NAME_x.npy` + `NAME_y.npy`. With `train/` and `val/` subdirectories those are the split; otherwise the
   shards are concatenated and split like digits. Memory-mapped and read per batch, never loaded whole
-  (hvdtrain/datasets/npyshards.py); a bad shard is named in the error.
+  (hvdtrain/formats/npyshards.py); a bad shard is named in the error.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import functools
 from pathlib import Path
 
 from hvdtrain.data.errors import DataError
-from hvdtrain.datasets import npyshards
-from hvdtrain.datasets.arrays import DIGITS, SYNTHETIC, DatasetError, Splits, digits, synthetic
+from hvdtrain.formats import npyshards
+from hvdtrain.formats.arrays import DIGITS, SYNTHETIC, DatasetError, Splits, digits, synthetic
 from hvdtrain.settings.recipes import RecipeConfig
 
 
@@ -77,6 +77,6 @@ def load(
 
 def shard_dir(path: Path, *, val_fraction: float = 0.2, split_seed: int = 0, num_classes: int | None = None,
               check_finite: bool = True) -> Splits:
-    """A directory of .npy/.npz shards, memory-mapped and read per batch (hvdtrain/datasets/npyshards.py)."""
+    """A directory of .npy/.npz shards, memory-mapped and read per batch (hvdtrain/formats/npyshards.py)."""
     return npyshards.load_dir(path, val_fraction=val_fraction, split_seed=split_seed, num_classes=num_classes,
                               check_finite=check_finite)

@@ -1,7 +1,8 @@
-"""`hvdtrain run JOB.yaml`: spec -> LaunchPlan -> run it (or print it with --dry-run); hvdtrain/cli.py adds it with
-one call. Inside a Slurm allocation a spec without hosts runs on the allocation's nodes (hvdtrain.job.slurm), started
-by horovodrun or, with `--launcher srun`, by srun; with `--requeue` a job that stopped to be resumed (exit 75, after
-SIGUSR1: NOTE [job shutdown] in runner.py) is put back in Slurm's queue.
+"""`hvdtrain run JOB.yaml`: spec -> LaunchPlan -> the checks this machine must pass (preflight.py) -> run it
+(runner.py), or print it with --dry-run; hvdtrain/cli.py adds it with one call. Inside a Slurm allocation a spec
+without hosts runs on the allocation's nodes (hvdtrain.job.allocation), started by horovodrun or, with `--launcher
+srun`, by srun; with `--requeue` a job that stopped to be resumed (exit 75, after SIGUSR1: NOTE [job shutdown] in
+runner.py) is put back in Slurm's queue.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import shlex
 import signal
 import subprocess
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from hvdtrain import exitcodes
@@ -43,9 +44,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser],
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from hvdtrain.job.allocation import Allocation, allocation_from_env, srun_task_problem
     from hvdtrain.job.load import load_spec_file
-    from hvdtrain.job.slurm import Allocation, allocation_from_env, srun_task_problem
-    from hvdtrain.launch.runner import LaunchError, check_rank_module, run_plan
+    from hvdtrain.launch.preflight import LaunchError, check_rank_module, check_run_dir, requeue_problem
+    from hvdtrain.launch.runner import run_plan
     from hvdtrain.launch.stops import StopRequests
 
     if args.requeue and (problem := requeue_problem(os.environ)):
@@ -80,7 +82,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace, spec: JobSpec, in_allocation: bool) -> LaunchPlan:
     """horovodrun's plan, or srun's (`--launcher srun`: only inside the allocation the spec's hosts came from)."""
     from hvdtrain.job.plan import build_plan, build_srun_plan
-    from hvdtrain.launch.runner import LaunchError, default_controller, find_horovodrun
+    from hvdtrain.launch.preflight import LaunchError, default_controller, find_horovodrun
 
     if args.launcher == "srun":
         if not in_allocation:
@@ -96,32 +98,7 @@ def _plan(args: argparse.Namespace, spec: JobSpec, in_allocation: bool) -> Launc
     return build_plan(spec, controller=controller, horovodrun=find_horovodrun())
 
 
-def check_run_dir(spec: JobSpec) -> None:
-    """Refuse at once, before any process starts, when another job on this machine holds a shipped recipe's run
-    directory (its --run-dir, default included, where the ranks start: NOTE [one reader of recipe settings])."""
-    from hvdtrain.job.recipe import settings_of
-    from hvdtrain.launch.runner import LaunchError
-    from hvdtrain.rundir import busy_message, held_here
-
-    settings = settings_of(spec)
-    if settings is None:
-        return
-    run_dir = os.path.join(spec.workdir or os.getcwd(), settings.run_dir)
-    holder = held_here(run_dir)
-    if holder is not None:
-        raise LaunchError(busy_message(run_dir, holder))
-
-
 REQUEUE_TIMEOUT_S = 30.0
-
-
-def requeue_problem(env: Mapping[str, str]) -> str | None:
-    """Why `--requeue` cannot work here (no Slurm job to requeue); None when it can."""
-    if env.get("SLURM_JOB_ID"):
-        return None
-    return ("--requeue puts this Slurm job back in the queue when it stops to be resumed (exit "
-            f"{exitcodes.PREEMPTED}), but SLURM_JOB_ID is not set: this is not running in a Slurm job. Use --requeue "
-            "in an sbatch script (`hvdtrain render slurm JOB.yaml` adds it), or leave it out")
 
 
 def requeue_slurm_job(job_id: str) -> bool:

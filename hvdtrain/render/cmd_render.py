@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from hvdtrain import exitcodes
 from hvdtrain.render.common import IMAGE_PYTHON, IMAGE_REMOTE_DIR, IMAGE_SSH_PORT, ClusterOptions, RenderError
-from hvdtrain.render.slurm import SIGNAL_BEFORE_S, signal_before_arg
+from hvdtrain.render.sbatch import SIGNAL_BEFORE_S, signal_before_arg
 
 if TYPE_CHECKING:
     from hvdtrain.render import K8sOptions, SlurmOptions

@@ -1,5 +1,5 @@
 """Raw shards read in place (a local dataset) are checked against the index's checksums once per node before first
-use (NOTE [local shards verified] in hvdtrain/stream/verify.py): flipped bytes are a StreamError naming the shard,
+use (NOTE [local shards verified] in hvdtrain/stream/integrity.py): flipped bytes are a StreamError naming the shard,
 and exit 2 in the recipe, where they used to be trained on."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hvdtrain.datasets import cachedir
-from hvdtrain.stream import MDSWriter, StreamError, StreamingDataset, verify
+from hvdtrain.formats import cachedir
+from hvdtrain.stream import MDSWriter, StreamError, StreamingDataset, integrity
 from tests.support.harness import REPO, run_bounded
 
 
@@ -51,8 +51,8 @@ def test_a_flipped_byte_in_a_local_raw_shard_is_named_before_it_is_read(tmp_path
 def test_each_shard_is_hashed_once_per_node_and_again_when_rewritten(tmp_path: Path, monkeypatch) -> None:
     root = _write(tmp_path / "ds")
     hashed: list[str] = []
-    check = verify._check
-    monkeypatch.setattr(verify, "_check", lambda path, info, where: (hashed.append(Path(path).name),
+    check = integrity._check
+    monkeypatch.setattr(integrity, "_check", lambda path, info, where: (hashed.append(Path(path).name),
                                                                    check(path, info, where)))
     first = StreamingDataset(root)
     first.take(np.arange(len(first)))
@@ -79,9 +79,9 @@ def test_shards_without_checksums_are_read_with_a_warning_saying_so(tmp_path: Pa
 
 @pytest.mark.slow
 def test_the_recipe_stops_with_exit_2_naming_a_corrupt_local_shard(tmp_path: Path) -> None:
-    from hvdtrain.train import datasets
+    from hvdtrain.train import recipe_data
 
-    splits = datasets.load("digits")
+    splits = recipe_data.load("digits")
     for name, split in (("train", splits.train), ("val", splits.val)):
         with MDSWriter(tmp_path / "ds" / name, {"x": "ndarray:float32:1,8,8", "y": "int64"}, size_limit=100 * 280,
                        meta={"num_classes": 10}) as w:
