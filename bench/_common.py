@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -29,6 +30,16 @@ def write_json(path: Path, data: Any) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1, default=float) + "\n")
     return path
+
+
+def recipe_run(recipe: Any, *, meters: Any, vote: Any, **fields: Any) -> Any:
+    """recipes/pytorch_train.py's `Run` for calling its `train_epoch` from a bench: `fields` are what train_epoch
+    reads (cfg, epochs, loader, net, optimizer, precision, schedule); the fields it does not read are None."""
+    needed = {f.name: None for f in dataclasses.fields(recipe.Run)
+              if f.init and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+    run = recipe.Run(**{**needed, **fields})
+    run.meters, run.vote = meters, vote
+    return run
 
 
 def goal_lines(goals: dict[str, Any] | str) -> list[str]:

@@ -44,7 +44,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "recipes"))
 import pytorch_train as recipe  # noqa: E402  (the recipe is a script beside its models, not a package)
-from _common import goal_lines, write_json  # noqa: E402  (bench/, this script's folder, is on sys.path)
+from _common import goal_lines, recipe_run, write_json  # noqa: E402  (bench/, this script's folder, is on sys.path)
 
 from hvdtrain.data import DevicePrefetcher, ShmLoader  # noqa: E402
 from hvdtrain.formats import arrays  # noqa: E402
@@ -53,7 +53,7 @@ from hvdtrain.train.metrics import MetricSums  # noqa: E402
 from hvdtrain.train.precision import Precision, prepare_model  # noqa: E402
 from hvdtrain.train.recipe_data import load_splits  # noqa: E402
 from hvdtrain.train.stepflags import LateReads  # noqa: E402
-from hvdtrain.train.torchkit import Meters, check_device, setup_process, sgd  # noqa: E402
+from hvdtrain.train.torchkit import Meters, check_device, lr_schedule, setup_process, sgd  # noqa: E402
 
 FEEDS = ("resident", "hvdtrain", "before", "memcpy", "dataloader")
 BEFORE = "before"  # the hvdtrain feed through the recipe's loop as it was before issue 35 (see `loop_before`)
@@ -230,8 +230,10 @@ def window(cfg: recipe.Config, epoch: int, name: str, feed: Any, net: torch.nn.M
         phases.__init__()  # this window's phases only
     sums, before = MetricSums(), name == BEFORE
     with loop_before(before):
-        recipe.train_epoch(cfg, epoch, cfg.epochs, net, optimizer, schedule, NoAhead(feed) if before else feed,
-                           meters, precision, sums, 0, vote[before])
+        run = recipe_run(recipe, meters=meters, vote=vote[before], cfg=cfg, epochs=cfg.epochs,
+                         loader=NoAhead(feed) if before else feed, net=net, optimizer=optimizer, precision=precision,
+                         schedule=schedule)
+        recipe.train_epoch(run, epoch, sums, 0)
     train = sums.reduce(recipe.allreduce_sum)
     steps = meters.stall.steps[mark[0] + 1:]
     waits = meters.stall.waits[mark[0] + 1:]
@@ -315,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(cfg.seed)
     model = recipe.make_model("resnet", splits.sample_shape, splits.num_classes, cfg.model_width).to(device)
     net, precision = prepare_model(model, cfg.channels_last, cfg.compile), Precision(cfg.precision, device)
-    schedule = recipe.lr_schedule(cfg, cfg.base_lr * hvd.size() * cfg.backward_passes_per_step)  # the recipe's LR
+    schedule = lr_schedule(cfg, cfg.base_lr * hvd.size() * cfg.backward_passes_per_step)  # the recipe's LR
     optimizer = hvd.DistributedOptimizer(sgd(cfg, model, schedule.lr_at(0)), named_parameters=model.named_parameters())
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     feeds = make_feeds(cfg, splits, device)

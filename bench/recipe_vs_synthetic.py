@@ -42,7 +42,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from _common import check_clean, kill_tree, shm_segments
+from _common import check_clean, kill_tree, recipe_run, shm_segments
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPES = REPO / "recipes"
@@ -98,7 +98,7 @@ def recipe_side(args: argparse.Namespace, dataset: str, run_dir: Path) -> tuple[
     from hvdtrain.train.metrics import MetricSums
     from hvdtrain.train.precision import Precision
     from hvdtrain.train.recipe_data import load_splits
-    from hvdtrain.train.torchkit import Meters, epoch_seed, model_name, setup_process, sgd
+    from hvdtrain.train.torchkit import Meters, epoch_seed, lr_schedule, model_name, setup_process, sgd
 
     if str(RECIPES) not in sys.path:
         sys.path.insert(0, str(RECIPES))
@@ -118,7 +118,7 @@ def recipe_side(args: argparse.Namespace, dataset: str, run_dir: Path) -> tuple[
     torch.manual_seed(cfg.seed)
     model = recipe.make_model(model_name(cfg, splits), splits.sample_shape, splits.num_classes,
                               cfg.model_width).to(device)
-    schedule = recipe.lr_schedule(cfg, cfg.base_lr * size * cfg.backward_passes_per_step)  # the recipe's LR
+    schedule = lr_schedule(cfg, cfg.base_lr * size * cfg.backward_passes_per_step)  # the recipe's LR
     optimizer = hvd.DistributedOptimizer(
         sgd(cfg, model, schedule.lr_at(0)), named_parameters=model.named_parameters(),
         compression=hvd.Compression.fp16 if cfg.fp16_allreduce else hvd.Compression.none,
@@ -137,8 +137,9 @@ def recipe_side(args: argparse.Namespace, dataset: str, run_dir: Path) -> tuple[
         torch.manual_seed(epoch_seed(cfg.seed, epoch, rank))
         loader.set_epoch(epoch)
         start, sums = time.perf_counter(), MetricSums()
-        recipe.train_epoch(cfg, epoch, cfg.epochs, model, optimizer, schedule, loader, side.meter, precision,
-                           sums, 0, vote)
+        run = recipe_run(recipe, meters=side.meter, vote=vote, cfg=cfg, epochs=cfg.epochs, loader=loader, net=model,
+                         optimizer=optimizer, precision=precision, schedule=schedule)
+        recipe.train_epoch(run, epoch, sums, 0)
         train = sums.reduce(recipe.allreduce_sum)  # as the recipe does after an epoch's steps
         return train["samples"] / (time.perf_counter() - start) / size
 

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "recipes"))
 import pytorch_train as recipe  # noqa: E402  (the recipe is a script beside its models, not a package)
-from _common import write_json  # noqa: E402  (bench/, this script's folder, is on sys.path)
+from _common import recipe_run, write_json  # noqa: E402  (bench/, this script's folder, is on sys.path)
 
 from hvdtrain.data import DevicePrefetcher, ShmLoader  # noqa: E402
 from hvdtrain.formats import arrays  # noqa: E402
@@ -47,7 +47,7 @@ from hvdtrain.train.metrics import MetricSums  # noqa: E402
 from hvdtrain.train.precision import Precision  # noqa: E402
 from hvdtrain.train.recipe_data import load_splits  # noqa: E402
 from hvdtrain.train.stepflags import LateReads  # noqa: E402
-from hvdtrain.train.torchkit import Meters, forward_backward, setup_process, sgd  # noqa: E402
+from hvdtrain.train.torchkit import Meters, forward_backward, lr_schedule, setup_process, sgd  # noqa: E402
 
 LOOPS = ("synthetic", "+metrics", "+check", "+vote", "+meters", "+loader", "recipe")
 
@@ -69,7 +69,7 @@ class Bench:
         torch.manual_seed(self.cfg.seed)
         self.model = recipe.make_model("resnet", splits.sample_shape, splits.num_classes, args.width).to(self.device)
         self.precision = Precision(self.cfg.precision, self.device)
-        self.schedule = recipe.lr_schedule(self.cfg, self.cfg.base_lr * hvd.size())
+        self.schedule = lr_schedule(self.cfg, self.cfg.base_lr * hvd.size())
         self.optimizer = hvd.DistributedOptimizer(sgd(self.cfg, self.model, self.schedule.lr_at(0)),
                                                   named_parameters=self.model.named_parameters())
         hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)
@@ -121,8 +121,10 @@ class Bench:
 
     def recipe(self) -> None:
         self.loader.set_epoch(self.epoch)
-        recipe.train_epoch(self.cfg, self.epoch, self.cfg.epochs, self.model, self.optimizer, self.schedule,
-                           self.loader, self.meters, self.precision, MetricSums(), 0, self.vote)
+        run = recipe_run(recipe, meters=self.meters, vote=self.vote, cfg=self.cfg, epochs=self.cfg.epochs,
+                         loader=self.loader, net=self.model, optimizer=self.optimizer, precision=self.precision,
+                         schedule=self.schedule)
+        recipe.train_epoch(run, self.epoch, MetricSums(), 0)
 
     def block(self, name: str) -> float:
         """One block of `name`'s loop: seconds from its start to its last kernel."""

@@ -32,7 +32,7 @@ from __future__ import annotations
 import copy
 import socket
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -50,6 +50,39 @@ from hvdtrain.settings.loader import PREFETCH, SLOT_BYTES  # SLOT_BYTES: each sl
 
 __all__ = ["ShmLoader"]
 
+
+
+class EpochIterator:
+    """What `iter(loader)` returns: iteration `gen`'s batches from the loader's receiver while it is armed for it
+    (NOTE [one receiver] in receiver.py); `ended()` is the loader's, called once when the iteration ran out."""
+
+    __slots__ = ("_done", "_ended", "_gen", "_rx")
+
+    def __init__(self, rx: Receiver, gen: int, ended: Callable[[], None]) -> None:
+        self._rx, self._gen, self._ended, self._done = rx, gen, ended, False
+
+    def __iter__(self) -> EpochIterator:
+        return self
+
+    def __next__(self) -> Any:
+        if self._done:
+            raise StopIteration
+        rx = self._rx
+        if rx.closed or rx.gen != self._gen:
+            raise LoaderError("this iterator is stale: the loader was closed or iterated again")
+        try:
+            batch = rx.next_batch()
+        except LoaderError:
+            self._done = True
+            raise
+        except BaseException:  # e.g. KeyboardInterrupt while waiting: the iteration goes on if nothing was lost
+            self._done = rx.spent
+            raise
+        if batch is END:
+            self._done = True
+            self._ended()
+            raise StopIteration
+        return batch
 
 
 def _check_common(num_workers: int, prefetch: int, epochs: int | None, timeout: float, poll_s: float,
@@ -245,7 +278,7 @@ class ShmLoader:
             raise TypeError("a generator ShmLoader has no length unless batches_per_epoch is given")
         return self.batches_per_epoch - (self._consumed if self._resume_pending else 0)
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> EpochIterator:
         self._check_open()
         self._settle()
         if (self._completed_epoch == self.epoch and not self._resume_pending and self.sampler is not None
@@ -269,21 +302,13 @@ class ShmLoader:
         self._settled = 0
         if not adopt:
             self._rx.start_epoch(self._gen, self.epoch, state)
-        return self._iterate(self._gen)
+        return EpochIterator(self._rx, self._gen, self._ended)
 
-    def _iterate(self, gen: int) -> Iterator[Any]:
-        """What `iter()` returns: iteration `gen`'s batches from the receiver while it is armed for it (NOTE [one
-        receiver] in receiver.py), then, when every worker ended it, the next epoch ahead (NOTE [epoch ahead] (a))."""
-        rx = self._rx
-        while True:
-            if rx.closed or rx.gen != gen:
-                raise LoaderError("this iterator is stale: the loader was closed or iterated again")
-            batch = rx.next_batch()
-            if batch is END:
-                break
-            yield batch
+    def _ended(self) -> None:
+        """An iteration ran to its end (or its cap): when every worker ended it, the next epoch starts ahead (NOTE
+        [epoch ahead] (a))."""
         self._completed_epoch = self.epoch
-        if rx.ended:
+        if self._rx.ended:
             self._start_ahead()
 
     def _settle(self) -> None:

@@ -12,9 +12,12 @@ the trainer's side of the wire needs and nothing of the loader's policy:
   (worker, seq)), the workers still producing, the seq each is due to send next, the round robin's position, the
   batches still to skip and the batches `consumed` (yielded or skipped).
 It never calls back: the loader reads `consumed` and `ended` when it needs them (its position, NOTE [epoch ahead] in
-loader.py) and decides which epoch comes next. Batches of an earlier generation (an abandoned iteration, or an epoch
-started ahead that was not taken over) are recognised by their generation and their slots given back as they arrive;
-those received but never yielded are given back at the next `arm`.
+loader.py) and decides which epoch comes next. What `iter(loader)` returns is the loader's `EpochIterator`: it
+reads the receiver while it is armed for its generation (else it is stale), ends for good after a LoaderError or a
+hand-off interrupted mid-batch (`spent`), and tells the loader when the epoch ended. Batches of an earlier
+generation (an abandoned iteration, or an epoch started ahead that was not taken over) are recognised by their
+generation and their slots given back as they arrive; those received but never yielded are given back at the next
+`arm`.
 """
 
 from __future__ import annotations
@@ -87,6 +90,7 @@ class Receiver:
                 if isinstance(msg, Batch):
                     self.give_back(msg.slot)
         self.gen, self.epoch, self.skip, self.consumed, self.pos = gen, epoch, skip, 0, 0
+        self.spent = False  # an interrupted hand-off lost its place: this iteration cannot go on
         self.stash = {}
         self.active = list(range(self.num_workers))
         self.next_seq = [0] * self.num_workers
@@ -126,6 +130,7 @@ class Receiver:
                 try:
                     reader = self._reader(w, msg)
                 except BaseException:  # e.g. KeyboardInterrupt in its socket read: the slot must not be lost
+                    self.spent = True
                     self.give_back(msg.slot, quiet=True)
                     raise
                 self._advance(w, ended=False)
@@ -257,6 +262,7 @@ class Receiver:
                     self.give_back(slot)
                 filed += 1
         except BaseException:  # e.g. KeyboardInterrupt: the slots of descriptors not filed must not be lost
+            self.spent = True
             for _, _, slot, _ in taken[filed + 1:]:
                 self.give_back(slot, quiet=True)
             raise

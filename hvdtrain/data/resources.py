@@ -15,7 +15,8 @@ Who owns what, and how everything ends — normally, on an exception, on interpr
   `sweep_stale_segments()` (shm.py) once at start, and scripts/fresh_state.sh cleans up between runs. A worker's ring
   segment (NOTE [ring] in ring.py) is created before the worker starts, named in its start-up config, attached and
   unlinked by the worker first thing, and released like a slot's.
-- Resources live in `Resources`, not in the loader, and `weakref.finalize(loader, resources.shutdown)` calls
+- Resources live in `Resources`, not in the loader, and `weakref.finalize(receiver, resources.shutdown)` (the
+  loader's one Receiver: NOTE [one receiver] in receiver.py, held by the loader and its iterators only) calls
   `shutdown` exactly once: from `close()`, from `__exit__`, when the loader is garbage-collected, or at interpreter
   exit. `close()` is therefore idempotent. Shutdown copes with workers already dead, and the segments are ours to
   unlink either way.

@@ -60,7 +60,7 @@ SNAPSHOT_S = 2.0  # a process-tree walk costs CPU that the ranks need: not every
 #    SIGUSR1 never kills it, and again with the handlers above) creates records.STOP_FILE in the job's records
 #    directory; the ranks see it, agree, checkpoint at their next step boundary and exit 75 (hvdtrain/train), and
 #    `verdict.exit_code` calls that ending "preempted" (FailureTracker.preempted) and exits 75 (--requeue then requeues
-#    the Slurm job: command.requeue_slurm_job). Repeating it changes nothing; a rank that ignores it just goes on.
+#    the Slurm job: cmd_run.requeue_slurm_job). Repeating it changes nothing; a rank that ignores it just goes on.
 #    With `--launcher srun` the same: Slurm's `B:` signal reaches the batch shell (hvdtrain) only, not the step.
 #    The file is removed when the next run prepares the same records directory. A stop signal writes it too, once,
 #    with why (`StopRequests.stopping`), right after it was forwarded: under horovodrun the ranks' stop line (printed

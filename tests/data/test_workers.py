@@ -236,6 +236,42 @@ def test_resume_mid_epoch_and_break_then_iterate_again() -> None:
         iter(ld)  # resuming is not a repeat: no warning (see test_repeating_a_shuffled_epoch_warns)
 
 
+def test_an_interrupted_wait_leaves_the_iteration_going_and_a_lost_hand_off_ends_it(monkeypatch) -> None:
+    """Ctrl-C while the trainer waits for a batch (nothing received yet): the same iterator goes on with the epoch,
+    nothing skipped. Interrupted mid-hand-off (a batch received, its slot given back): the iteration ends for good
+    (NOTE [one receiver]), and the next one starts the epoch over with every slot."""
+    from hvdtrain.data.receiver import Receiver
+
+    with ShmLoader(fx.IndexDataset(24), rank=0, size=1, batch_size=4, num_workers=2, shuffle=False) as ld:
+        full = labels(ld)
+        wait, reader = Receiver._receive_due, Receiver._reader
+        interrupts = {"wait": 0, "reader": 0}
+
+        def interrupted(name: str, real):
+            def call(self, *args):
+                if interrupts[name]:
+                    interrupts[name] -= 1
+                    raise KeyboardInterrupt
+                return real(self, *args)
+            return call
+
+        monkeypatch.setattr(Receiver, "_receive_due", interrupted("wait", wait))
+        monkeypatch.setattr(Receiver, "_reader", interrupted("reader", reader))
+        it = iter(ld)
+        got = [next(it)[1].tolist()]
+        interrupts["wait"] = 1
+        with pytest.raises(KeyboardInterrupt):
+            next(it)
+        got += [y.tolist() for _, y in it]
+        assert got == full  # the interrupted wait lost nothing
+        interrupts["reader"] = 1
+        it = iter(ld)
+        with pytest.raises(KeyboardInterrupt):
+            next(it)
+        assert list(it) == []  # that batch's place is gone: the iteration ends, it does not skip it silently
+        assert labels(ld) == full and not ld._rx.lender.held_slots()
+
+
 def test_repeating_a_shuffled_epoch_warns() -> None:
     with ShmLoader(fx.IndexDataset(4), rank=0, size=1, batch_size=4, num_workers=1) as ld:
         list(ld)
